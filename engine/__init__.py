@@ -1,0 +1,13 @@
+"""In-process LLM inference engine on PaddlePaddle: paged KV cache, prefix caching,
+continuous batching, chunked prefill, preemption, sampling with logprobs."""
+
+from .config import EngineConfig, add_engine_args, config_from_args
+from .llm import LLM
+from .outputs import CompletionOutput, RequestOutput, StreamDelta
+from .request import Logprob, RequestMetrics
+from .sampling_params import SamplingParams
+
+__all__ = [
+    "LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput", "StreamDelta",
+    "Logprob", "RequestMetrics", "add_engine_args", "config_from_args",
+]

@@ -1,0 +1,80 @@
+"""The engine's one attention op: every model (native or borrowed) calls ``paged_attention``.
+
+The model runner packs the whole continuous batch into one sequence of
+``num_tokens`` tokens and describes it once per step with ``AttentionMetadata``;
+each layer then
+
+1. scatters this step's K/V into its paged cache (``write_kv``, by slot), and
+2. attends every query to its own sequence's cached tokens through the block
+   table (``paged_decode`` when every sequence has one new token, else
+   ``paged_prefill`` with bottom-right-aligned causal masks per chunk).
+
+Both run in ``gpu_kernels`` (Numba), which reads Paddle tensors zero-copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import paddle
+
+import gpu_kernels
+
+
+@dataclass
+class AttentionMetadata:
+    """What every layer needs to know about this step's packed batch (built once per step)."""
+
+    positions: paddle.Tensor        # int64 [num_tokens]: position of each token in its sequence
+    slot_mapping: paddle.Tensor     # int64 [num_tokens]: cache slot each token's K/V goes to
+    block_tables: paddle.Tensor     # int32 [num_seqs, max_blocks]
+    context_lens: paddle.Tensor     # int32 [num_seqs]: tokens in the cache after this step
+    query_start_loc: paddle.Tensor  # int32 [num_seqs + 1]: cumulative query counts
+    decode_only: bool               # every sequence has exactly one new token
+    num_tokens: int
+
+
+KVCache = tuple[paddle.Tensor, paddle.Tensor]  # ([num_blocks, kv_heads, block_size, head_dim]) × 2
+
+
+def paged_attention(
+    q: paddle.Tensor,
+    k: paddle.Tensor,
+    v: paddle.Tensor,
+    kv_cache: KVCache,
+    meta: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+) -> paddle.Tensor:
+    """q: [T, num_heads, D]; k, v: [T, num_kv_heads, D]. Returns [T, num_heads, D]."""
+    k_cache, v_cache = kv_cache
+    if k.dtype != k_cache.dtype:
+        k, v = k.astype(k_cache.dtype), v.astype(k_cache.dtype)
+    gpu_kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = paddle.empty(q.shape, dtype=q.dtype)
+    if meta.decode_only:
+        gpu_kernels.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                                 sliding_window=sliding_window, out=out)
+    else:
+        gpu_kernels.paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                                  meta.context_lens, scale, sliding_window=sliding_window, out=out)
+    return out
+
+
+def dense_causal_attention(q, k, v, *, scale: float, sliding_window: int | None = None) -> paddle.Tensor:
+    """Plain full attention over one sequence, no cache: the reference the paged path must match."""
+    t, num_heads, _ = q.shape
+    group = num_heads // k.shape[1]
+    if group > 1:
+        k = paddle.repeat_interleave(k, group, axis=1)
+        v = paddle.repeat_interleave(v, group, axis=1)
+    scores = paddle.einsum("qhd,khd->hqk", q.astype("float32"), k.astype("float32")) * scale
+    pos = np.arange(t)
+    visible = pos[None, :] <= pos[:, None]
+    if sliding_window is not None:
+        visible &= pos[None, :] > pos[:, None] - sliding_window
+    mask = paddle.to_tensor(np.where(visible, 0.0, -np.inf).astype("float32"))
+    probs = paddle.nn.functional.softmax(scores + mask, axis=-1)
+    return paddle.einsum("hqk,khd->qhd", probs, v.astype("float32")).astype(q.dtype)

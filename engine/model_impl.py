@@ -1,0 +1,52 @@
+"""``model_impl`` selection (FastDeploy's ``--model-impl auto|native|paddleformers|paddlefleet``).
+
+* ``native``        – our Paddle implementation (``engine.models``);
+* ``paddleformers`` – the architecture's PaddleFormers class with its attention
+  swapped for ours (``engine.fallback.paddleformers``);
+* ``paddlefleet``   – PaddleFleet's GPT model with its core attention swapped
+  (``engine.fallback.paddlefleet``), where the ``paddlefleet`` package is installed;
+* ``auto``          – native when the architecture has one, else PaddleFormers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+from .models import NATIVE_ARCHITECTURES, build_native_model
+
+logger = logging.getLogger("engine")
+
+
+def resolve_model_impl(requested: str, architecture: str) -> str:
+    if requested == "auto":
+        return "native" if architecture in NATIVE_ARCHITECTURES else "paddleformers"
+    if requested == "native" and architecture not in NATIVE_ARCHITECTURES:
+        raise ValueError(
+            f"model_impl='native' has no implementation of {architecture}; native architectures: "
+            f"{', '.join(NATIVE_ARCHITECTURES)} (use model_impl='auto' or 'paddleformers' for others)"
+        )
+    if requested == "paddlefleet" and importlib.util.find_spec("paddlefleet") is None:
+        raise ValueError(
+            "model_impl='paddlefleet' needs the 'paddlefleet' package, which is not installed; it installs from "
+            "Paddle's own package index (paddleformers' 'paddlefleet' extra). Other model_impl values still work: "
+            "auto, native, paddleformers."
+        )
+    return requested
+
+
+def build_model(impl: str, checkpoint, dtype: str, device: str):
+    """Instantiate the model for a resolved ``impl`` with the checkpoint's weights loaded."""
+    logger.info("loading %s (%s) with model_impl=%s, dtype=%s, device=%s",
+                checkpoint.path, checkpoint.architecture, impl, dtype, device)
+    if impl == "native":
+        return build_native_model(checkpoint.architecture, checkpoint.config, checkpoint.weights(), dtype)
+    if impl == "paddleformers":
+        from .fallback.paddleformers import build_paddleformers_model
+
+        return build_paddleformers_model(checkpoint, dtype, device)
+    if impl == "paddlefleet":
+        from .fallback.paddlefleet import build_paddlefleet_model
+
+        return build_paddlefleet_model(checkpoint, dtype, device)
+    raise ValueError(f"unknown model_impl {impl!r}")

@@ -1,0 +1,108 @@
+"""Turns a scheduled batch into one packed forward pass over the paged KV cache.
+
+The runner owns the KV cache tensors (one ``(k, v)`` pair per layer, layout in
+docs/ARCHITECTURE.md) and, each step, builds the ``AttentionMetadata`` shared
+by every layer: token positions, the slot each new token's K/V goes to, block
+tables, context lengths and query start offsets. It computes logits only for
+the rows the sampler needs.
+
+A *model* here is anything with ``forward(input_ids, positions, meta,
+kv_caches) -> hidden`` and ``compute_logits(hidden)`` plus a ``kv_layout()``
+``(num_layers, num_kv_heads, head_dim)`` — the native models and the borrowed
+(PaddleFormers / PaddleFleet) ones alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import paddle
+
+from .attention import AttentionMetadata
+from .scheduler import SchedulerOutput
+
+_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def num_kv_blocks(kv_bytes: int, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> int:
+    per_block = 2 * num_layers * num_kv_heads * block_size * head_dim * _BYTES[dtype]
+    return kv_bytes // per_block
+
+
+@dataclass
+class StepLogits:
+    """Logits the sampler needs: one row per sampled request, plus prompt rows for prompt_logprobs."""
+
+    sample_rows: np.ndarray                      # [num_sampled, vocab]
+    sample_request_ids: list[str]
+    prompt_rows: dict[str, tuple[int, np.ndarray]] = field(default_factory=dict)  # rid -> (first pos, rows)
+
+
+class ModelRunner:
+    def __init__(self, model, num_blocks: int, block_size: int, kv_dtype: str):
+        self.model = model
+        self.block_size = block_size
+        num_layers, num_kv_heads, head_dim = model.kv_layout()
+        shape = [num_blocks, num_kv_heads, block_size, head_dim]
+        self.kv_caches = [
+            (paddle.zeros(shape, dtype=kv_dtype), paddle.zeros(shape, dtype=kv_dtype)) for _ in range(num_layers)
+        ]
+
+    def build_metadata(self, batch: SchedulerOutput, block_tables: dict[str, list[int]]):
+        """Pack the batch: input ids, metadata, and the row index of each scheduled chunk's start."""
+        bs = self.block_size
+        ids, positions, slots, starts = [], [], [], [0]
+        context_lens, tables = [], []
+        for s in batch.scheduled:
+            req, lo, hi = s.request, s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+            table = np.asarray(block_tables[req.request_id], dtype=np.int64)
+            pos = np.arange(lo, hi, dtype=np.int64)
+            ids.append(np.asarray(req.all_token_ids[lo:hi], dtype=np.int64))
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            starts.append(starts[-1] + s.num_new_tokens)
+            context_lens.append(hi)
+            tables.append(table)
+        width = max(len(t) for t in tables)
+        padded = np.zeros((len(tables), width), dtype=np.int32)
+        for i, t in enumerate(tables):
+            padded[i, : len(t)] = t
+        pos_t = paddle.to_tensor(np.concatenate(positions))
+        meta = AttentionMetadata(
+            positions=pos_t,
+            slot_mapping=paddle.to_tensor(np.concatenate(slots)),
+            block_tables=paddle.to_tensor(padded),
+            context_lens=paddle.to_tensor(np.asarray(context_lens, dtype=np.int32)),
+            query_start_loc=paddle.to_tensor(np.asarray(starts, dtype=np.int32)),
+            decode_only=all(s.num_new_tokens == 1 for s in batch.scheduled),
+            num_tokens=starts[-1],
+        )
+        return paddle.to_tensor(np.concatenate(ids)), meta, starts
+
+    @paddle.no_grad()
+    def execute(self, batch: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepLogits:
+        input_ids, meta, starts = self.build_metadata(batch, block_tables)
+        hidden = self.model.forward(input_ids, meta.positions, meta, self.kv_caches)
+
+        rows, sample_ids, prompt_spans = [], [], []
+        for s, start in zip(batch.scheduled, starts):
+            req = s.request
+            k = req.sampling_params.prompt_logprobs
+            if k is not None:
+                # logits at position p predict prompt token p + 1
+                lo = s.num_computed_tokens
+                hi = min(s.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens - 1)
+                if hi > lo:
+                    prompt_spans.append((req.request_id, lo, len(rows), hi - lo))
+                    rows.extend(range(start, start + hi - lo))
+            if s.completes_sequence:
+                sample_ids.append(req.request_id)
+        sample_start = len(rows)
+        rows.extend(start + s.num_new_tokens - 1 for s, start in zip(batch.scheduled, starts) if s.completes_sequence)
+        if not rows:
+            return StepLogits(np.zeros((0, 0), np.float32), [])
+        selected = paddle.index_select(hidden, paddle.to_tensor(np.asarray(rows, dtype=np.int64)))
+        logits = self.model.compute_logits(selected).numpy()
+        prompt_rows = {rid: (lo, logits[at: at + n]) for rid, lo, at, n in prompt_spans}
+        return StepLogits(logits[sample_start:], sample_ids, prompt_rows)

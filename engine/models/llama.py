@@ -1,0 +1,165 @@
+"""Native Paddle decoder for Llama, Qwen2 and Qwen3 — one implementation, three flag sets.
+
+| architecture | differences from Llama |
+|---|---|
+| ``Qwen2ForCausalLM`` | bias on the Q/K/V projections |
+| ``Qwen3ForCausalLM`` | RMSNorm on each head of Q and K before RoPE; explicit ``head_dim`` |
+
+Q/K/V are one fused projection and gate/up another, so a layer runs two
+matmuls where HF runs five. Weights are stored Paddle-style, ``[in, out]``.
+Attention goes through ``engine.attention.paged_attention`` (the paged KV
+cache) or, without metadata, ``dense_causal_attention`` (the reference).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import paddle
+import paddle.nn.functional as F
+from paddle import nn
+
+from ..attention import AttentionMetadata, KVCache, dense_causal_attention, paged_attention
+from .rope import RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    qk_norm: bool = False
+
+    @classmethod
+    def from_hf(cls, architecture: str, c: dict) -> "DecoderConfig":
+        heads = c["num_attention_heads"]
+        return cls(
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            num_layers=c["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=c.get("rope_theta", 10000.0),
+            rope_scaling=c.get("rope_scaling"),
+            max_position_embeddings=c.get("max_position_embeddings", 4096),
+            tie_word_embeddings=c.get("tie_word_embeddings", False),
+            qkv_bias=architecture == "Qwen2ForCausalLM" or c.get("attention_bias", False),
+            qk_norm=architecture == "Qwen3ForCausalLM",
+        )
+
+
+class RMSNorm(nn.Layer):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = self.create_parameter([dim], default_initializer=nn.initializer.Constant(1.0))
+
+    def forward(self, x):
+        x32 = x.astype("float32")
+        x32 = x32 * paddle.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * self.weight.astype("float32")).astype(x.dtype)
+
+
+class Attention(nn.Layer):
+    def __init__(self, cfg: DecoderConfig, rope: RotaryEmbedding):
+        super().__init__()
+        self.cfg, self.rope = cfg, rope
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        bias = None if cfg.qkv_bias else False
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias_attr=bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias_attr=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata | None, kv_cache: KVCache | None):
+        cfg = self.cfg
+        q, k, v = paddle.split(self.qkv_proj(x), [self.q_size, self.kv_size, self.kv_size], axis=-1)
+        q = q.reshape([-1, cfg.num_heads, cfg.head_dim])
+        k = k.reshape([-1, cfg.num_kv_heads, cfg.head_dim])
+        v = v.reshape([-1, cfg.num_kv_heads, cfg.head_dim])
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
+        if meta is None:
+            out = dense_causal_attention(q, k, v, scale=self.scale)
+        else:
+            out = paged_attention(q, k, v, kv_cache, meta, scale=self.scale)
+        return self.o_proj(out.reshape([-1, self.q_size]))
+
+
+class MLP(nn.Layer):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias_attr=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias_attr=False)
+
+    def forward(self, x):
+        gate, up = paddle.split(self.gate_up_proj(x), 2, axis=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Layer):
+    def __init__(self, cfg: DecoderConfig, rope: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rope)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, meta, kv_cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Layer):
+    """Also serves ``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM`` (see module docstring)."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.LayerList([DecoderLayer(cfg, self.rope) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias_attr=False)
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata | None = None, kv_caches=None):
+        """Hidden states [num_tokens, hidden] after the final norm.
+
+        With ``meta``/``kv_caches`` the packed batch runs on the paged cache;
+        without, ``input_ids`` is one whole sequence and attention is dense.
+        """
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rope.tables(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, meta, None if kv_caches is None else kv_caches[i])
+        return self.norm(x)
+
+    def kv_layout(self) -> tuple[int, int, int]:
+        """(layers, KV heads, head_dim): what the model runner sizes the paged cache by."""
+        return self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim
+
+    def compute_logits(self, hidden):
+        if self.cfg.tie_word_embeddings:
+            logits = paddle.matmul(hidden, self.embed_tokens.weight, transpose_y=True)
+        else:
+            logits = self.lm_head(hidden)
+        return logits.astype("float32")

@@ -1,0 +1,77 @@
+"""Token selection and logprobs, on the host in NumPy (one row per request).
+
+Logprobs are always computed from the model's **raw** logits (a plain
+log-softmax, before temperature, top-k, top-p or min-p), so a token's logprob
+and rank describe what the model believed, whatever filter picked it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .request import Logprob
+from .sampling_params import SamplingParams
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def top_logprobs(logprobs: np.ndarray, token_id: int, k: int, decode) -> dict[int, Logprob]:
+    """The chosen token plus the k most likely ones, each with logprob and rank (1 = best)."""
+    out: dict[int, Logprob] = {}
+    if k > 0:
+        top = np.argpartition(-logprobs, k - 1)[:k]
+        top = top[np.argsort(-logprobs[top], kind="stable")]
+        for rank, tid in enumerate(top.tolist(), start=1):
+            out[tid] = Logprob(float(logprobs[tid]), rank, decode(tid))
+    if token_id not in out:
+        rank = int((logprobs > logprobs[token_id]).sum()) + 1
+        out[token_id] = Logprob(float(logprobs[token_id]), rank, decode(token_id))
+    return out
+
+
+def sample_row(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """Pick one token from a row of raw logits under the request's sampling settings."""
+    if params.greedy:
+        return int(np.argmax(logits))
+    scaled = logits.astype(np.float64) / params.temperature
+    if 0 < params.top_k < scaled.size:
+        kth = np.partition(scaled, -params.top_k)[-params.top_k]
+        scaled = np.where(scaled < kth, -np.inf, scaled)
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    if params.min_p > 0:
+        probs = np.where(probs < params.min_p * probs.max(), 0.0, probs)
+    if params.top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        cumulative = np.cumsum(probs[order])
+        keep = cumulative - probs[order] < params.top_p  # keep tokens until the mass reaches top_p
+        mask = np.zeros_like(probs, dtype=bool)
+        mask[order[keep]] = True
+        probs = np.where(mask, probs, 0.0)
+    probs /= probs.sum()
+    return int(rng.choice(probs.size, p=probs))
+
+
+class Sampler:
+    def __init__(self, decode_token):
+        self.decode_token = decode_token  # token id -> text, for Logprob.decoded_token
+
+    def __call__(self, logits: np.ndarray, params: list[SamplingParams], rngs: list[np.random.Generator]):
+        """logits [n, vocab] → (token ids, per-row logprob dicts or None)."""
+        tokens, logprobs = [], []
+        for row, p, rng in zip(logits, params, rngs):
+            token = sample_row(row, p, rng)
+            tokens.append(token)
+            if p.logprobs is None:
+                logprobs.append(None)
+            else:
+                logprobs.append(top_logprobs(log_softmax(row), token, p.logprobs, self.decode_token))
+        return tokens, logprobs
+
+    def prompt_logprobs(self, logits: np.ndarray, next_tokens: list[int], k: int) -> list[dict[int, Logprob]]:
+        """For each prompt position: logprob of the actual next prompt token and the top-k."""
+        lp = log_softmax(logits)
+        return [top_logprobs(row, tok, k, self.decode_token) for row, tok in zip(lp, next_tokens)]

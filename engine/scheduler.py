@@ -1,0 +1,129 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Every step the scheduler hands out a token budget (``max_num_batched_tokens``):
+
+1. running requests first, decodes before unfinished prefill chunks, each
+   getting ``min(tokens still to compute, budget left)`` tokens — so a long
+   prompt is split across steps (chunked prefill) while decodes keep flowing;
+2. when the KV pool cannot grow a running request, the newest running request
+   is preempted: its blocks are freed (they stay in the prefix cache) and it
+   goes back to the front of the waiting queue, to be recomputed later;
+3. then waiting requests are admitted (up to ``max_num_seqs`` running), each
+   starting from its longest cached prefix.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_cache_manager import KVCacheManager
+from .request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    num_computed_tokens: int  # tokens already in the cache before this step
+
+    @property
+    def completes_sequence(self) -> bool:
+        """After this step every known token is computed, so a new token is sampled."""
+        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    started: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.kv_cache = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._order: dict[str, int] = {}
+        self._counter = itertools.count()
+
+    def add_request(self, request: Request) -> None:
+        self._order[request.request_id] = next(self._counter)
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        chosen: dict[str, ScheduledRequest] = {}
+
+        decodes_first = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        for req in decodes_first:
+            if req.status != RequestStatus.RUNNING or budget == 0:
+                continue
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while self.kv_cache.allocate_slots(req, num_new) is None:
+                victim = max(self.running, key=lambda r: self._order[r.request_id])
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim.request_id in chosen:
+                    budget += chosen.pop(victim.request_id).num_new_tokens
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue
+            chosen[req.request_id] = ScheduledRequest(req, num_new, req.num_computed_tokens)
+            budget -= num_new
+
+        while not out.preempted and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            req = self.waiting[0]
+            hits, num_cached = self.kv_cache.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_cached, budget)
+            if self.kv_cache.allocate_slots(req, num_new, hits) is None:
+                break
+            self.waiting.popleft()
+            self.kv_cache.record_lookup(req.num_tokens, num_cached)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_cached
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+            self.running.append(req)
+            out.started.append(req)
+            chosen[req.request_id] = ScheduledRequest(req, num_new, num_cached)
+            budget -= num_new
+
+        out.scheduled = list(chosen.values())
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv_cache.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Retire a request (finished or aborted) and release its blocks."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv_cache.free(req)
+        self._order.pop(req.request_id, None)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason

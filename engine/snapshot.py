@@ -1,0 +1,118 @@
+"""Immutable, JSON-serialisable views of the engine's state, and its step events.
+
+Views (Gradio, Jupyter) draw only from ``EngineSnapshot`` and ``EngineEvent``;
+the schema is documented in docs/ARCHITECTURE.md.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    block_id: int
+    state: str                       # "free" | "used" | "cached"
+    ref_cnt: int
+    owners: tuple[str, ...]
+    hashed: bool
+    token_range: tuple[int, int] | None  # token positions in the first owner's sequence
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    request_id: str
+    status: str
+    block_table: tuple[int, ...]
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+
+
+@dataclass(frozen=True)
+class PrefixCacheInfo:
+    queries: int
+    hits: int
+    hit_rate: float
+    requests: int
+    reset_count: int
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    step: int
+    batch_size: int
+    num_tokens: int
+    prefill: dict[str, int]
+    decode: tuple[str, ...]
+    duration_s: float
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    step: int
+    model: str
+    model_impl: str
+    device: str
+    block_size: int
+    num_blocks: int
+    kv_usage: float
+    blocks: tuple[BlockInfo, ...]
+    requests: tuple[RequestInfo, ...]
+    prefix_cache: PrefixCacheInfo
+    last_step: StepInfo | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class EngineEvent:
+    """``kind``: request_added, request_started, request_preempted, request_finished,
+    blocks_stored, blocks_removed, step."""
+
+    kind: str
+    step: int
+    data: dict = field(default_factory=dict)
+    time: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def take_snapshot(*, step, model, model_impl, device, kv_cache, requests, last_step) -> EngineSnapshot:
+    """Build a snapshot from the KV cache manager and the live requests (cheap: O(blocks))."""
+    bs = kv_cache.block_size
+    owners: dict[int, list[str]] = {}
+    ranges: dict[int, tuple[int, int]] = {}
+    infos = []
+    for req in requests:
+        table = kv_cache.req_to_blocks.get(req.request_id, [])
+        for i, block in enumerate(table):
+            owners.setdefault(block.block_id, []).append(req.request_id)
+            if block.block_id not in ranges:
+                ranges[block.block_id] = (i * bs, min((i + 1) * bs, max(req.num_computed_tokens, i * bs)))
+        infos.append(RequestInfo(
+            request_id=req.request_id,
+            status=req.status.value,
+            block_table=tuple(b.block_id for b in table),
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_computed_tokens=req.num_computed_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_output_tokens=req.num_output_tokens,
+        ))
+    blocks = []
+    for b in kv_cache.pool.blocks:
+        hashed = b.block_hash is not None
+        state = "used" if b.ref_cnt > 0 else ("cached" if hashed else "free")
+        blocks.append(BlockInfo(b.block_id, state, b.ref_cnt, tuple(owners.get(b.block_id, ())), hashed,
+                                ranges.get(b.block_id)))
+    s = kv_cache.stats
+    return EngineSnapshot(
+        step=step, model=model, model_impl=model_impl, device=device, block_size=bs,
+        num_blocks=kv_cache.num_blocks, kv_usage=kv_cache.usage, blocks=tuple(blocks), requests=tuple(infos),
+        prefix_cache=PrefixCacheInfo(s.queries, s.hits, s.hit_rate, s.requests, s.reset_count),
+        last_step=last_step,
+    )
