@@ -1,0 +1,106 @@
+"""Translate GGUF metadata into an HF ``config.json``-style dict.
+
+GGUF keys are named ``<arch>.<key>`` (``llama.block_count``...).  The table
+below maps each supported GGUF architecture to its HF class and ``model_type``;
+`config_from_gguf` fills in what HF configs carry, using the defaults llama.cpp
+itself applies where GGUF stores nothing (Gemma 3's local RoPE base, sliding
+window pattern and query scaling are hard-wired in llama.cpp, not in the file).
+"""
+
+from __future__ import annotations
+
+from .gguf_file import GGUFFile
+
+# GGUF general.architecture -> (HF class, HF model_type)
+GGUF_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+}
+
+# Gemma 3 constants that llama.cpp hard-codes (src/llama-model.cpp, LLM_ARCH_GEMMA3).
+GEMMA3_SLIDING_WINDOW_PATTERN = 6       # every 6th layer is global, the rest use the sliding window
+GEMMA3_ROPE_LOCAL_BASE_FREQ = 10000.0   # RoPE base of the sliding-window layers
+
+
+def _rope_scaling(f: GGUFFile) -> dict | None:
+    kind = f.arch_get("rope.scaling.type")
+    factor = f.arch_get("rope.scaling.factor")
+    if kind in (None, "none") or factor in (None, 0, 1.0):
+        return None
+    scaling = {"rope_type": kind, "factor": float(factor)}
+    original = f.arch_get("rope.scaling.original_context_length")
+    if original:
+        scaling["original_max_position_embeddings"] = int(original)
+    return scaling
+
+
+def config_from_gguf(f: GGUFFile) -> dict:
+    """HF-style config dict for the model in `f` (raises ValueError for unknown architectures)."""
+    arch = f.architecture
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"{f.path}: GGUF architecture {arch!r} is not supported "
+            f"(supported: {', '.join(sorted(GGUF_ARCHITECTURES))})")
+    hf_class, model_type = GGUF_ARCHITECTURES[arch]
+
+    hidden = int(f.arch_get("embedding_length"))
+    heads = int(f.arch_get("attention.head_count"))
+    kv_heads = f.arch_get("attention.head_count_kv", heads)
+    head_dim = int(f.arch_get("attention.key_length", hidden // heads))
+    tokens = f.reader.fields.get("tokenizer.ggml.tokens")
+    vocab_size = f.arch_get("vocab_size") or (len(tokens.data) if tokens is not None else None)
+    if vocab_size is None and "token_embd.weight" in f.tensors:
+        vocab_size = int(f.tensors["token_embd.weight"].shape[-1])
+
+    config = {
+        "architectures": [hf_class],
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": int(f.arch_get("feed_forward_length")),
+        "num_hidden_layers": int(f.arch_get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(kv_heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(f.arch_get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(f.arch_get("rope.freq_base", 10000.0)),
+        "rope_scaling": _rope_scaling(f),
+        "vocab_size": int(vocab_size),
+        "max_position_embeddings": int(f.arch_get("context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in f.tensors,
+        "bos_token_id": f.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": f.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": f.get("tokenizer.ggml.padding_token_id"),
+        "hidden_act": "silu",
+        "attention_bias": "blk.0.attn_q.bias" in f.tensors,
+        "torch_dtype": "float32",
+    }
+    if arch == "qwen2":
+        config["use_sliding_window"] = False
+    if arch == "gemma3":
+        config.update(_gemma3_extras(f, config))
+    return config
+
+
+def _gemma3_extras(f: GGUFFile, config: dict) -> dict:
+    layers = config["num_hidden_layers"]
+    pattern = GEMMA3_SLIDING_WINDOW_PATTERN
+    layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                   for i in range(layers)]
+    # llama.cpp scales queries by 1/sqrt(head_dim), except Gemma 3 27B (62 layers):
+    # 1/sqrt(hidden_size / num_heads).  HF expresses this as query_pre_attn_scalar.
+    scalar = (config["hidden_size"] // config["num_attention_heads"] if layers == 62
+              else config["head_dim"])
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": int(f.arch_get("attention.sliding_window", 4096)),
+        "sliding_window_pattern": pattern,
+        "layer_types": layer_types,
+        "rope_local_base_freq": GEMMA3_ROPE_LOCAL_BASE_FREQ,
+        "query_pre_attn_scalar": scalar,
+        "final_logit_softcapping": f.arch_get("final_logit_softcapping"),
+        "attn_logit_softcapping": f.arch_get("attn_logit_softcapping"),
+        "attention_dropout": 0.0,
+    }
