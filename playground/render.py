@@ -1,0 +1,409 @@
+"""Renderers: engine snapshots, events and outputs → self-contained HTML/SVG.
+
+Every function here is pure: it takes plain data (``EngineSnapshot.to_dict()``
+dicts, step records from engine events, logprob records) and returns an HTML
+string with its own ``<style>``. Nothing here imports Gradio or the engine, so
+the Gradio app (``gr.HTML``) and the Jupyter widgets (``ipywidgets.HTML``) show
+the same views, and tests can feed handcrafted dicts.
+
+Views:
+    block_map_html      every physical KV block as a coloured cell
+    prefix_cache_html   this turn's cached vs computed prompt tokens, hit rate
+                        per turn, global prefix-cache statistics
+    logprob_html        a reply's tokens coloured by probability, with top-k
+                        alternatives and entropy on hover (see logprobs.py for
+                        turning engine logprobs into records)
+    engine_panel_html   model, backend, TTFT, decode tok/s, batch size per step
+"""
+
+from __future__ import annotations
+
+import zlib
+from html import escape
+from typing import Any, Iterable, Mapping, Sequence
+
+from .logprobs import token_tooltip_rows
+from .svgchart import bar_chart_svg
+
+__all__ = [
+    "PALETTE", "STATE_STYLE", "owner_colors", "block_map_html", "prefix_cache_html",
+    "logprob_html", "prob_color", "engine_panel_html",
+]
+
+# Categorical colours for request owners (no greys: those mean cached/free).
+PALETTE = (
+    "#4e79a7", "#f28e2b", "#e15759", "#59a14f", "#b07aa1", "#edc948",
+    "#76b7b2", "#ff9da7", "#9c755f", "#1d4ed8", "#be123c", "#0e7490",
+)
+# Looks of the non-owner states (CSS declarations of .kv-<kind>); "shared"
+# cells also keep their owners' colours, split diagonally.
+STATE_STYLE = {
+    "shared": "outline:2px solid #0f172a;outline-offset:-2px",
+    "cached": "background:repeating-linear-gradient(45deg,#94a3b8 0 2px,#cbd5e1 2px 4px)",
+    "free": "background:#f1f5f9;box-shadow:inset 0 0 0 1px #e2e8f0",
+}
+
+_CSS = """<style>
+.pg-panel{font-family:ui-sans-serif,system-ui,sans-serif;font-size:13px;color:#0f172a}
+.pg-head{display:flex;flex-wrap:wrap;gap:4px 14px;margin-bottom:6px;color:#334155}
+.pg-head b{color:#0f172a}
+.kv-grid{display:grid;gap:2px;max-height:360px;overflow-y:auto;padding:2px}
+.kv-cell{aspect-ratio:1;border-radius:2px;min-width:0}
+.kv-shared{SHARED}.kv-cached{CACHED}.kv-free{FREE}OWNERS
+.kv-legend{display:flex;flex-wrap:wrap;gap:4px 12px;margin-top:8px;color:#334155}
+.kv-legend-item{display:inline-flex;align-items:center;gap:4px;white-space:nowrap}
+.kv-swatch{display:inline-block;width:12px;height:12px;border-radius:2px}
+.pg-stack{display:flex;height:18px;border-radius:4px;overflow:hidden;background:#e2e8f0;margin:4px 0}
+.pg-stack div{height:100%}
+.pg-stats{border-collapse:collapse;margin-top:6px}
+.pg-stats td{padding:1px 10px 1px 0}
+.pg-cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(110px,1fr));gap:6px;margin-bottom:8px}
+.pg-card{background:#f8fafc;border:1px solid #e2e8f0;border-radius:6px;padding:4px 8px}
+.pg-card .k{font-size:11px;color:#64748b}.pg-card .v{font-size:15px;font-weight:600}
+.pg-sub{font-weight:600;margin:8px 0 2px}
+.lp-text{line-height:1.9;white-space:pre-wrap;word-break:break-word}
+.lp-tok{position:relative;border-radius:3px;padding:1px 0;cursor:pointer}
+.lp-tok:hover{outline:2px solid #0f172a}
+.lp-tok.lp-selected{outline:2px solid #4f46e5;outline-offset:1px}
+.lp-tok.lp-forced{text-decoration:underline dashed #4f46e5 2px}
+.lp-tip{display:none;position:absolute;left:0;top:1.7em;z-index:50;background:#0f172a;color:#f8fafc;
+ border-radius:6px;padding:6px 8px;font-size:12px;white-space:nowrap;line-height:1.4;pointer-events:none}
+.lp-tok:hover .lp-tip{display:block}
+.lp-tip table{border-collapse:collapse}.lp-tip td{padding:0 6px 0 0;color:#e2e8f0}
+.lp-tip .lp-chosen td{color:#a5b4fc;font-weight:600}
+.lp-scale{display:flex;align-items:center;gap:6px;margin-top:6px;color:#64748b;font-size:11px}
+.lp-scale span.bar{width:120px;height:8px;border-radius:4px;
+ background:linear-gradient(90deg,hsl(0,75%,82%),hsl(60,75%,82%),hsl(120,75%,82%))}
+</style>""".replace("SHARED", STATE_STYLE["shared"]).replace("CACHED", STATE_STYLE["cached"]).replace(
+    "FREE", STATE_STYLE["free"]).replace(
+    "OWNERS", "".join(f".kv-o{i}{{background:{c}}}" for i, c in enumerate(PALETTE)))
+
+
+def _e(value: Any) -> str:
+    return escape(str(value), quote=True)
+
+
+# --------------------------------------------------------------------------- #
+# KV block map
+# --------------------------------------------------------------------------- #
+def owner_colors(request_ids: Iterable[str]) -> dict[str, str]:
+    """Give each request a palette colour, stable across snapshots.
+
+    A request's preferred colour comes from a hash of its id, so it keeps its
+    colour while other requests come and go; collisions among the requests
+    passed in move to the next free colour.
+    """
+    colors: dict[str, str] = {}
+    taken: set[int] = set()
+    for rid in request_ids:
+        if rid in colors:
+            continue
+        slot = zlib.crc32(str(rid).encode()) % len(PALETTE)
+        if len(taken) < len(PALETTE):
+            while slot in taken:
+                slot = (slot + 1) % len(PALETTE)
+        taken.add(slot)
+        colors[rid] = PALETTE[slot]
+    return colors
+
+
+def block_kind(block: Mapping[str, Any]) -> str:
+    """Classify a block dict as ``used``, ``shared``, ``cached`` or ``free``."""
+    if block.get("ref_cnt", 0) > 1:
+        return "shared"
+    if block.get("ref_cnt", 0) == 1 or block.get("state") == "used":
+        return "used"
+    if block.get("state") == "cached" or block.get("hashed"):
+        return "cached"
+    return "free"
+
+
+def _cell_look(kind: str, owners: Sequence[str], colors: Mapping[str, str]) -> tuple[str, str]:
+    """Extra class and inline style of a cell: owner colour class for used
+    cells, a diagonal split of the owners' colours for shared ones."""
+    if kind == "used" and owners and colors.get(owners[0]) in PALETTE:
+        return f" kv-o{PALETTE.index(colors[owners[0]])}", ""
+    if kind == "shared":
+        cols = [colors.get(o, "#475569") for o in owners[:4]] or ["#475569"]
+        step = 100 / len(cols)
+        stops = ",".join(f"{c} {i * step:.0f}% {(i + 1) * step:.0f}%" for i, c in enumerate(cols))
+        return "", f' style="background:linear-gradient(135deg,{stops})"'
+    if kind == "used":
+        return "", ' style="background:#475569"'
+    return "", ""
+
+
+def _cell_title(block: Mapping[str, Any], kind: str) -> str:
+    parts = [f"block {block.get('block_id')}", "cached, reusable" if kind == "cached" else kind]
+    if kind != "free":
+        parts.append(f"ref {block.get('ref_cnt', 0)}")
+    owners = block.get("owners") or []
+    if owners:
+        parts.append("owners " + ", ".join(str(o) for o in owners))
+    token_range = block.get("token_range")
+    if token_range and token_range[1] > token_range[0]:
+        parts.append(f"tokens {token_range[0]}–{token_range[1] - 1}")
+    if block.get("hashed") and kind != "cached":
+        parts.append("hashed")
+    return " · ".join(parts)
+
+
+def block_map_html(
+    snapshot: Mapping[str, Any],
+    *,
+    labels: Mapping[str, str] | None = None,
+    columns: int | None = None,
+) -> str:
+    """Render the KV block map of a snapshot dict.
+
+    Args:
+        snapshot: ``EngineSnapshot.to_dict()`` (``blocks``, ``requests``, ...).
+        labels: optional display names for request ids in the legend
+            (e.g. ``{"chat-1a2b": "this chat"}``).
+        columns: cells per row; defaults to 32, 48 or 64 depending on how
+            many blocks there are, so 1,000+ blocks stay readable.
+
+    Each cell is a ``div.kv-cell.kv-<kind>`` with ``data-block``,
+    ``data-ref`` and ``data-owners`` attributes and a hover ``title``.
+    """
+    blocks = sorted(snapshot.get("blocks") or [], key=lambda b: b.get("block_id", 0))
+    labels = labels or {}
+    request_order = [r["request_id"] for r in snapshot.get("requests") or []]
+    for b in blocks:
+        request_order.extend(b.get("owners") or [])
+    colors = owner_colors(request_order)
+    counts = {"used": 0, "shared": 0, "cached": 0, "free": 0}
+    per_owner: dict[str, int] = {}
+    cells = []
+    for b in blocks:
+        kind = block_kind(b)
+        counts[kind] += 1
+        owners = [str(o) for o in b.get("owners") or []]
+        for o in owners:
+            per_owner[o] = per_owner.get(o, 0) + 1
+        extra = f' data-ref="{_e(b.get("ref_cnt", 0))}" data-owners="{_e(",".join(owners))}"' if owners else ""
+        cls, style = _cell_look(kind, owners, colors)
+        cells.append(
+            f'<div class="kv-cell kv-{kind}{cls}" data-block="{_e(b.get("block_id"))}"{extra}{style} '
+            f'title="{_e(_cell_title(b, kind))}"></div>'
+        )
+    n = len(blocks)
+    cols = columns or (32 if n <= 512 else 48 if n <= 2048 else 64)
+    in_use = counts["used"] + counts["shared"]
+    usage = snapshot.get("kv_usage", in_use / n if n else 0.0)
+    head = (
+        f'<div class="pg-head"><span><b>{in_use}</b> / {n} blocks in use ({usage * 100:.1f}%)</span>'
+        f'<span><b>{counts["shared"]}</b> shared</span><span><b>{counts["cached"]}</b> cached</span>'
+        f'<span>block size <b>{_e(snapshot.get("block_size", "?"))}</b> tokens</span>'
+        f'<span>step <b>{_e(snapshot.get("step", 0))}</b></span></div>'
+    )
+    legend = []
+    for rid, color in colors.items():
+        if rid not in per_owner:
+            continue
+        name = labels.get(rid, rid if len(rid) <= 14 else "…" + rid[-12:])
+        legend.append(
+            f'<span class="kv-legend-item" data-kind="owner" data-request="{_e(rid)}" title="{_e(rid)}">'
+            f'<span class="kv-swatch" style="background:{color}"></span>{_e(name)} ({per_owner[rid]})</span>'
+        )
+    for kind, text in (("shared", "shared (ref > 1)"), ("cached", "cached, reusable"), ("free", "free")):
+        style = ' style="background:#64748b"' if kind == "shared" else ""
+        legend.append(
+            f'<span class="kv-legend-item" data-kind="{kind}"><span class="kv-swatch kv-{kind}"{style}>'
+            f"</span>{text} ({counts[kind]})</span>"
+        )
+    return (
+        f'{_CSS}<div class="pg-panel kv-map">{head}'
+        f'<div class="kv-grid" style="grid-template-columns:repeat({cols},minmax(0,1fr))">'
+        f'{"".join(cells)}</div><div class="kv-legend">{"".join(legend)}</div></div>'
+    )
+
+
+# --------------------------------------------------------------------------- #
+# Prefix cache
+# --------------------------------------------------------------------------- #
+def prefix_cache_html(
+    snapshot: Mapping[str, Any],
+    history: Sequence[Mapping[str, Any]] = (),
+) -> str:
+    """Render the prefix-cache panel.
+
+    Args:
+        snapshot: a snapshot dict; its ``prefix_cache`` gives the global stats.
+        history: one dict per turn of this conversation, oldest first, with
+            ``num_prompt_tokens`` and ``num_cached_tokens`` (and an optional
+            ``label``); the last one is "this turn".
+    """
+    parts = [_CSS, '<div class="pg-panel prefix-panel">', '<div class="pg-sub">This turn</div>']
+    if history:
+        turn = history[-1]
+        total = int(turn.get("num_prompt_tokens") or 0)
+        cached = min(int(turn.get("num_cached_tokens") or 0), total)
+        computed = total - cached
+        pct = cached / total * 100 if total else 0.0
+        parts.append(
+            f'<div class="pg-stack" title="{cached} cached + {computed} computed">'
+            f'<div class="seg-cached" style="width:{pct:.2f}%;background:#16a34a"></div>'
+            f'<div class="seg-computed" style="width:{100 - pct:.2f}%;background:#6366f1"></div></div>'
+            f'<div class="turn-text"><b class="cached-tokens">{cached}</b> of {total} prompt tokens '
+            f"came from the prefix cache ({pct:.0f}%); <b class=\"computed-tokens\">{computed}</b> computed.</div>"
+            f'<div class="kv-legend"><span class="kv-legend-item"><span class="kv-swatch" '
+            f'style="background:#16a34a"></span>cached</span><span class="kv-legend-item">'
+            f'<span class="kv-swatch" style="background:#6366f1"></span>computed</span></div>'
+        )
+    else:
+        parts.append('<div class="turn-text">Send a message to see how much of its prompt is reused.</div>')
+    rates = [
+        (int(t.get("num_cached_tokens") or 0) / t["num_prompt_tokens"]) if t.get("num_prompt_tokens") else 0.0
+        for t in history
+    ]
+    labels = [str(t.get("label", i + 1)) for i, t in enumerate(history)]
+    titles = [
+        f"turn {labels[i]}: {t.get('num_cached_tokens', 0)}/{t.get('num_prompt_tokens', 0)} "
+        f"tokens cached ({rates[i] * 100:.0f}%)"
+        for i, t in enumerate(history)
+    ]
+    parts.append('<div class="pg-sub">Hit rate per turn of this conversation</div>')
+    parts.append(
+        bar_chart_svg(rates, labels=labels, titles=titles, percent=True, color="#16a34a",
+                      x_caption="turn", css_class="pg-chart hit-rate-chart", height=110)
+    )
+    stats = snapshot.get("prefix_cache") or {}
+    kinds = [block_kind(b) for b in snapshot.get("blocks") or []]
+    rows = [
+        ("queried tokens", stats.get("queries", 0)),
+        ("hit tokens", stats.get("hits", 0)),
+        ("hit rate", f"{float(stats.get('hit_rate', 0.0)) * 100:.1f}%"),
+        ("KV usage", f"{float(snapshot.get('kv_usage', 0.0)) * 100:.1f}%"),
+        ("cached blocks", kinds.count("cached")),
+        ("resets", stats.get("reset_count", 0)),
+    ]
+    parts.append('<div class="pg-sub">Engine-wide (since start or last reset)</div><table class="pg-stats">')
+    parts.extend(f'<tr data-stat="{_e(k)}"><td>{_e(k)}</td><td><b>{_e(v)}</b></td></tr>' for k, v in rows)
+    parts.append("</table></div>")
+    return "".join(parts)
+
+
+# --------------------------------------------------------------------------- #
+# Logprobs
+# --------------------------------------------------------------------------- #
+def prob_color(prob: float | None) -> str:
+    """Background colour for a token of probability ``prob``: red → yellow → green."""
+    if prob is None:
+        return "hsl(220,15%,90%)"
+    hue = 120.0 * min(max(prob, 0.0), 1.0)
+    return f"hsl({hue:.0f},75%,82%)"
+
+
+def _visible(text: str) -> str:
+    """Token text as shown: newlines as ↵ (a line break follows), empty as ∅."""
+    return text.replace("\n", "↵") or "∅"
+
+
+def logprob_html(records: Sequence[Mapping[str, Any]], *, selected: int | None = None) -> str:
+    """Render a reply's tokens coloured by their probability.
+
+    Args:
+        records: token records from ``playground.logprobs.token_records``
+            (``index``, ``text``, ``prob``, ``alternatives``, ``entropy``, ``forced``).
+        selected: index of the token picked for branching (outlined).
+
+    Each token is a ``span.lp-tok`` with ``data-index``, ``data-token-id`` and
+    ``data-prob``; hovering shows a ``span.lp-tip`` table of the top-k
+    alternatives with probabilities and the entropy. The Gradio app hooks
+    clicks on ``data-index`` to branch from that token.
+    """
+    if not records:
+        return f'{_CSS}<div class="pg-panel lp-view"><i>The next reply\'s tokens will show here.</i></div>'
+    spans = []
+    for rec in records:
+        idx = int(rec["index"])
+        prob = rec.get("prob")
+        classes = ["lp-tok"]
+        if rec.get("forced"):
+            classes.append("lp-forced")
+        if selected is not None and idx == selected:
+            classes.append("lp-selected")
+        rows = "".join(
+            f'<tr class="{"lp-chosen" if row["chosen"] else "lp-alt"}" data-token-id="{_e(row["token_id"])}">'
+            f'<td>{_e(row["text"])}</td><td>{_e(row["prob_text"])}</td></tr>'
+            for row in token_tooltip_rows(rec)
+        )
+        entropy = rec.get("entropy")
+        ent_text = "" if entropy is None else (
+            f'<div class="lp-entropy">entropy {"≥ " if rec.get("entropy_is_bound") else ""}{entropy:.2f} bits</div>'
+        )
+        forced = '<div>forced by branch</div>' if rec.get("forced") else ""
+        prob_attr = "" if prob is None else f' data-prob="{prob:.6f}"'
+        text = str(rec.get("text", ""))
+        spans.append(
+            f'<span class="{" ".join(classes)}" data-index="{idx}" data-token-id="{_e(rec.get("token_id"))}"'
+            f'{prob_attr} style="background:{prob_color(prob)}">{_e(_visible(text))}'
+            f'<span class="lp-tip">{forced}<table>{rows}</table>{ent_text}</span></span>'
+            + ("<br>" if "\n" in text else "")
+        )
+    scale = (
+        '<div class="lp-scale">probability <span>0</span><span class="bar"></span><span>1</span>'
+        "<span>· hover a token for alternatives · click it to branch</span></div>"
+    )
+    return f'{_CSS}<div class="pg-panel lp-view"><div class="lp-text">{"".join(spans)}</div>{scale}</div>'
+
+
+# --------------------------------------------------------------------------- #
+# Engine panel
+# --------------------------------------------------------------------------- #
+def _card(key: str, value: str, name: str) -> str:
+    return f'<div class="pg-card" data-card="{name}"><div class="k">{_e(key)}</div><div class="v">{_e(value)}</div></div>'
+
+
+def engine_panel_html(
+    snapshot: Mapping[str, Any],
+    steps: Sequence[Mapping[str, Any]] = (),
+    last_request: Mapping[str, Any] | None = None,
+) -> str:
+    """Render the engine panel.
+
+    Args:
+        snapshot: a snapshot dict (model, model_impl, device, kv_usage, step).
+        steps: recent per-step records (``step``, ``batch_size`` and optionally
+            ``num_tokens``, ``num_prefill``, ``duration_s``), oldest first.
+        last_request: stats of this chat's last reply: ``ttft`` (s),
+            ``decode_tps`` (tokens/s), ``num_output_tokens``.
+    """
+    last = last_request or {}
+    ttft = last.get("ttft")
+    tps = last.get("decode_tps")
+    running = sum(1 for r in snapshot.get("requests") or [] if r.get("status") == "running")
+    cards = [
+        _card("model", str(snapshot.get("model", "?")), "model"),
+        _card("backend (model_impl)", str(snapshot.get("model_impl", "?")), "model_impl"),
+        _card("device", str(snapshot.get("device", "?")), "device"),
+        _card("TTFT", "–" if ttft is None else f"{ttft * 1000:.0f} ms", "ttft"),
+        _card("decode", "–" if tps is None else f"{tps:.1f} tok/s", "decode_tps"),
+        _card("running requests", str(running), "running"),
+        _card("KV usage", f"{float(snapshot.get('kv_usage', 0.0)) * 100:.1f}%", "kv_usage"),
+        _card("engine step", str(snapshot.get("step", 0)), "step"),
+    ]
+    values = [int(s.get("batch_size", 0)) for s in steps]
+    colors = ["#d97706" if s.get("num_prefill") else "#6366f1" for s in steps]
+    titles = []
+    for s in steps:
+        extra = f", {s['num_tokens']} tokens" if s.get("num_tokens") is not None else ""
+        if s.get("duration_s") is not None:
+            extra += f", {s['duration_s'] * 1000:.1f} ms"
+        pre = f" ({s['num_prefill']} prefilling)" if s.get("num_prefill") else ""
+        titles.append(f"step {s.get('step')}: batch {s.get('batch_size')}{pre}{extra}")
+    chart = bar_chart_svg(
+        values, labels=[str(s.get("step", "")) for s in steps], titles=titles, colors=colors,
+        y_max=float(max(values + [4])), x_caption="engine step", css_class="pg-chart batch-chart",
+        empty_text="no engine steps yet", height=120,
+    )
+    legend = (
+        '<div class="kv-legend"><span class="kv-legend-item"><span class="kv-swatch" style="background:#6366f1">'
+        '</span>decode only</span><span class="kv-legend-item"><span class="kv-swatch" '
+        'style="background:#d97706"></span>with prefill</span></div>'
+    )
+    return (
+        f'{_CSS}<div class="pg-panel engine-panel"><div class="pg-cards">{"".join(cards)}</div>'
+        f'<div class="pg-sub">Batch size per engine step</div>{chart}{legend}</div>'
+    )

@@ -1,0 +1,247 @@
+"""Renderers (playground.render): handcrafted snapshot dicts → HTML content."""
+
+from __future__ import annotations
+
+import math
+import re
+from html.parser import HTMLParser
+
+import pytest
+
+from playground import render
+from playground.logprobs import entropy_bits, forced_record, token_records
+
+
+class Elements(HTMLParser):
+    """Collect every start tag as (tag, attrs, text inside it up to its end)."""
+
+    def __init__(self, html: str):
+        super().__init__(convert_charrefs=True)
+        self.items: list[dict] = []
+        self._open: list[dict] = []
+        self.feed(html)
+
+    def handle_starttag(self, tag, attrs):
+        item = {"tag": tag, "attrs": dict(attrs), "text": ""}
+        self.items.append(item)
+        if tag not in ("br", "img", "input", "meta", "link"):
+            self._open.append(item)
+
+    def handle_endtag(self, tag):
+        for i in range(len(self._open) - 1, -1, -1):
+            if self._open[i]["tag"] == tag:
+                del self._open[i:]
+                break
+
+    def handle_data(self, data):
+        for item in self._open:
+            item["text"] += data
+
+    def by_class(self, cls: str) -> list[dict]:
+        return [i for i in self.items if cls in (i["attrs"].get("class") or "").split()]
+
+
+def _block(bid, state, ref=0, owners=(), hashed=False, token_range=None):
+    return {"block_id": bid, "state": state, "ref_cnt": ref, "owners": list(owners),
+            "hashed": hashed, "token_range": token_range}
+
+
+@pytest.fixture
+def snapshot():
+    blocks = [
+        _block(0, "used", 2, ["req-a", "req-b"], True, [0, 16]),      # shared prefix
+        _block(1, "used", 1, ["req-a"], True, [16, 32]),
+        _block(2, "used", 1, ["req-a"], False, [32, 40]),
+        _block(3, "used", 1, ["req-b"], False, [16, 20]),
+        _block(4, "cached", 0, [], True, None),
+        _block(5, "cached", 0, [], True, None),
+    ] + [_block(i, "free") for i in range(6, 10)]
+    return {
+        "step": 42, "model": "smollm2-135m-instruct", "model_impl": "native", "device": "cpu",
+        "block_size": 16, "num_blocks": 10, "kv_usage": 0.4, "blocks": blocks,
+        "requests": [
+            {"request_id": "req-a", "status": "running", "block_table": [0, 1, 2], "num_prompt_tokens": 30,
+             "num_computed_tokens": 40, "num_cached_tokens": 16, "num_output_tokens": 10},
+            {"request_id": "req-b", "status": "running", "block_table": [0, 3], "num_prompt_tokens": 20,
+             "num_computed_tokens": 20, "num_cached_tokens": 16, "num_output_tokens": 0},
+        ],
+        "prefix_cache": {"queries": 200, "hits": 80, "hit_rate": 0.4, "requests": 5, "reset_count": 1},
+        "last_step": {"step": 42, "batch_size": 2, "num_tokens": 6, "prefill": {"req-b": 5},
+                      "decode": ["req-a"], "duration_s": 0.01},
+    }
+
+
+def test_block_map_one_cell_per_block_with_state_classes(snapshot):
+    doc = Elements(render.block_map_html(snapshot))
+    cells = doc.by_class("kv-cell")
+    assert [int(c["attrs"]["data-block"]) for c in cells] == list(range(10))
+    kinds = [next(k for k in ("used", "shared", "cached", "free") if f"kv-{k}" in c["attrs"]["class"]) for c in cells]
+    assert kinds == ["shared", "used", "used", "used", "cached", "cached", "free", "free", "free", "free"]
+    colors = render.owner_colors(["req-a", "req-b"])
+    assert colors["req-a"] != colors["req-b"]
+    html = render.block_map_html(snapshot)
+    # Used cells are painted with their owner's colour class; the shared one with both owners'.
+    cls_a, cls_b = (f"kv-o{render.PALETTE.index(colors[r])}" for r in ("req-a", "req-b"))
+    assert f".{cls_a}{{background:{colors['req-a']}}}" in html
+    assert cls_a in cells[1]["attrs"]["class"].split() and cls_a in cells[2]["attrs"]["class"].split()
+    assert cls_b in cells[3]["attrs"]["class"].split()
+    assert colors["req-a"] in cells[0]["attrs"]["style"] and colors["req-b"] in cells[0]["attrs"]["style"]
+    # Cached and free cells get no owner colour: their look comes from the state CSS.
+    assert "style" not in cells[4]["attrs"] and "style" not in cells[9]["attrs"]
+    assert "data-owners" not in cells[9]["attrs"]
+    assert ".kv-cached{" + render.STATE_STYLE["cached"] in html
+    assert ".kv-free{" + render.STATE_STYLE["free"] in html
+    assert len({render.STATE_STYLE[k] for k in ("shared", "cached", "free")}) == 3
+
+
+def test_block_map_hover_titles(snapshot):
+    cells = Elements(render.block_map_html(snapshot)).by_class("kv-cell")
+    shared = cells[0]["attrs"]
+    assert shared["data-ref"] == "2" and shared["data-owners"] == "req-a,req-b"
+    assert "block 0" in shared["title"] and "ref 2" in shared["title"]
+    assert "owners req-a, req-b" in shared["title"] and "tokens 0–15" in shared["title"]
+    assert "tokens 32–39" in cells[2]["attrs"]["title"]
+    assert cells[4]["attrs"]["title"] == "block 4 · cached, reusable · ref 0"
+    assert "hashed" in cells[1]["attrs"]["title"] and "hashed" not in cells[2]["attrs"]["title"]
+    assert cells[7]["attrs"]["title"] == "block 7 · free"
+
+
+def test_block_map_legend_and_header(snapshot):
+    doc = Elements(render.block_map_html(snapshot, labels={"req-a": "this chat"}))
+    legend = {i["attrs"].get("data-request") or i["attrs"]["data-kind"]: i["text"] for i in doc.by_class("kv-legend-item")}
+    assert legend == {
+        "req-a": "this chat (3)",          # blocks 0, 1, 2
+        "req-b": "req-b (2)",              # blocks 0, 3
+        "shared": "shared (ref > 1) (1)",
+        "cached": "cached, reusable (2)",
+        "free": "free (4)",
+    }
+    head = doc.by_class("pg-head")[0]["text"]
+    assert "4 / 10 blocks in use (40.0%)" in head and "step 42" in head
+
+
+def test_block_map_readable_at_thousands_of_blocks():
+    n = 2500
+    blocks = [_block(i, "used", 1, [f"r{i % 7}"], False, [0, 16]) if i < 700 else _block(i, "free") for i in range(n)]
+    snap = {"blocks": blocks, "requests": [], "block_size": 16, "step": 1}
+    html = render.block_map_html(snap)
+    doc = Elements(html)
+    assert len(doc.by_class("kv-cell")) == n
+    grid = doc.by_class("kv-grid")[0]["attrs"]["style"]
+    assert "repeat(64," in grid              # denser grid for big pools
+    assert len(html) < 100 * n               # compact: updates every second stay small
+    owners = [i for i in doc.by_class("kv-legend-item") if i["attrs"].get("data-kind") == "owner"]
+    assert len(owners) == 7
+    swatches = [i for i in doc.items if i["attrs"].get("class") == "kv-swatch"]
+    owner_colors = {re.search(r"#[0-9a-f]{6}", s["attrs"]["style"]).group(0) for s in swatches[:7]}
+    assert len(owner_colors) == 7            # seven requests, seven colours
+    used = [c for c in doc.by_class("kv-used")]
+    assert len({c["attrs"]["class"] for c in used}) == 7
+
+
+def test_owner_colors_stable_and_distinct():
+    first = render.owner_colors(["x", "y"])
+    again = render.owner_colors(["w", "x", "y", "z"])
+    assert first["x"] == render.owner_colors(["x"])["x"]
+    many = render.owner_colors([f"r{i}" for i in range(len(render.PALETTE))])
+    assert len(set(many.values())) == len(render.PALETTE)
+    assert set(again.values()) <= set(render.PALETTE)
+
+
+def test_prefix_cache_panel(snapshot):
+    history = [{"num_prompt_tokens": 40, "num_cached_tokens": 0},
+               {"num_prompt_tokens": 80, "num_cached_tokens": 48}]
+    doc = Elements(render.prefix_cache_html(snapshot, history))
+    assert doc.by_class("cached-tokens")[0]["text"] == "48"
+    assert doc.by_class("computed-tokens")[0]["text"] == "32"
+    assert "width:60.00%" in doc.by_class("seg-cached")[0]["attrs"]["style"]
+    bars = [i for i in doc.items if i["tag"] == "rect" and "bar" in i["attrs"].get("class", "")]
+    assert [float(b["attrs"]["data-value"]) for b in bars] == [0.0, 0.6]
+    assert "turn 2: 48/80 tokens cached (60%)" in bars[1]["text"]
+    stats = {i["attrs"]["data-stat"]: i["text"] for i in doc.items if "data-stat" in i["attrs"]}
+    assert stats["queried tokens"].endswith("200") and stats["hit tokens"].endswith("80")
+    assert stats["hit rate"].endswith("40.0%") and stats["KV usage"].endswith("40.0%")
+    assert stats["cached blocks"].endswith("2") and stats["resets"].endswith("1")
+
+
+def test_prefix_cache_panel_without_turns(snapshot):
+    html = render.prefix_cache_html(snapshot, [])
+    assert "Send a message" in html and "no data yet" in html
+
+
+def _lp(value, rank, text):
+    return {"logprob": math.log(value), "rank": rank, "decoded_token": text}
+
+
+@pytest.fixture
+def records():
+    ids = [11, 12, 13]
+    logprobs = [
+        {11: _lp(0.9, 1, "Hello"), 20: _lp(0.06, 2, "Hi"), 21: _lp(0.04, 3, "Hey")},
+        {12: _lp(0.2, 2, ","), 22: _lp(0.7, 1, "!")},
+        {13: _lp(0.5, 1, "\n")},
+    ]
+    return token_records(ids, logprobs)
+
+
+def test_token_records(records):
+    assert [r["text"] for r in records] == ["Hello", ",", "\n"]
+    assert records[0]["prob"] == pytest.approx(0.9)
+    assert [a["token_id"] for a in records[1]["alternatives"]] == [22, 12]   # most likely first
+    assert records[0]["entropy"] == pytest.approx(-(0.9 * math.log2(0.9) + 0.06 * math.log2(0.06)
+                                                    + 0.04 * math.log2(0.04)))
+    assert not records[0]["entropy_is_bound"] and records[1]["entropy_is_bound"]
+    h, bound = entropy_bits([0.5, 0.5])
+    assert h == pytest.approx(1.0) and not bound
+
+
+def test_logprob_view_spans(records):
+    doc = Elements(render.logprob_html(records, selected=1))
+    toks = doc.by_class("lp-tok")
+    assert [t["attrs"]["data-index"] for t in toks] == ["0", "1", "2"]
+    assert [float(t["attrs"]["data-prob"]) for t in toks] == pytest.approx([0.9, 0.2, 0.5])
+    # Colour follows probability: green-ish for 0.9, red-ish for 0.2.
+    assert render.prob_color(0.9) in toks[0]["attrs"]["style"] and "hsl(108," in toks[0]["attrs"]["style"]
+    assert "hsl(24," in toks[1]["attrs"]["style"]
+    assert "lp-selected" in toks[1]["attrs"]["class"] and "lp-selected" not in toks[0]["attrs"]["class"]
+    tip = doc.by_class("lp-tip")[1]
+    assert "!70.00%" in tip["text"].replace(" ", "") and ",20.00%" in tip["text"].replace(" ", "")
+    chosen = doc.by_class("lp-chosen")[1]
+    assert chosen["attrs"]["data-token-id"] == "12"
+    assert "entropy ≥" in tip["text"]          # 10% of the mass is outside the top-k
+    assert "entropy 0.57 bits" in doc.by_class("lp-tip")[0]["text"]
+    # The newline token is shown as ↵ and breaks the line.
+    assert toks[2]["text"].startswith("↵")
+    assert "</span></span><br>" in render.logprob_html(records)
+
+
+def test_forced_token_keeps_alternatives(records):
+    forced = forced_record(1, 22, "!", records[1])
+    assert forced["forced"] and forced["prob"] == pytest.approx(0.7) and forced["text"] == "!"
+    doc = Elements(render.logprob_html([records[0], forced]))
+    tok = doc.by_class("lp-tok")[1]
+    assert "lp-forced" in tok["attrs"]["class"] and "forced by branch" in tok["text"]
+
+
+def test_logprob_view_empty():
+    assert "next reply" in render.logprob_html([])
+
+
+def test_engine_panel(snapshot):
+    steps = [{"step": 40, "batch_size": 1, "num_tokens": 30, "num_prefill": 1, "duration_s": 0.05},
+             {"step": 41, "batch_size": 3, "num_tokens": 3, "duration_s": 0.01}]
+    doc = Elements(render.engine_panel_html(snapshot, steps, {"ttft": 0.25, "decode_tps": 42.5}))
+    cards = {c["attrs"]["data-card"]: c["text"] for c in doc.items if "data-card" in c["attrs"]}
+    assert cards["model"].endswith("smollm2-135m-instruct")
+    assert cards["model_impl"].endswith("native")
+    assert cards["ttft"].endswith("250 ms") and cards["decode_tps"].endswith("42.5 tok/s")
+    assert cards["running"].endswith("2") and cards["step"].endswith("42")
+    bars = [i for i in doc.items if i["tag"] == "rect"]
+    assert [b["attrs"]["data-value"] for b in bars] == ["1", "3"]
+    assert bars[0]["attrs"]["fill"] != bars[1]["attrs"]["fill"]       # prefill step stands out
+    assert "step 41: batch 3" in bars[1]["text"]
+
+
+def test_engine_panel_before_any_request(snapshot):
+    html = render.engine_panel_html(snapshot)
+    assert "no engine steps yet" in html and "–" in html
