@@ -91,7 +91,10 @@ class Scheduler:
 
         while not out.preempted and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             req = self.waiting[0]
-            hits, num_cached = self.kv_cache.get_computed_blocks(req)
+            if req.sampling_params.prompt_logprobs is None:
+                hits, num_cached = self.kv_cache.get_computed_blocks(req)
+            else:  # every prompt position's logits are needed, so nothing may come from the cache
+                hits, num_cached = [], 0
             num_new = min(req.num_tokens - num_cached, budget)
             if self.kv_cache.allocate_slots(req, num_new, hits) is None:
                 break

@@ -1,0 +1,92 @@
+"""Tiny random HF-format model directories (Llama / Qwen2 / Qwen3) for fast engine tests.
+
+The weights are random but scaled so logits are peaked (greedy choices are far
+from ties), which makes "same greedy output under a different schedule" a
+meaningful check rather than a coin toss on float noise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+from safetensors.numpy import save_file
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+VOCAB = 256
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def _tokenizer() -> Tokenizer:
+    specials = ["<unk>", "<s>", "</s>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
+    words = specials + [f"w{i}" for i in range(VOCAB - len(specials))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.add_special_tokens(specials)
+    return tok
+
+
+def make_tiny_model(directory: str, architecture: str = "LlamaForCausalLM", seed: int = 0,
+                    hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2) -> str:
+    """Write config.json, model.safetensors and tokenizer files; return the directory."""
+    os.makedirs(directory, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    head_dim = hidden // heads
+    inter = 2 * hidden
+    tied = architecture == "LlamaForCausalLM"
+    config = {
+        "architectures": [architecture],
+        "model_type": {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                       "Qwen3ForCausalLM": "qwen3"}.get(architecture, "unknown"),
+        "vocab_size": VOCAB, "hidden_size": hidden, "intermediate_size": inter,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "head_dim": head_dim, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 512,
+        "tie_word_embeddings": tied, "bos_token_id": 1, "eos_token_id": 2,
+    }
+
+    def w(*shape, std=0.15):
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    tensors = {"model.embed_tokens.weight": w(VOCAB, hidden, std=1.0), "model.norm.weight": 1 + w(hidden, std=0.1)}
+    if not tied:
+        tensors["lm_head.weight"] = w(VOCAB, hidden, std=0.5)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors.update({
+            p + "self_attn.q_proj.weight": w(heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": w(kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": w(kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": w(hidden, heads * head_dim),
+            p + "mlp.gate_proj.weight": w(inter, hidden),
+            p + "mlp.up_proj.weight": w(inter, hidden),
+            p + "mlp.down_proj.weight": w(hidden, inter),
+            p + "input_layernorm.weight": 1 + w(hidden, std=0.1),
+            p + "post_attention_layernorm.weight": 1 + w(hidden, std=0.1),
+        })
+        if architecture == "Qwen2ForCausalLM":
+            for proj, n in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
+                tensors[p + f"self_attn.{proj}_proj.bias"] = w(n * head_dim, std=0.1)
+        if architecture == "Qwen3ForCausalLM":
+            tensors[p + "self_attn.q_norm.weight"] = 1 + w(head_dim, std=0.1)
+            tensors[p + "self_attn.k_norm.weight"] = 1 + w(head_dim, std=0.1)
+    save_file(tensors, os.path.join(directory, "model.safetensors"))
+    with open(os.path.join(directory, "config.json"), "w") as fh:
+        json.dump(config, fh)
+    _tokenizer().save(os.path.join(directory, "tokenizer.json"))
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as fh:
+        json.dump({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+                   "chat_template": CHAT_TEMPLATE}, fh)
+    return directory
+
+
+def tiny_prompts(n: int, length: int = 20, shared: int = 9, seed: int = 1) -> list[dict]:
+    """Token-id prompts; the first ``shared`` tokens are common, so prefix caching has work to do."""
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(7, VOCAB, shared).tolist()
+    return [{"prompt_token_ids": prefix + rng.integers(7, VOCAB, length - shared + i % 5).tolist()}
+            for i in range(n)]
