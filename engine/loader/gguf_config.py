@@ -49,10 +49,9 @@ def config_from_gguf(f: GGUFFile) -> dict:
     heads = int(f.arch_get("attention.head_count"))
     kv_heads = f.arch_get("attention.head_count_kv", heads)
     head_dim = int(f.arch_get("attention.key_length", hidden // heads))
-    tokens = f.reader.fields.get("tokenizer.ggml.tokens")
-    vocab_size = f.arch_get("vocab_size") or (len(tokens.data) if tokens is not None else None)
-    if vocab_size is None and "token_embd.weight" in f.tensors:
-        vocab_size = int(f.tensors["token_embd.weight"].shape[-1])
+    vocab_size = f.arch_get("vocab_size") or len(f.get("tokenizer.ggml.tokens", ()))
+    if not vocab_size and "token_embd.weight" in f.tensors:
+        vocab_size = f.tensors["token_embd.weight"].shape[0]
 
     config = {
         "architectures": [hf_class],

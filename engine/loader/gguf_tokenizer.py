@@ -73,15 +73,20 @@ def _spm_merges(tokens: list[str], scores: np.ndarray, types: np.ndarray) -> lis
     return ranked
 
 
-def _special_tokens(tokens: list[str], types: np.ndarray) -> list[AddedToken]:
-    added = []
-    for i in np.nonzero((types == TOKEN_CONTROL) | (types == TOKEN_USER_DEFINED))[0]:
-        added.append(AddedToken(tokens[i], special=bool(types[i] == TOKEN_CONTROL), normalized=False))
-    return added
+def _add_vocab_specials(backend: HFTokenizer, tokens: list[str], types: np.ndarray) -> None:
+    """Register control tokens as special (skipped by decode) and user-defined tokens
+    as plain added tokens (matched verbatim in the raw text, kept by decode)."""
+    control = [AddedToken(tokens[i], special=True, normalized=False)
+               for i in np.nonzero(types == TOKEN_CONTROL)[0]]
+    user = [AddedToken(tokens[i], special=False, normalized=False)
+            for i in np.nonzero(types == TOKEN_USER_DEFINED)[0]]
+    backend.add_special_tokens(control)
+    if user:
+        backend.add_tokens(user)
 
 
 def _byte_level_backend(f: GGUFFile, tokens: list[str]) -> HFTokenizer:
-    merges = [tuple(m.split(" ", 1)) for m in f.get_strings("tokenizer.ggml.merges") or []]
+    merges = [tuple(m.split(" ", 1)) for m in f.get("tokenizer.ggml.merges") or []]
     vocab = {t: i for i, t in enumerate(tokens)}
     backend = HFTokenizer(BPE(vocab, merges, fuse_unk=False))
     pre = f.get("tokenizer.ggml.pre", "default")
@@ -97,7 +102,7 @@ def _byte_level_backend(f: GGUFFile, tokens: list[str]) -> HFTokenizer:
 
 
 def _sentencepiece_backend(f: GGUFFile, tokens: list[str], types: np.ndarray) -> HFTokenizer:
-    scores = f.get_array("tokenizer.ggml.scores", np.float32)
+    scores = f.get("tokenizer.ggml.scores")
     if scores is None:
         raise ValueError(f"{f.path}: SentencePiece vocabulary without tokenizer.ggml.scores")
     unk_id = f.get("tokenizer.ggml.unknown_token_id")
@@ -130,10 +135,10 @@ def _add_bos_eos(backend: HFTokenizer, tokens, bos_id, eos_id, add_bos: bool, ad
 def tokenizer_from_gguf(f: GGUFFile) -> Tokenizer:
     """The `Tokenizer` described by the GGUF metadata of `f`."""
     kind = f.get("tokenizer.ggml.model")
-    tokens = f.get_strings("tokenizer.ggml.tokens")
+    tokens = f.get("tokenizer.ggml.tokens")
     if kind is None or tokens is None:
         raise ValueError(f"{f.path} carries no tokenizer (tokenizer.ggml.model / tokens missing)")
-    types = f.get_array("tokenizer.ggml.token_type", np.int32)
+    types = f.get("tokenizer.ggml.token_type")
     if types is None:
         types = np.full(len(tokens), TOKEN_NORMAL, dtype=np.int32)
     if kind == "gpt2":
@@ -142,7 +147,7 @@ def tokenizer_from_gguf(f: GGUFFile) -> Tokenizer:
         backend, add_bos_default = _sentencepiece_backend(f, tokens, types), True
     else:
         raise ValueError(f"{f.path}: unsupported GGUF tokenizer model {kind!r} (supported: 'gpt2', 'llama')")
-    backend.add_special_tokens(_special_tokens(tokens, types))
+    _add_vocab_specials(backend, tokens, types)
 
     bos_id = f.get("tokenizer.ggml.bos_token_id")
     eos_id = f.get("tokenizer.ggml.eos_token_id")

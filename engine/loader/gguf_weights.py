@@ -24,12 +24,11 @@ import re
 from typing import Iterator
 
 import numpy as np
-from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
 from .checkpoint import numpy_dtype
-from .gguf_file import GGUFFile
+from .gguf_file import GGUFFile, GGUFTensor
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -86,14 +85,10 @@ def unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def dequantized(tensor) -> np.ndarray:
+def dequantized(f: GGUFFile, tensor: GGUFTensor) -> np.ndarray:
     """A GGUF tensor as float32 in NumPy (row-major, HF ``[out, in]`` for linear weights)."""
-    shape = tuple(int(d) for d in reversed(tensor.shape))
-    if tensor.tensor_type == GGMLQuantizationType.F32:
-        data = np.asarray(tensor.data, dtype=np.float32)
-    else:
-        data = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-    return data.reshape(shape)
+    data = dequantize(tensor.raw(f.buf), tensor.tensor_type)
+    return data.astype(np.float32, copy=False).reshape(tensor.shape)
 
 
 def iter_gguf_weights(f: GGUFFile, config: dict, dtype: str = "float32",
@@ -102,13 +97,13 @@ def iter_gguf_weights(f: GGUFFile, config: dict, dtype: str = "float32",
     out_dtype = numpy_dtype(dtype)
     arch = f.architecture
     n_heads, n_kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    tensors = [t for t in f.reader.tensors if t.name not in _SKIPPED]
+    tensors = [t for t in f.tensors.values() if t.name not in _SKIPPED]
     bar = tqdm(tensors, desc=f"loading {config['architectures'][0]}", unit="tensor",
                disable=not progress, leave=False)
     for tensor in bar:
         name = hf_name(tensor.name, arch)
         try:
-            w = dequantized(tensor)
+            w = dequantized(f, tensor)
         except Exception as exc:
             raise ValueError(f"{f.path}: cannot dequantize tensor {tensor.name} "
                              f"({tensor.tensor_type.name}): {exc}") from exc
