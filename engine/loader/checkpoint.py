@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator
 
+import ml_dtypes
 import numpy as np
 
 if TYPE_CHECKING:
@@ -16,8 +17,6 @@ def numpy_dtype(dtype: str) -> np.dtype:
     if dtype in ("float32", "float16"):
         return np.dtype(dtype)
     if dtype == "bfloat16":
-        import ml_dtypes  # a dependency of paddlepaddle
-
         return np.dtype(ml_dtypes.bfloat16)
     raise ValueError(f"dtype must be 'float32', 'float16' or 'bfloat16', got {dtype!r}")
 

@@ -113,4 +113,4 @@ def iter_gguf_weights(f: GGUFFile, config: dict, dtype: str = "float32",
             w = unpermute(w, n_kv_heads)
         if arch.startswith("gemma") and tensor.name.endswith("norm.weight"):
             w = w - 1.0
-        yield name, np.ascontiguousarray(w, dtype=out_dtype)
+        yield name, np.require(w, out_dtype, ["C", "W"])  # own, writable memory

@@ -18,6 +18,7 @@ import json
 import os
 from typing import Iterator
 
+import ml_dtypes  # noqa: F401  (registers NumPy's "bfloat16" dtype, which safetensors needs)
 import numpy as np
 from safetensors import safe_open
 from tokenizers import Tokenizer as HFTokenizer
@@ -119,7 +120,7 @@ def iter_safetensors(files: list[str], config: dict, dtype: str = "float32",
                 bar.update(1)
                 if skip_lm_head and key == "lm_head.weight":
                     continue
-                yield key, np.ascontiguousarray(fh.get_tensor(key).astype(out_dtype))
+                yield key, np.require(fh.get_tensor(key), out_dtype, ["C", "W"])
     bar.close()
 
 
