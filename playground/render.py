@@ -27,7 +27,7 @@ from .svgchart import bar_chart_svg
 
 __all__ = [
     "PALETTE", "STATE_STYLE", "owner_colors", "block_map_html", "prefix_cache_html",
-    "logprob_html", "prob_color", "engine_panel_html",
+    "logprob_html", "prob_color", "engine_panel_html", "batch_table_html",
 ]
 
 # Categorical colours for request owners (no greys: those mean cached/free).
@@ -57,12 +57,14 @@ _CSS = """<style>
 .pg-stack div{height:100%}
 .pg-stats{border-collapse:collapse;margin-top:6px}
 .pg-stats td{padding:1px 10px 1px 0}
+.batch-table td,.batch-table th{vertical-align:top;text-align:left;padding:3px 10px 3px 0}
+.batch-table th{font-size:11px;color:#64748b;font-weight:600}.batch-reply{max-width:420px}
 .pg-cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(110px,1fr));gap:6px;margin-bottom:8px}
 .pg-card{background:#f8fafc;border:1px solid #e2e8f0;border-radius:6px;padding:4px 8px}
 .pg-card .k{font-size:11px;color:#64748b}.pg-card .v{font-size:15px;font-weight:600}
 .pg-sub{font-weight:600;margin:8px 0 2px}
 .lp-text{line-height:1.9;white-space:pre-wrap;word-break:break-word}
-.lp-tok{position:relative;border-radius:3px;padding:1px 0;cursor:pointer}
+.lp-tok{position:relative;border-radius:3px;padding:1px 0;cursor:pointer;box-shadow:inset -1px 0 0 #fff}
 .lp-tok:hover{outline:2px solid #0f172a}
 .lp-tok.lp-selected{outline:2px solid #4f46e5;outline-offset:1px}
 .lp-tok.lp-forced{text-decoration:underline dashed #4f46e5 2px}
@@ -406,4 +408,34 @@ def engine_panel_html(
     return (
         f'{_CSS}<div class="pg-panel engine-panel"><div class="pg-cards">{"".join(cards)}</div>'
         f'<div class="pg-sub">Batch size per engine step</div>{chart}{legend}</div>'
+    )
+
+
+# --------------------------------------------------------------------------- #
+# Batch demo
+# --------------------------------------------------------------------------- #
+def batch_table_html(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Render the batch demo: one row per concurrent request.
+
+    Each row dict has ``request_id``, ``question``, ``text`` (reply so far),
+    ``num_prompt_tokens``, ``num_cached_tokens``, ``finished`` and ``error``.
+    """
+    if not rows:
+        return f'{_CSS}<div class="pg-panel batch-view"><i>Fire a batch to see concurrent requests here.</i></div>'
+    colors = owner_colors(r["request_id"] for r in rows)
+    body = []
+    for r in rows:
+        state = "error" if r.get("error") else "done" if r.get("finished") else "streaming…"
+        cached = f'{r.get("num_cached_tokens", 0)}/{r.get("num_prompt_tokens", 0)}'
+        reply = r.get("error") or r.get("text") or ""
+        body.append(
+            f'<tr class="batch-row" data-request="{_e(r["request_id"])}" data-state="{_e(state)}">'
+            f'<td><span class="kv-swatch" style="background:{colors[r["request_id"]]}"></span></td>'
+            f'<td>{_e(r.get("question", ""))}</td><td class="batch-reply">{_e(reply)}</td>'
+            f"<td>{cached}</td><td>{_e(state)}</td></tr>"
+        )
+    return (
+        f'{_CSS}<div class="pg-panel batch-view"><table class="pg-stats batch-table">'
+        "<tr><th></th><th>question</th><th>reply</th><th>cached prompt tokens</th><th></th></tr>"
+        f'{"".join(body)}</table></div>'
     )

@@ -1,0 +1,174 @@
+"""The Gradio page: layout and event wiring around one shared ``LLM``.
+
+``build_app(llm)`` returns a ``gr.Blocks`` (queue configured); ``launch(demo)``
+starts it with the playground's theme and CSS. Every tab gets its own
+``ChatSession``; all tabs share one engine, whose background loop batches
+their requests together, so the chat events run concurrently up to the
+engine's ``max_num_seqs``.
+"""
+
+from __future__ import annotations
+
+import os
+from html import escape
+from typing import Any
+
+import gradio as gr
+
+from . import render
+from .chat import ChatSession
+from .handlers import Handlers, Limits
+from .monitor import EngineMonitor
+
+__all__ = ["build_app", "launch", "DEFAULT_SYSTEM_PROMPT", "THEME", "CSS"]
+
+DEFAULT_SYSTEM_PROMPT = "You are a concise, friendly assistant. Answer in a few sentences."
+
+# Clicking a token of the logprob view fires the HTML component's click event
+# with the token's index; Python then offers that token's alternatives.
+TOKEN_CLICK_JS = """
+element.addEventListener('click', (e) => {
+  const tok = e.target.closest('.lp-tok');
+  if (tok) trigger('click', {index: Number(tok.dataset.index)});
+});
+"""
+
+THEME = gr.themes.Soft(primary_hue="indigo", neutral_hue="slate")
+CSS = """
+.pg-title h1{margin:0;font-size:22px;font-weight:700}.pg-title p{margin:2px 0 0;color:#64748b}
+.pg-badge{display:inline-block;background:#eef2ff;color:#3730a3;border-radius:999px;padding:1px 9px;
+ margin-right:6px;font-size:12px;font-weight:600}
+#kv-map, #prefix-panel, #engine-panel, #logprobs, #batch-view{padding:6px 4px}
+"""
+
+
+def _header(snapshot: dict, limits: Limits) -> str:
+    badges = "".join(
+        f'<span class="pg-badge">{escape(str(v))}</span>'
+        for v in (snapshot.get("model"), snapshot.get("model_impl"), snapshot.get("device"),
+                  f"{snapshot.get('num_blocks')} KV blocks × {snapshot.get('block_size')} tokens")
+    )
+    return (
+        '<div class="pg-title"><h1>Fleet Playground</h1>'
+        f"<p>{badges} Chat, then watch the paged KV cache, the prefix cache and every token's "
+        f"probability. Messages up to {limits.max_input_chars} characters.</p></div>"
+    )
+
+
+def _html(value: str, elem_id: str, js: str | None = None) -> gr.HTML:
+    """An HTML panel styled only by the renderers' own CSS."""
+    return gr.HTML(value, js_on_load=js, apply_default_css=False, elem_id=elem_id)
+
+
+def build_app(
+    llm: Any,
+    *,
+    limits: Limits | None = None,
+    queue_size: int = 32,
+    concurrency: int | None = None,
+    refresh_every: float = 1.0,
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+) -> gr.Blocks:
+    """Build the playground page for ``llm``.
+
+    Args:
+        llm: an ``engine.LLM`` (anything with its public API).
+        limits: per-visitor caps (message length, max tokens, batch size).
+        queue_size: requests waiting beyond this are refused with "queue full".
+        concurrency: chats streaming at once (default: the engine's
+            ``max_num_seqs``, so they all batch together).
+        refresh_every: seconds between live-panel refreshes.
+        system_prompt: the initial system prompt.
+    """
+    limits = limits or Limits()
+    config = getattr(llm, "config", None)
+    concurrency = concurrency or getattr(config, "max_num_seqs", None) or 8
+    monitor = EngineMonitor(llm)
+    h = Handlers(llm, monitor, limits)
+    snap = monitor.snapshot()
+
+    with gr.Blocks(title="Fleet Playground", fill_width=True) as demo:
+        # A plain function, not the bound method: Gradio deep-copies the page
+        # config (which lists this callback) on every page load.
+        session = gr.State(lambda: ChatSession(), delete_callback=lambda s: h.stop(s))
+        _html(_header(snap, limits), "header")
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=5, min_width=420):
+                chatbot = gr.Chatbot(label="Chat", height=420, elem_id="chat", buttons=["copy"])
+                with gr.Row():
+                    msg = gr.Textbox(placeholder="Type a message and press Enter", show_label=False,
+                                     scale=8, max_lines=6, elem_id="msg")
+                    send = gr.Button("Send", variant="primary", scale=1, min_width=80, elem_id="send")
+                with gr.Row():
+                    stop = gr.Button("Stop", size="sm", elem_id="stop")
+                    regen = gr.Button("Regenerate", size="sm", elem_id="regenerate")
+                    clear = gr.Button("Clear", size="sm", elem_id="clear")
+                with gr.Accordion("System prompt and sampling", open=False):
+                    system = gr.Textbox(label="System prompt", value=system_prompt, lines=2)
+                    with gr.Row():
+                        temperature = gr.Slider(0.0, 2.0, value=0.7, step=0.05, label="temperature")
+                        top_p = gr.Slider(0.05, 1.0, value=0.9, step=0.05, label="top-p")
+                        top_k = gr.Slider(0, 200, value=0, step=1, label="top-k (0 = off)")
+                    with gr.Row():
+                        max_tokens = gr.Slider(1, limits.max_tokens, value=min(128, limits.max_tokens),
+                                               step=1, label="max tokens")
+                        seed = gr.Number(value=-1, precision=0, label="seed (-1 = random)")
+                        n_logprobs = gr.Slider(0, 20, value=5, step=1, label="logprobs (top-k alternatives)")
+                gr.Markdown("**Logprobs of the last reply** — hover a token for its alternatives, "
+                            "click it to branch from there.")
+                lp_view = _html(render.logprob_html([]), "logprobs", js=TOKEN_CLICK_JS)
+                with gr.Row(equal_height=False):
+                    token_index = gr.Number(label="branch at token #", precision=0, minimum=0, scale=1)
+                    alternative = gr.Dropdown(label="forcing the alternative", choices=[],
+                                              allow_custom_value=True, scale=2)
+                    branch = gr.Button("Branch ↳", scale=1, min_width=100, elem_id="branch")
+            with gr.Column(scale=4, min_width=380):
+                gr.Markdown("**KV cache blocks** — one cell per physical block, live")
+                block_map = _html(render.block_map_html(snap), "kv-map")
+                with gr.Tabs():
+                    with gr.Tab("Prefix cache"):
+                        prefix = _html(render.prefix_cache_html(snap), "prefix-panel")
+                        reset = gr.Button("Reset prefix cache", size="sm")
+                    with gr.Tab("Engine"):
+                        engine = _html(render.engine_panel_html(snap), "engine-panel")
+                    with gr.Tab("Batch demo"):
+                        gr.Markdown("Fire N concurrent requests that share the system prompt: the block map "
+                                    "shows their shared prefix blocks, the Engine tab their batched steps.")
+                        with gr.Row(equal_height=True):
+                            n_batch = gr.Slider(2, limits.max_batch, value=min(4, limits.max_batch), step=1,
+                                                label="requests")
+                            fire = gr.Button("Fire batch", variant="primary")
+                        batch_view = _html(render.batch_table_html([]), "batch-view")
+        timer = gr.Timer(refresh_every)
+
+        sampling = [temperature, top_p, top_k, max_tokens, seed, n_logprobs]
+        chat_out = [chatbot, msg, lp_view, prefix]
+        engine_q = dict(concurrency_limit=concurrency, concurrency_id="engine", show_progress_on=[chatbot])
+        chat_events = [
+            send.click(h.send, [msg, session, system, *sampling], chat_out, api_name="chat", **engine_q),
+            msg.submit(h.send, [msg, session, system, *sampling], chat_out, api_visibility="private", **engine_q),
+            regen.click(h.regenerate, [session, system, *sampling], chat_out, api_name="regenerate", **engine_q),
+            branch.click(h.branch, [token_index, alternative, session, *sampling], chat_out, api_name="branch",
+                         **engine_q),
+            fire.click(h.batch_demo, [n_batch, session, system, *sampling], [batch_view], api_name="batch_demo",
+                       concurrency_limit=1, concurrency_id="batch"),
+        ]
+        stop.click(h.stop, [session], None, cancels=chat_events, api_name="stop")
+        clear.click(h.clear, [session], chat_out, cancels=chat_events, api_name="clear")
+        lp_view.click(h.pick_token, [session], [token_index, alternative, lp_view], api_visibility="private")
+        reset.click(h.reset_prefix_cache, [session], [prefix], api_name="reset_prefix_cache")
+        panels = dict(fn=h.refresh, inputs=[session], outputs=[block_map, prefix, engine],
+                      show_progress="hidden", concurrency_limit=None, api_visibility="private")
+        timer.tick(**panels)
+        demo.load(**panels)
+    demo.queue(max_size=queue_size, default_concurrency_limit=concurrency)
+    demo.playground_monitor = monitor   # so callers can close it
+    return demo
+
+
+def launch(demo: gr.Blocks, **kwargs: Any):
+    """``demo.launch`` with the playground's theme and CSS (bound to 127.0.0.1 unless told)."""
+    kwargs.setdefault("server_name", os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
+    kwargs.setdefault("theme", THEME)
+    kwargs.setdefault("css", CSS)
+    return demo.launch(**kwargs)

@@ -1,0 +1,103 @@
+"""What the live views draw from: the latest engine snapshot and recent steps.
+
+One ``EngineMonitor`` serves every browser tab of an app:
+
+* it subscribes to the engine's events and keeps the most recent ``step``
+  events in a ring buffer (the batch-size chart); the callback runs on the
+  engine thread, so it only appends a small dict;
+* a background thread takes ``llm.snapshot()`` whenever an event says the
+  engine changed (at most every ``interval`` seconds) and keeps the latest
+  ``to_dict()``; views render from that copy, so many tabs refreshing never
+  add load on the engine and never wait for it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any
+
+__all__ = ["EngineMonitor"]
+
+
+class EngineMonitor:
+    """Latest snapshot dict + ring buffer of the last ``capacity`` engine steps."""
+
+    def __init__(self, llm: Any, *, capacity: int = 200, interval: float = 0.5):
+        self.llm = llm
+        self.interval = interval
+        self._steps: deque[dict] = deque(maxlen=capacity)
+        self._lock = threading.Lock()
+        self._changed = threading.Event()
+        self._stop = threading.Event()
+        self.num_steps = 0
+        self.version = 0            # bumps with every new snapshot: a view's cheap "did anything change"
+        self._snapshot = llm.snapshot().to_dict()
+        self._unsubscribe = llm.subscribe(self._on_event)
+        self._thread = threading.Thread(target=self._poll, name="playground-monitor", daemon=True)
+        self._thread.start()
+
+    # -- engine thread ------------------------------------------------------------
+    def _on_event(self, event: Any) -> None:
+        if getattr(event, "kind", None) == "step":
+            data = dict(getattr(event, "data", {}) or {})
+            record = {
+                "step": getattr(event, "step", None),
+                "batch_size": int(data.get("batch_size", 0)),
+                "num_tokens": data.get("num_tokens"),
+                "duration_s": data.get("duration_s"),
+            }
+            if "prefill" in data:
+                record["num_prefill"] = len(data["prefill"] or {})
+            with self._lock:
+                self._steps.append(record)
+                self.num_steps += 1
+        self._changed.set()
+
+    # -- poller thread ------------------------------------------------------------
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self._changed.wait()
+            if self._stop.is_set():
+                return
+            self._changed.clear()
+            self.refresh()
+            self._stop.wait(self.interval)
+
+    def refresh(self) -> dict:
+        """Take a fresh snapshot now (blocks until the engine lets us) and return it."""
+        snap = self.llm.snapshot().to_dict()
+        with self._lock:
+            self._snapshot = snap
+            self.version += 1
+        return snap
+
+    # -- readers (any thread) -------------------------------------------------------
+    def snapshot(self) -> dict:
+        """The latest snapshot dict (at most about ``interval`` s behind the engine)."""
+        with self._lock:
+            return self._snapshot
+
+    def steps(self, last: int | None = None) -> list[dict]:
+        """The recorded steps, oldest first (only the ``last`` N if given)."""
+        with self._lock:
+            items = list(self._steps)
+        return items[-last:] if last else items
+
+    def wait_idle(self, timeout: float = 10.0) -> dict:
+        """Wait until the latest snapshot shows no live request; return it."""
+        deadline = time.monotonic() + timeout
+        snap = self.refresh()
+        while snap.get("requests") and time.monotonic() < deadline:
+            time.sleep(0.05)
+            snap = self.refresh()
+        return snap
+
+    def close(self) -> None:
+        """Stop listening to the engine and end the poller thread."""
+        self._stop.set()
+        self._changed.set()
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
