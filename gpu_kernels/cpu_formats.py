@@ -44,9 +44,12 @@ def _f32_to_f16_bits(typingctx, value):
 
 @intrinsic
 def _u32_as_f32(typingctx, bits):
-    """Reinterpret uint32 bits as float32."""
+    """Reinterpret the low 32 bits of an integer as float32."""
     def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
+        value = args[0]
+        if value.type.width != 32:
+            value = builder.trunc(value, ir.IntType(32))
+        return builder.bitcast(value, ir.FloatType())
     return types.float32(bits), codegen
 
 

@@ -74,16 +74,16 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping, *, backend=None):
         _check_cache(views[2], views[3])
         _cuda_backend().write_kv(*views, stream=interop.cuda_stream(key))
         return
-    key, value, k_cache, v_cache, slot_mapping = (
-        interop.host_view(a) for a in (key, value, k_cache, v_cache, slot_mapping))
-    _check_cache(k_cache, v_cache)
-    if key.shape != value.shape or key.shape[1:] != (k_cache.shape[1], k_cache.shape[3]):
-        raise ValueError(f"key/value {key.shape} do not match the cache {k_cache.shape}")
+    # new names: the views do not keep the tensors alive, the arguments do
+    k, v, kc, vc, slots = (interop.host_view(a) for a in (key, value, k_cache, v_cache, slot_mapping))
+    _check_cache(kc, vc)
+    if k.shape != v.shape or k.shape[1:] != (kc.shape[1], kc.shape[3]):
+        raise ValueError(f"key/value {k.shape} do not match the cache {kc.shape}")
     if backend == "reference":
-        reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
+        reference.write_kv(k, v, kc, vc, slots)
         return
     with _cpu_lock:
-        cpu.write_kv(key, value, k_cache, v_cache, slot_mapping, cpu.min_parallel_work)
+        cpu.write_kv(k, v, kc, vc, slots, cpu.min_parallel_work)
 
 
 def paged_decode(query, k_cache, v_cache, block_tables, context_lens, scale, *,

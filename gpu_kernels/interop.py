@@ -23,7 +23,9 @@ costs microseconds (tens for a Numba device array); looking one up costs
 well under one. A cached view holds no reference to its tensor: it is only
 ever returned while a live tensor with the same pointer, shape and dtype is
 being passed in, i.e. while its memory is valid. The KV caches and other
-persistent buffers therefore hit the cache every call.
+persistent buffers therefore hit the cache every call. The flip side: a view
+does not keep its tensor alive, so keep a reference to the tensor for as long
+as the view is used (``dispatch.py`` holds the arguments during the call).
 """
 from __future__ import annotations
 

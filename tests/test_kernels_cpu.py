@@ -1,0 +1,199 @@
+"""gpu_kernels: the Numba CPU backend against the NumPy reference, and zero-copy interop."""
+import numpy as np
+import paddle
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import gpu_kernels
+from gpu_kernels import cpu, interop
+from gpu_kernels.testing import assert_close, make_problem, np_dtype
+
+SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def problems(draw, *, decode_only):
+    """Ragged batches crossing block boundaries, GQA 1/3/4/8, windows, fp32/fp16/bf16."""
+    num_seqs = draw(st.integers(1, 4))
+    block_size = draw(st.sampled_from([1, 3, 16]))
+    context_lens = draw(st.lists(st.integers(1, 80), min_size=num_seqs, max_size=num_seqs))
+    if decode_only:
+        query_lens = [1] * num_seqs
+    else:   # prefill chunks (whole prompts or later chunks) mixed with decodes
+        query_lens = [draw(st.sampled_from([1, c, max(1, c // 2), min(c, 5)]))
+                      for c in context_lens]
+    dtype = draw(st.sampled_from(["float32", "float16", "bfloat16"]))
+    query_dtype = draw(st.sampled_from([dtype, "float32"]))
+    prob = make_problem(
+        np.random.default_rng(draw(st.integers(0, 2**31))),
+        context_lens=context_lens, query_lens=query_lens,
+        num_kv_heads=draw(st.integers(1, 2)), group=draw(st.sampled_from([1, 3, 4, 8])),
+        head_dim=draw(st.sampled_from([8, 64, 128, 256])), block_size=block_size,
+        dtype=dtype, query_dtype=query_dtype, pad_tokens=draw(st.integers(0, 2)))
+    window = draw(st.sampled_from([None, None, 1, 7, 40]))
+    return prob, window, query_dtype
+
+
+def run_both(op, prob, window, **kw):
+    outs = []
+    for backend in ("reference", "cpu"):
+        out = prob.out()
+        if op == "decode":
+            gpu_kernels.paged_decode(prob.query, prob.k_cache, prob.v_cache, prob.block_tables,
+                                     prob.context_lens, prob.scale, sliding_window=window,
+                                     out=out, backend=backend)
+        else:
+            gpu_kernels.paged_prefill(prob.query, prob.k_cache, prob.v_cache, prob.block_tables,
+                                      prob.query_start_loc, prob.context_lens, prob.scale,
+                                      sliding_window=window, out=out, backend=backend)
+        outs.append(out)
+    return outs
+
+
+@SETTINGS
+@given(problems(decode_only=True))
+def test_decode_matches_reference(case):
+    prob, window, qdtype = case
+    prob.query = prob.query[:len(prob.context_lens)]          # decode: one row per sequence
+    ref, got = run_both("decode", prob, window)
+    assert_close(got, ref, qdtype)
+
+
+@SETTINGS
+@given(problems(decode_only=False))
+def test_prefill_mixed_batch_matches_reference(case):
+    prob, window, qdtype = case
+    n = prob.query_start_loc[-1]
+    prob.query = prob.query[:n]
+    ref, got = run_both("prefill", prob, window)
+    assert_close(got, ref, qdtype)
+
+
+@SETTINGS
+@given(problems(decode_only=False))
+def test_write_kv_matches_reference(case):
+    prob, _, _ = case
+    caches = []
+    for backend in ("reference", "cpu"):
+        kc, vc = prob.k_cache.copy(), prob.v_cache.copy()
+        gpu_kernels.write_kv(prob.key, prob.value, kc, vc, prob.slot_mapping, backend=backend)
+        caches.append((kc, vc))
+    (rk, rv), (ck, cv) = caches
+    np.testing.assert_array_equal(ck.view(np.uint8), rk.view(np.uint8))
+    np.testing.assert_array_equal(cv.view(np.uint8), rv.view(np.uint8))
+    assert not np.array_equal(rk.view(np.uint8), prob.k_cache.view(np.uint8))
+
+
+def test_write_kv_converts_float32_into_half_caches():
+    rng = np.random.default_rng(1)
+    for dtype in ("float16", "bfloat16"):
+        prob = make_problem(rng, context_lens=[20, 33], query_lens=[20, 1], dtype=dtype)
+        key = rng.standard_normal(prob.key.shape).astype(np.float32)
+        value = rng.standard_normal(prob.key.shape).astype(np.float32)
+        ref_k, ref_v = prob.k_cache.copy(), prob.v_cache.copy()
+        gpu_kernels.write_kv(key, value, ref_k, ref_v, prob.slot_mapping, backend="reference")
+        gpu_kernels.write_kv(key, value, prob.k_cache, prob.v_cache, prob.slot_mapping)
+        np.testing.assert_array_equal(prob.k_cache.view(np.uint16), ref_k.view(np.uint16))
+        np.testing.assert_array_equal(prob.v_cache.view(np.uint16), ref_v.view(np.uint16))
+
+
+def test_decode_equals_prefill_with_chunks_of_one():
+    prob = make_problem(np.random.default_rng(2), context_lens=[5, 70, 33], query_lens=[1, 1, 1],
+                        num_kv_heads=3, group=3, head_dim=64)
+    a, b = prob.out(), prob.out()
+    gpu_kernels.paged_decode(prob.query, prob.k_cache, prob.v_cache, prob.block_tables,
+                             prob.context_lens, prob.scale, out=a)
+    gpu_kernels.paged_prefill(prob.query, prob.k_cache, prob.v_cache, prob.block_tables,
+                              prob.query_start_loc, prob.context_lens, prob.scale, out=b)
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_zero_length_context_gives_zeros_and_window_wider_than_context_is_no_window():
+    prob = make_problem(np.random.default_rng(3), context_lens=[1, 40], query_lens=[1, 1])
+    lens = np.array([0, 40], np.int32)
+    a, b = prob.out(), prob.out()
+    gpu_kernels.paged_decode(prob.query, prob.k_cache, prob.v_cache, prob.block_tables, lens,
+                             prob.scale, sliding_window=1000, out=a)
+    gpu_kernels.paged_decode(prob.query, prob.k_cache, prob.v_cache, prob.block_tables, lens,
+                             prob.scale, out=b)
+    assert (a[0] == 0).all()
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_parallel_split_k_decode_and_parallel_prefill(monkeypatch, dtype):
+    """Long contexts with the parallel paths forced: decode splits keys and merges the pieces."""
+    monkeypatch.setattr(cpu, "min_parallel_work", 0)
+    assert cpu.choose_splits(1, 1, 1000, num_threads=2) == 3
+    assert cpu.choose_splits(8, 2, 1000, num_threads=2) == 1
+    prob = make_problem(np.random.default_rng(4), context_lens=[1000, 700], query_lens=[1, 1],
+                        num_kv_heads=1, group=4, head_dim=64, dtype=dtype)
+    ref, got = run_both("decode", prob, None)
+    assert_close(got, ref, dtype)
+    ref, got = run_both("decode", prob, 300)
+    assert_close(got, ref, dtype)
+    prob = make_problem(np.random.default_rng(5), context_lens=[300, 9], query_lens=[200, 1],
+                        num_kv_heads=2, group=2, head_dim=64, dtype=dtype)
+    ref, got = run_both("prefill", prob, 50)
+    assert_close(got, ref, dtype)
+
+
+def test_shape_errors_are_reported():
+    prob = make_problem(np.random.default_rng(6), context_lens=[4], query_lens=[1],
+                        num_kv_heads=2, group=2)
+    with pytest.raises(ValueError, match="multiple"):
+        gpu_kernels.paged_decode(prob.query[:, :3], prob.k_cache, prob.v_cache, prob.block_tables,
+                                 prob.context_lens, 1.0, out=np.zeros_like(prob.query[:, :3]))
+    with pytest.raises(ValueError, match="backend"):
+        gpu_kernels.write_kv(prob.key, prob.value, prob.k_cache, prob.v_cache, prob.slot_mapping,
+                             backend="tpu")
+
+
+# --------------------------------------------------------------------------- Paddle interop
+
+
+def test_paddle_cpu_views_are_writable_zero_copy_and_cached():
+    t = paddle.zeros([4, 2, 16, 8], dtype="float32")
+    view = interop.host_view(t)
+    assert view.flags.writeable and view.ctypes.data == t.data_ptr()
+    view[1, 0, 3, 2] = 7.0
+    assert float(t[1, 0, 3, 2]) == 7.0
+    assert interop.host_view(t) is view                      # cached by pointer/shape/dtype
+    half = paddle.zeros([3, 5], dtype="float16")
+    assert interop.host_view(half).dtype == np.int16          # float16 bits
+    bf16 = paddle.ones([3, 5], dtype="bfloat16")
+    bits = interop.host_view(bf16)
+    assert bits.dtype == np.uint16 and (bits == 0x3F80).all()  # 1.0 in bfloat16
+    strided = paddle.arange(24, dtype="float32").reshape([4, 6])[:, 1:4]
+    np.testing.assert_array_equal(interop.host_view(strided), strided.numpy())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_paddle_tensors_end_to_end(dtype):
+    """write_kv mutates Paddle caches in place; decode/prefill on Paddle tensors match NumPy."""
+    prob = make_problem(np.random.default_rng(7), context_lens=[9, 40], query_lens=[9, 1],
+                        num_kv_heads=2, group=3, head_dim=64, dtype=dtype, query_dtype="float32")
+
+    def to_paddle(a):
+        if a.dtype == np.uint16:                   # bf16 bits
+            return paddle.to_tensor(a).view(paddle.bfloat16)
+        return paddle.to_tensor(a)
+
+    kc, vc = to_paddle(prob.k_cache), to_paddle(prob.v_cache)
+    key, value = to_paddle(prob.key), to_paddle(prob.value)
+    gpu_kernels.write_kv(key, value, kc, vc, paddle.to_tensor(prob.slot_mapping))
+    gpu_kernels.write_kv(prob.key, prob.value, prob.k_cache, prob.v_cache, prob.slot_mapping)
+    np.testing.assert_array_equal(interop.host_view(kc).view(np.uint8),
+                                  interop.host_view(prob.k_cache).view(np.uint8))
+    out = paddle.zeros(prob.query.shape, dtype="float32")
+    gpu_kernels.paged_prefill(paddle.to_tensor(prob.query), kc, vc,
+                              paddle.to_tensor(prob.block_tables),
+                              paddle.to_tensor(prob.query_start_loc),
+                              paddle.to_tensor(prob.context_lens), prob.scale, out=out)
+    ref = prob.out()
+    gpu_kernels.paged_prefill(prob.query, prob.k_cache, prob.v_cache, prob.block_tables,
+                              prob.query_start_loc, prob.context_lens, prob.scale, out=ref,
+                              backend="reference")
+    assert_close(out.numpy(), ref, "float32")
