@@ -59,13 +59,15 @@ class ChatSession:
     last: Reply | None = None
     selected: int | None = None                          # token picked in the logprob view
     active_request_id: str | None = None
-    request_ids: list[str] = field(default_factory=list)  # every request this tab made
+    labels: dict[str, str] = field(default_factory=dict)  # this tab's recent requests → legend name
     last_render_key: Any = None
 
-    def new_request_id(self, kind: str = "chat") -> str:
+    def new_request_id(self, kind: str = "chat", label: str = "this chat") -> str:
+        """A fresh engine request id for this tab, remembered with its legend name."""
         rid = f"{kind}-{self.session_id}-{next(_counter)}"
-        self.request_ids.append(rid)
-        del self.request_ids[:-50]
+        self.labels[rid] = label
+        for old in list(self.labels)[:-50]:
+            del self.labels[old]
         return rid
 
     def record_turn(self, reply: Reply, label: str) -> None:

@@ -60,11 +60,6 @@ class Handlers:
     def _decode(self, token_id: int) -> str:
         return self.tokenizer.decode([int(token_id)])
 
-    def labels(self, session: ChatSession) -> dict[str, str]:
-        """Legend names for this tab's requests."""
-        return {rid: ("this chat" if rid.startswith("chat-") else "batch " + rid.rsplit("-", 1)[-1])
-                for rid in session.request_ids}
-
     def prefix_html(self, session: ChatSession) -> str:
         return render.prefix_cache_html(self.monitor.snapshot(), session.turns)
 
@@ -192,7 +187,7 @@ class Handlers:
         last = session.last
         stats = {"ttft": last.ttft, "decode_tps": last.decode_tps} if last else None
         return (
-            render.block_map_html(snap, labels=self.labels(session)),
+            render.block_map_html(snap, labels=session.labels),
             render.prefix_cache_html(snap, session.turns),
             render.engine_panel_html(snap, self.monitor.steps(120), stats),
         )
@@ -207,6 +202,6 @@ class Handlers:
         """Fire ``n`` concurrent requests that share the system prompt."""
         n = max(1, min(int(n), self.limits.max_batch))
         params = self.sampling(*sampling, cap=self.limits.batch_max_tokens)
-        ids = [session.new_request_id("batch") for _ in range(n)]
+        ids = [session.new_request_id("batch", f"batch #{i + 1}") for i in range(n)]
         for rows in run_batch(self.llm, system, params, ids):
             yield render.batch_table_html(rows)

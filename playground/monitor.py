@@ -50,6 +50,9 @@ class EngineMonitor:
             }
             if "prefill" in data:
                 record["num_prefill"] = len(data["prefill"] or {})
+            elif record["num_tokens"] is not None:
+                # A step that ran more tokens than requests ran prompt tokens.
+                record["prefill"] = record["num_tokens"] > record["batch_size"]
             with self._lock:
                 self._steps.append(record)
                 self.num_steps += 1

@@ -61,6 +61,7 @@ _CSS = """<style>
 .batch-table th{font-size:11px;color:#64748b;font-weight:600}.batch-reply{max-width:420px}
 .pg-cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(110px,1fr));gap:6px;margin-bottom:8px}
 .pg-card{background:#f8fafc;border:1px solid #e2e8f0;border-radius:6px;padding:4px 8px}
+.pg-card.wide{grid-column:span 2}
 .pg-card .k{font-size:11px;color:#64748b}.pg-card .v{font-size:15px;font-weight:600}
 .pg-sub{font-weight:600;margin:8px 0 2px}
 .lp-text{line-height:1.9;white-space:pre-wrap;word-break:break-word}
@@ -215,7 +216,7 @@ def block_map_html(
             f"</span>{text} ({counts[kind]})</span>"
         )
     return (
-        f'{_CSS}<div class="pg-panel kv-map">{head}'
+        f'{_CSS}<div class="pg-panel kv-map" data-step="{_e(snapshot.get("step", 0))}">{head}'
         f'<div class="kv-grid" style="grid-template-columns:repeat({cols},minmax(0,1fr))">'
         f'{"".join(cells)}</div><div class="kv-legend">{"".join(legend)}</div></div>'
     )
@@ -354,8 +355,8 @@ def logprob_html(records: Sequence[Mapping[str, Any]], *, selected: int | None =
 # --------------------------------------------------------------------------- #
 # Engine panel
 # --------------------------------------------------------------------------- #
-def _card(key: str, value: str, name: str) -> str:
-    return f'<div class="pg-card" data-card="{name}"><div class="k">{_e(key)}</div><div class="v">{_e(value)}</div></div>'
+def _card(key: str, value: str, name: str, wide: bool = False) -> str:
+    return f'<div class="pg-card{" wide" if wide else ""}" data-card="{name}"><div class="k">{_e(key)}</div><div class="v">{_e(value)}</div></div>'
 
 
 def engine_panel_html(
@@ -368,7 +369,8 @@ def engine_panel_html(
     Args:
         snapshot: a snapshot dict (model, model_impl, device, kv_usage, step).
         steps: recent per-step records (``step``, ``batch_size`` and optionally
-            ``num_tokens``, ``num_prefill``, ``duration_s``), oldest first.
+            ``num_tokens``, ``duration_s``, and ``num_prefill`` (count) or
+            ``prefill`` (bool): the step ran prompt tokens), oldest first.
         last_request: stats of this chat's last reply: ``ttft`` (s),
             ``decode_tps`` (tokens/s), ``num_output_tokens``.
     """
@@ -377,7 +379,7 @@ def engine_panel_html(
     tps = last.get("decode_tps")
     running = sum(1 for r in snapshot.get("requests") or [] if r.get("status") == "running")
     cards = [
-        _card("model", str(snapshot.get("model", "?")), "model"),
+        _card("model", str(snapshot.get("model", "?")), "model", wide=True),
         _card("backend (model_impl)", str(snapshot.get("model_impl", "?")), "model_impl"),
         _card("device", str(snapshot.get("device", "?")), "device"),
         _card("TTFT", "–" if ttft is None else f"{ttft * 1000:.0f} ms", "ttft"),
@@ -387,13 +389,14 @@ def engine_panel_html(
         _card("engine step", str(snapshot.get("step", 0)), "step"),
     ]
     values = [int(s.get("batch_size", 0)) for s in steps]
-    colors = ["#d97706" if s.get("num_prefill") else "#6366f1" for s in steps]
+    colors = ["#d97706" if s.get("num_prefill") or s.get("prefill") else "#6366f1" for s in steps]
     titles = []
     for s in steps:
         extra = f", {s['num_tokens']} tokens" if s.get("num_tokens") is not None else ""
         if s.get("duration_s") is not None:
             extra += f", {s['duration_s'] * 1000:.1f} ms"
-        pre = f" ({s['num_prefill']} prefilling)" if s.get("num_prefill") else ""
+        pre = (f" ({s['num_prefill']} prefilling)" if s.get("num_prefill")
+               else " (with prefill)" if s.get("prefill") else "")
         titles.append(f"step {s.get('step')}: batch {s.get('batch_size')}{pre}{extra}")
     chart = bar_chart_svg(
         values, labels=[str(s.get("step", "")) for s in steps], titles=titles, colors=colors,

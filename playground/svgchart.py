@@ -98,6 +98,7 @@ def bar_chart_svg(
     slot = plot_w / max(len(values), 1)
     bar_w = max(slot * 0.8, 1.0) if len(values) < 60 else max(slot, 0.5)
     label_every = max(1, len(values) // 8)
+    last_labelled = -label_every
     for i, value in enumerate(values):
         clipped = min(max(float(value), 0.0), top_value)
         bar_h = plot_h * clipped / top_value if top_value else 0.0
@@ -111,7 +112,9 @@ def bar_chart_svg(
             f'height="{max(bar_h, 0.0):.2f}" fill="{fill}" data-value="{float(value):.6g}">'
             f"<title>{escape(title)}</title></rect>"
         )
-        if labels is not None and (i % label_every == 0 or i == len(values) - 1):
+        is_last = i == len(values) - 1 and i - last_labelled >= max(2, label_every // 2)
+        if labels is not None and (i % label_every == 0 or is_last):
+            last_labelled = i
             parts.append(
                 f'<text x="{x + bar_w / 2:.1f}" y="{top + plot_h + 11}" '
                 f'text-anchor="middle" style="{_FONT}">{escape(label)}</text>'

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import threading
 import time
+import tomllib
+from pathlib import Path
 
 import gradio_client
 import pytest
@@ -199,3 +204,33 @@ def test_batch_demo_batches_and_shares_the_system_prompt(client, app, smollm2_ll
     assert len(cached) == 3 and min(cached) >= 16
     assert events.max_batch() >= 2
     assert max(shared) >= 2, "the requests should share their system-prompt blocks"
+
+
+def test_cli_defaults_are_safe():
+    from playground.__main__ import parse_args
+
+    args = parse_args([])
+    assert args.host == "127.0.0.1" and args.port == 7860 and args.share is False
+    assert args.model == "smollm2-135m-instruct" and args.enable_prefix_caching is True
+    args = parse_args(["--model-impl", "native", "--block-size", "32", "--kv-cache-memory", "0.1",
+                       "--max-num-seqs", "4", "--max-model-len", "1024", "--no-prefix-caching",
+                       "--share", "--host", "0.0.0.0", "--port", "8000"])
+    assert (args.model_impl, args.block_size, args.kv_cache_memory, args.max_num_seqs, args.max_model_len) == (
+        "native", 32, 0.1, 4, 1024)
+    assert args.enable_prefix_caching is False and args.share is True and args.host == "0.0.0.0"
+
+
+def test_space_serves_only_models_from_its_fixed_list():
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "app.py"], cwd=root, capture_output=True, text=True,
+                            env={**os.environ, "PLAYGROUND_MODEL": "/etc/passwd"}, timeout=120)
+    assert result.returncode != 0 and "PLAYGROUND_MODEL must be one of" in result.stderr
+
+
+def test_space_requirements_match_the_runtime_dependencies():
+    root = Path(__file__).resolve().parents[1]
+    declared = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    lines = [ln.strip() for ln in (root / "requirements.txt").read_text().splitlines()]
+    assert sorted(ln for ln in lines if ln and not ln.startswith("#")) == sorted(declared)
+    front = (root / "playground" / "SPACE_README_FRONTMATTER.md").read_text()
+    assert "sdk: gradio" in front and "app_file: app.py" in front

@@ -229,7 +229,8 @@ def test_logprob_view_empty():
 
 def test_engine_panel(snapshot):
     steps = [{"step": 40, "batch_size": 1, "num_tokens": 30, "num_prefill": 1, "duration_s": 0.05},
-             {"step": 41, "batch_size": 3, "num_tokens": 3, "duration_s": 0.01}]
+             {"step": 41, "batch_size": 3, "num_tokens": 3, "duration_s": 0.01},
+             {"step": 42, "batch_size": 2, "num_tokens": 9, "prefill": True}]
     doc = Elements(render.engine_panel_html(snapshot, steps, {"ttft": 0.25, "decode_tps": 42.5}))
     cards = {c["attrs"]["data-card"]: c["text"] for c in doc.items if "data-card" in c["attrs"]}
     assert cards["model"].endswith("smollm2-135m-instruct")
@@ -237,9 +238,11 @@ def test_engine_panel(snapshot):
     assert cards["ttft"].endswith("250 ms") and cards["decode_tps"].endswith("42.5 tok/s")
     assert cards["running"].endswith("2") and cards["step"].endswith("42")
     bars = [i for i in doc.items if i["tag"] == "rect"]
-    assert [b["attrs"]["data-value"] for b in bars] == ["1", "3"]
-    assert bars[0]["attrs"]["fill"] != bars[1]["attrs"]["fill"]       # prefill step stands out
-    assert "step 41: batch 3" in bars[1]["text"]
+    assert [b["attrs"]["data-value"] for b in bars] == ["1", "3", "2"]
+    assert bars[0]["attrs"]["fill"] != bars[1]["attrs"]["fill"]       # prefill steps stand out
+    assert bars[2]["attrs"]["fill"] == bars[0]["attrs"]["fill"]
+    assert "step 41: batch 3, 3 tokens, 10.0 ms" in bars[1]["text"]
+    assert "step 42: batch 2 (with prefill), 9 tokens" in bars[2]["text"]
 
 
 def test_engine_panel_before_any_request(snapshot):
