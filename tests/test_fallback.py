@@ -1,0 +1,312 @@
+"""The model-impl fallback: selection, the attention adapters, and borrowed models on the paged cache.
+
+* ``auto``/explicit ``model_impl`` resolution and its errors;
+* the PaddleFormers attention function and the PaddleFleet core-attention
+  adapter against the reference kernels (no paddlefleet needed);
+* SmolLM2 through PaddleFormers vs the native model (alignment), and the
+  fallback's greedy output under prefix caching, chunked prefill, preemption;
+* Gemma 3 270M (no native implementation) vs HF transformers on the same GGUF;
+* the PaddleFleet backend end to end, wherever paddlefleet is installed.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import paddle
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.align import align
+from engine.attention import AttentionMetadata, dense_causal_attention
+from engine.fallback.attention_adapter import paged_attention_forward
+from engine.fallback.paddlefleet import FleetPagedAttention, patch_core_attention
+from engine.fallback.step_context import bind_step
+from engine.model_impl import resolve_model_impl
+from tiny_models import make_tiny_model, tiny_prompts
+
+HERE = os.path.dirname(__file__)
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+SHARED = ("You are a helpful assistant. Answer briefly and precisely, in one sentence, "
+          "without any preamble or apology. ")
+PROMPTS = [SHARED + q for q in ("What is the capital of Italy?", "Name a primary colour.",
+                                "How many legs has a spider?", "What do bees make?")]
+SMOL_BLOCK_BYTES = 2 * 30 * 3 * 16 * 64 * 4  # K+V x layers x KV heads x block_size x head_dim x fp32
+
+
+def token_ids(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+# ---------------------------------------------------------------- selection
+
+
+def test_auto_prefers_native_and_falls_back_to_paddleformers():
+    assert resolve_model_impl("auto", "LlamaForCausalLM") == "native"
+    assert resolve_model_impl("auto", "Qwen3ForCausalLM") == "native"
+    assert resolve_model_impl("auto", "Gemma3ForCausalLM") == "paddleformers"
+    assert resolve_model_impl("paddleformers", "LlamaForCausalLM") == "paddleformers"
+
+
+def test_native_without_implementation_lists_native_architectures():
+    with pytest.raises(ValueError) as err:
+        resolve_model_impl("native", "Gemma3ForCausalLM")
+    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        assert arch in str(err.value)
+
+
+def test_paddleformers_without_the_class_says_so():
+    from engine.fallback.hf_config import paddleformers_class
+
+    with pytest.raises(ValueError, match="no NotAModelForCausalLM class"):
+        paddleformers_class("NotAModelForCausalLM")
+
+
+@pytest.fixture
+def no_paddlefleet(monkeypatch):
+    """Make `paddlefleet` look uninstalled, whatever this machine has."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a, **k: None if name.split(".")[0] == "paddlefleet" else real(name, *a, **k))
+
+
+def test_missing_paddlefleet_explains_and_breaks_nothing(no_paddlefleet, tmp_path):
+    from engine.fallback.paddlefleet import build_paddlefleet_model
+
+    tiny = make_tiny_model(str(tmp_path / "llama"), "LlamaForCausalLM", seed=3)
+    for attempt in (lambda: LLM(model=tiny, model_impl="paddlefleet"),
+                    lambda: build_paddlefleet_model(None, "float32", "cpu")):
+        with pytest.raises(ValueError) as err:
+            attempt()
+        message = str(err.value)
+        assert "paddlefleet" in message and "Paddle's own package index" in message
+    prompts = tiny_prompts(2)
+    native = LLM(model=tiny, model_impl="native").generate(prompts, GREEDY)
+    borrowed = LLM(model=tiny, model_impl="paddleformers")
+    assert borrowed.model_impl == "paddleformers"
+    assert token_ids(borrowed.generate(prompts, GREEDY)) == token_ids(native)
+
+
+# ---------------------------------------------------------------- adapters vs reference
+
+
+def _packed_step(lengths, num_kv_heads, head_dim, block_size=4, layers=3):
+    """Metadata + empty caches for a prefill of sequences of `lengths` tokens packed into one."""
+    tables, slots, positions, block = [], [], [], 0
+    for n in lengths:
+        blocks = list(range(block, block + -(-n // block_size)))
+        block += len(blocks)
+        tables.append(blocks)
+        positions += list(range(n))
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(n)]
+    width = max(map(len, tables))
+    meta = AttentionMetadata(
+        positions=paddle.to_tensor(np.array(positions, np.int64)),
+        slot_mapping=paddle.to_tensor(np.array(slots, np.int64)),
+        block_tables=paddle.to_tensor(np.array([t + [0] * (width - len(t)) for t in tables], np.int32)),
+        context_lens=paddle.to_tensor(np.array(lengths, np.int32)),
+        query_start_loc=paddle.to_tensor(np.cumsum([0] + list(lengths)).astype(np.int32)),
+        decode_only=False, num_tokens=sum(lengths))
+    shape = [block, num_kv_heads, block_size, head_dim]
+    caches = [(paddle.zeros(shape), paddle.zeros(shape)) for _ in range(layers)]
+    return meta, caches
+
+
+def _dense_reference(q, k, v, lengths, scale, window):
+    """q/k/v packed [T, heads, D]: plain causal attention per sequence, concatenated."""
+    outs, start = [], 0
+    for n in lengths:
+        sl = slice(start, start + n)
+        outs.append(dense_causal_attention(q[sl], k[sl], v[sl], scale=scale, sliding_window=window).numpy())
+        start += n
+    return np.concatenate(outs)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_paddleformers_attention_function_matches_dense_attention(window):
+    rng = np.random.default_rng(0)
+    lengths, heads, kv_heads, dim = [5, 9], 4, 2, 8
+    q, k, v = (rng.standard_normal((sum(lengths), h, dim)).astype(np.float32) for h in (heads, kv_heads, kv_heads))
+    meta, caches = _packed_step(lengths, kv_heads, dim)
+    layer = SimpleNamespace(layer_idx=1, sliding_window=window, scaling=0.3)
+    as_library = lambda x: paddle.to_tensor(x).transpose([1, 0, 2]).unsqueeze(0)  # [1, heads, T, D]
+    with bind_step(meta, caches):
+        out, weights = paged_attention_forward(layer, as_library(q), as_library(k), as_library(v),
+                                               attention_mask=None, scaling=0.3)
+    assert weights is None and out.shape == [1, sum(lengths), heads * dim]
+    ref = _dense_reference(paddle.to_tensor(q), paddle.to_tensor(k), paddle.to_tensor(v), lengths, 0.3, window)
+    np.testing.assert_allclose(out.numpy()[0], ref.reshape(sum(lengths), -1), atol=1e-5)
+    assert float(paddle.abs(caches[1][0]).sum()) > 0  # this layer's cache was written...
+    assert float(paddle.abs(caches[0][0]).sum()) == 0 and float(paddle.abs(caches[2][0]).sum()) == 0  # ...only it
+
+
+def test_attention_outside_a_step_is_an_explicit_error():
+    x = paddle.zeros([1, 2, 3, 8])
+    with pytest.raises(RuntimeError, match="outside an engine step"):
+        paged_attention_forward(SimpleNamespace(layer_idx=0), x, x, x)
+
+
+def _fake_fleet_model(layer_numbers, *, heads=4, kv_heads=2, dim=8, empty_head_layers=0):
+    """Stand-ins with the attributes PaddleFleet's TransformerLayer / DotProductAttention carry."""
+    config = SimpleNamespace(apply_query_key_layer_scaling=True, num_empty_layers_add_in_head=empty_head_layers)
+    layers = []
+    for number in layer_numbers:
+        core = SimpleNamespace(config=config, layer_number=number, softmax_scale=0.25 / number,
+                               num_attention_heads_per_partition=heads, num_query_groups_per_partition=kv_heads,
+                               hidden_size_per_attention_head=dim,
+                               scale_mask_softmax=SimpleNamespace(sliding_window=(2, 0) if number % 2 else None))
+        layers.append(SimpleNamespace(self_attn=SimpleNamespace(core_attention=core)))
+    return SimpleNamespace(run_function=[SimpleNamespace(name="embedding"), *layers, SimpleNamespace(name="head")])
+
+
+def test_fleet_adapter_reads_layer_numbering_heads_scale_and_window():
+    model = _fake_fleet_model([2, 3, 4], empty_head_layers=1)  # 1-based numbers shifted by one empty layer
+    adapters = patch_core_attention(model)
+    assert [a.layer_index for a in adapters] == [0, 1, 2]
+    assert all(layer.self_attn.core_attention is a for layer, a in zip(model.run_function[1:-1], adapters))
+    first = adapters[0]
+    assert (first.num_heads, first.num_kv_heads, first.head_dim) == (4, 2, 8)
+    assert first.softmax_scale == pytest.approx(0.25)  # query-key layer scaling multiplied back in
+    assert [a.sliding_window for a in adapters] == [None, 3, None]  # (left=2, right=0) -> HF window 3
+    with pytest.raises(ValueError, match="are not 0..1"):
+        patch_core_attention(_fake_fleet_model([1, 3]))
+
+
+def test_fleet_adapter_matches_dense_attention():
+    rng = np.random.default_rng(1)
+    lengths, heads, kv_heads, dim = [6, 3], 4, 2, 8
+    adapter = patch_core_attention(_fake_fleet_model([1, 2, 3]))[2]  # layer number 3: sliding window 3
+    q, k, v = (rng.standard_normal((sum(lengths), h, dim)).astype(np.float32) for h in (heads, kv_heads, kv_heads))
+    meta, caches = _packed_step(lengths, kv_heads, dim)
+    with bind_step(meta, caches):
+        out = adapter(*(paddle.to_tensor(x).unsqueeze(0) for x in (q, k, v)), None)  # Fleet layout [1, s, h, D]
+    assert out.shape == [1, sum(lengths), heads * dim]
+    ref = _dense_reference(paddle.to_tensor(q), paddle.to_tensor(k), paddle.to_tensor(v), lengths, 0.25, 3)
+    np.testing.assert_allclose(out.numpy()[0], ref.reshape(sum(lengths), -1), atol=1e-5)
+    assert float(paddle.abs(caches[2][1]).sum()) > 0 and float(paddle.abs(caches[0][1]).sum()) == 0
+    with bind_step(meta, caches), pytest.raises(ValueError, match="KV heads"):
+        adapter(paddle.to_tensor(q).unsqueeze(0), paddle.to_tensor(q).unsqueeze(0), paddle.to_tensor(q).unsqueeze(0))
+
+
+def test_export_hf_directory_round_trips(tmp_path):
+    from engine.fallback.hf_export import export_hf_directory
+    from engine.loader import load_checkpoint
+
+    from safetensors.numpy import load_file
+
+    original = load_checkpoint(make_tiny_model(str(tmp_path / "src"), "Qwen2ForCausalLM", seed=2))
+    out = export_hf_directory(original, str(tmp_path / "out"))
+    with open(os.path.join(out, "config.json")) as fh:
+        assert json.load(fh)["architectures"] == ["Qwen2ForCausalLM"]
+    a, b = original.state_dict(), load_file(os.path.join(out, "model.safetensors"))
+    assert a.keys() == b.keys() and all(np.array_equal(a[n], b[n]) for n in a)
+
+
+# ---------------------------------------------------------------- SmolLM2 through PaddleFormers
+
+
+@pytest.fixture(scope="module")
+def smollm2_pf():
+    llm = LLM(model="smollm2-135m-instruct", model_impl="paddleformers", dtype="float32")
+    assert llm.model_impl == "paddleformers" and llm.snapshot().model_impl == "paddleformers"
+    return llm
+
+
+@pytest.fixture(scope="module")
+def pf_baseline(smollm2_pf):
+    return token_ids(smollm2_pf.generate(PROMPTS, GREEDY))
+
+
+def test_smollm2_native_and_paddleformers_align(smollm2_llm, smollm2_pf):
+    prompts = ["Question: What is 2+3?\nAnswer:", "The capital of France is",
+               [{"role": "user", "content": "Name three fruits."}]]
+    text_prompts = [p if isinstance(p, str) else smollm2_llm.get_tokenizer().apply_chat_template(
+        p, add_generation_prompt=True) for p in prompts]  # the chat turn holds <|im_end|>, SmolLM2's pad id
+    report = align(smollm2_llm, smollm2_pf, text_prompts, max_tokens=32)
+    print("\n" + report.table())
+    assert (report.impl_a, report.impl_b) == ("native", "paddleformers")
+    assert report.top1_agreement == 1.0
+    assert report.max_abs_logprob_diff <= 1e-3
+    assert all(r.greedy_identical and r.greedy_tokens >= 32 for r in report.rows)
+
+
+def test_fallback_greedy_with_prefix_caching_off_and_on(smollm2_pf, pf_baseline):
+    off = LLM(model="smollm2-135m-instruct", model_impl="paddleformers", enable_prefix_caching=False)
+    assert token_ids(off.generate(PROMPTS, GREEDY)) == pf_baseline
+    smollm2_pf.generate(PROMPTS[0], GREEDY)  # its prompt's full blocks are now cached
+    outs = smollm2_pf.generate(PROMPTS, GREEDY)
+    assert token_ids(outs) == pf_baseline
+    assert all(o.num_cached_tokens >= 16 for o in outs)  # the shared prefix came from the cache
+
+
+def test_fallback_greedy_with_chunked_prefill(pf_baseline):
+    llm = LLM(model="smollm2-135m-instruct", model_impl="paddleformers", max_num_batched_tokens=7)
+    sizes = []
+    llm.subscribe(lambda e: sizes.append(e.data["num_tokens"]) if e.kind == "step" else None)
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == pf_baseline
+    assert max(sizes) <= 7
+
+
+def test_fallback_greedy_under_preemption(pf_baseline):
+    llm = LLM(model="smollm2-135m-instruct", model_impl="paddleformers", kv_cache_memory=7 * SMOL_BLOCK_BYTES)
+    kinds = []
+    llm.subscribe(lambda e: kinds.append(e.kind))
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == pf_baseline
+    assert "request_preempted" in kinds
+    assert not llm.snapshot().requests
+
+
+# ---------------------------------------------------------------- Gemma 3 vs transformers
+
+
+GEMMA_PROMPTS = ["Question: What is 2+3?\nAnswer:", "The capital of France is", "Once upon a time",
+                 # > 512 tokens: the local layers' sliding window is in play
+                 "Count with me: " + ", ".join(str(i) for i in range(1, 260)) + ", and the next number is"]
+
+
+@pytest.fixture(scope="module")
+def gemma3_transformers(gemma3_checkpoint):
+    """HF transformers' greedy continuations, computed in a separate process started right away."""
+    ids = [gemma3_checkpoint.tokenizer.encode(p, add_special_tokens=True) for p in GEMMA_PROMPTS]
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "hf_reference.py"), gemma3_checkpoint.path,
+                             "--max-new-tokens", "12"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdin.write(json.dumps(ids))
+    proc.stdin.close()
+
+    def result():
+        out = proc.stdout.read()
+        assert proc.wait() == 0, proc.stderr.read()[-3000:]
+        return ids, json.loads(out)
+
+    yield result
+    if proc.poll() is None:
+        proc.kill()
+
+
+def test_gemma3_auto_serves_paddleformers_and_matches_transformers(gemma3_transformers):
+    llm = LLM(model="gemma3-270m")
+    assert llm.model_impl == "paddleformers" and llm.snapshot().model_impl == "paddleformers"
+    ids, expected = gemma3_transformers()
+    assert len(ids[-1]) > 512
+    outs = llm.generate([{"prompt_token_ids": p} for p in ids],
+                        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert token_ids(outs) == expected
+    assert outs[0].outputs[0].text.startswith(" 2+3=5")
+
+
+# ---------------------------------------------------------------- PaddleFleet (where installed)
+
+
+def test_paddlefleet_backend_matches_native(tmp_path):
+    pytest.importorskip("paddlefleet", reason="paddlefleet installs from Paddle's own index, not PyPI")
+    tiny = make_tiny_model(str(tmp_path / "qwen3"), "Qwen3ForCausalLM", seed=3)
+    prompts = tiny_prompts(3)
+    native = LLM(model=tiny, model_impl="native").generate(prompts, GREEDY)
+    fleet = LLM(model=tiny, model_impl="paddlefleet")
+    assert fleet.model_impl == "paddlefleet"
+    assert token_ids(fleet.generate(prompts, GREEDY)) == token_ids(native)
