@@ -131,6 +131,9 @@ def build_app(
                         reset = gr.Button("Reset prefix cache", size="sm")
                     with gr.Tab("Engine"):
                         engine = _html(render.engine_panel_html(snap), "engine-panel")
+                        align = gr.Button(f"Run accuracy alignment: {h.llm.model_impl} vs {h.aligner.impl}",
+                                          size="sm", elem_id="align")
+                        align_view = _html(render.alignment_html(None), "align-view")
                     with gr.Tab("Batch demo"):
                         gr.Markdown("Fire N concurrent requests that share the system prompt: the block map "
                                     "shows their shared prefix blocks, the Engine tab their batched steps.")
@@ -157,6 +160,8 @@ def build_app(
         clear.click(h.clear, [session], chat_out, cancels=chat_events, api_name="clear")
         lp_view.click(h.pick_token, [session], [token_index, alternative, lp_view], api_visibility="private")
         reset.click(h.reset_prefix_cache, [session], [prefix], api_name="reset_prefix_cache")
+        align.click(h.align, [session, system], [align_view], api_name="align", concurrency_limit=1,
+                    concurrency_id="align")
         panels = dict(fn=h.refresh, inputs=[session], outputs=[block_map, prefix, engine],
                       show_progress="hidden", concurrency_limit=None, api_visibility="private")
         timer.tick(**panels)

@@ -16,6 +16,7 @@ import gradio as gr
 from engine import SamplingParams
 
 from . import render
+from .alignment import Aligner
 from .batch_demo import run_batch
 from .chat import ChatSession, Reply, branch_prompt, start_branch, stream_reply
 from .monitor import EngineMonitor
@@ -43,6 +44,7 @@ class Handlers:
     def __init__(self, llm: Any, monitor: EngineMonitor, limits: Limits):
         self.llm, self.monitor, self.limits = llm, monitor, limits
         self.tokenizer = llm.get_tokenizer()
+        self.aligner = Aligner(llm)
 
     # -- helpers ------------------------------------------------------------------
     def sampling(self, temperature, top_p, top_k, max_tokens, seed, n_logprobs, *, cap=None) -> SamplingParams:
@@ -205,3 +207,16 @@ class Handlers:
         ids = [session.new_request_id("batch", f"batch #{i + 1}") for i in range(n)]
         for rows in run_batch(self.llm, system, params, ids):
             yield render.batch_table_html(rows)
+
+    def align(self, session: ChatSession, system: str) -> str:
+        """Compare the serving backend with the other implementation on this conversation."""
+        if not session.messages:
+            raise gr.Error("Chat first: the alignment runs on the current conversation.")
+        prompt = self.tokenizer.apply_chat_template(_system(system) + session.messages,
+                                                    add_generation_prompt=True)
+        gr.Info(f"Running {self.llm.model_impl} vs {self.aligner.impl} (the first run loads the second backend).")
+        try:
+            report = self.aligner.run(prompt)
+        except Exception as exc:  # e.g. the other backend cannot load this model
+            raise gr.Error(f"Alignment failed: {type(exc).__name__}: {exc}") from exc
+        return render.alignment_html(report)

@@ -27,7 +27,7 @@ from .svgchart import bar_chart_svg
 
 __all__ = [
     "PALETTE", "STATE_STYLE", "owner_colors", "block_map_html", "prefix_cache_html",
-    "logprob_html", "prob_color", "engine_panel_html", "batch_table_html",
+    "logprob_html", "prob_color", "engine_panel_html", "batch_table_html", "alignment_html",
 ]
 
 # Categorical colours for request owners (no greys: those mean cached/free).
@@ -441,4 +441,33 @@ def batch_table_html(rows: Sequence[Mapping[str, Any]]) -> str:
         f'{_CSS}<div class="pg-panel batch-view"><table class="pg-stats batch-table">'
         "<tr><th></th><th>question</th><th>reply</th><th>cached prompt tokens</th><th></th></tr>"
         f'{"".join(body)}</table></div>'
+    )
+
+
+# --------------------------------------------------------------------------- #
+# Accuracy alignment
+# --------------------------------------------------------------------------- #
+def alignment_html(report: Mapping[str, Any] | None) -> str:
+    """Render an accuracy-alignment report (``AlignmentReport.to_dict()`` plus
+    ``top1_agreement``/``max_abs_logprob_diff``/``all_greedy_identical``)."""
+    if not report:
+        return (f'{_CSS}<div class="pg-panel align-view"><i>Compare the serving backend with the other '
+                "implementation on this conversation.</i></div>")
+    rows = []
+    for r in report.get("rows", []):
+        greedy = ("identical" if r["greedy_identical"]
+                  else f"differs at token {r['first_divergence']}")
+        rows.append(
+            f'<tr class="align-row" data-identical="{str(r["greedy_identical"]).lower()}">'
+            f'<td>{r["positions"]}</td><td>{r["top1_agreement"] * 100:.1f}%</td>'
+            f'<td>{r["max_abs_logprob_diff"]:.2e}</td><td>{r["mean_kl"]:.2e}</td>'
+            f"<td>{_e(greedy)} ({r['greedy_tokens']} tokens)</td></tr>"
+        )
+    verdict = "greedy outputs identical" if report.get("all_greedy_identical") else "greedy outputs differ"
+    return (
+        f'{_CSS}<div class="pg-panel align-view"><div class="pg-head"><span><b>{_e(report.get("impl_a"))}</b> vs '
+        f'<b>{_e(report.get("impl_b"))}</b> on {_e(report.get("model"))}</span>'
+        f'<span class="align-verdict">{verdict}</span></div>'
+        '<table class="pg-stats batch-table"><tr><th>positions</th><th>top-1 agreement</th>'
+        f'<th>max |Δ logprob|</th><th>mean KL</th><th>greedy</th></tr>{"".join(rows)}</table></div>'
     )

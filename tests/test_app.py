@@ -234,3 +234,15 @@ def test_space_requirements_match_the_runtime_dependencies():
     assert sorted(ln for ln in lines if ln and not ln.startswith("#")) == sorted(declared)
     front = (root / "playground" / "SPACE_README_FRONTMATTER.md").read_text()
     assert "sdk: gradio" in front and "app_file: app.py" in front
+
+
+def test_accuracy_alignment_on_the_conversation(client):
+    with pytest.raises(Exception, match="Chat first"):
+        client.predict(SYSTEM, api_name="/align")
+    client.predict("What is the capital of France?", SYSTEM, *greedy(8), api_name="/chat")
+    html = client.predict(SYSTEM, api_name="/align")
+    assert "<b>native</b> vs <b>paddleformers</b>" in html
+    row = re.search(r'<tr class="align-row" data-identical="(true|false)"><td>(\d+)</td><td>([\d.]+)%</td>', html)
+    positions, agreement = int(row.group(2)), float(row.group(3))
+    assert positions > 30                      # the whole chat prompt, teacher-forced, plus the reply
+    assert agreement >= 90.0                   # two implementations of one checkpoint
