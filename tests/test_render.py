@@ -248,3 +248,31 @@ def test_engine_panel(snapshot):
 def test_engine_panel_before_any_request(snapshot):
     html = render.engine_panel_html(snapshot)
     assert "no engine steps yet" in html and "–" in html
+
+
+def test_batch_table():
+    rows = [{"request_id": "batch-1", "question": "Name a colour.", "text": "Blue.", "num_prompt_tokens": 30,
+             "num_cached_tokens": 16, "finished": True, "error": None},
+            {"request_id": "batch-2", "question": "Name a planet.", "text": "Mar", "num_prompt_tokens": 31,
+             "num_cached_tokens": 16, "finished": False, "error": None},
+            {"request_id": "batch-3", "question": "Hi", "text": "", "num_prompt_tokens": 0,
+             "num_cached_tokens": 0, "finished": True, "error": "ValueError: boom"}]
+    doc = Elements(render.batch_table_html(rows))
+    trs = doc.by_class("batch-row")
+    assert [(t["attrs"]["data-request"], t["attrs"]["data-state"]) for t in trs] == [
+        ("batch-1", "done"), ("batch-2", "streaming…"), ("batch-3", "error")]
+    assert "Blue." in trs[0]["text"] and "16/30" in trs[0]["text"] and "ValueError: boom" in trs[2]["text"]
+    assert "Fire a batch" in render.batch_table_html([])
+
+
+def test_alignment_table():
+    report = {"model": "m", "impl_a": "native", "impl_b": "paddleformers", "all_greedy_identical": False,
+              "rows": [{"positions": 40, "top1_agreement": 0.975, "max_abs_logprob_diff": 1.5e-4,
+                        "mean_kl": 2e-9, "greedy_identical": False, "first_divergence": 7, "greedy_tokens": 16}]}
+    doc = Elements(render.alignment_html(report))
+    row = doc.by_class("align-row")[0]
+    assert row["attrs"]["data-identical"] == "false"
+    assert "97.5%" in row["text"] and "1.50e-04" in row["text"] and "differs at token 7 (16 tokens)" in row["text"]
+    assert doc.by_class("align-verdict")[0]["text"] == "greedy outputs differ"
+    assert "native" in doc.by_class("pg-head")[0]["text"]
+    assert "Compare the serving backend" in render.alignment_html(None)
