@@ -156,7 +156,8 @@ def build_app(
             fire.click(h.batch_demo, [n_batch, session, system, *sampling], [batch_view], api_name="batch_demo",
                        concurrency_limit=1, concurrency_id="batch"),
         ]
-        stop.click(h.stop, [session], None, cancels=chat_events, api_name="stop")
+        # Stop skips the queue, so it works even when the queue is full.
+        stop.click(h.stop, [session], None, cancels=chat_events, api_name="stop", queue=False)
         clear.click(h.clear, [session], chat_out, cancels=chat_events, api_name="clear")
         lp_view.click(h.pick_token, [session], [token_index, alternative, lp_view], api_visibility="private")
         reset.click(h.reset_prefix_cache, [session], [prefix], api_name="reset_prefix_cache")

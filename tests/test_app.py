@@ -246,3 +246,24 @@ def test_accuracy_alignment_on_the_conversation(client):
     positions, agreement = int(row.group(2)), float(row.group(3))
     assert positions > 30                      # the whole chat prompt, teacher-forced, plus the reply
     assert agreement >= 90.0                   # two implementations of one checkpoint
+
+
+def test_full_queue_refuses_with_a_clear_message(smollm2_llm):
+    demo = build_app(smollm2_llm, queue_size=1, concurrency=1)
+    _, url, _ = launch(demo, prevent_thread_lock=True, quiet=True)
+    try:
+        clients = [gradio_client.Client(url, verbose=False) for _ in range(3)]
+        first = clients[0].submit("Count to fifty.", SYSTEM, *greedy(64, 0), api_name="/chat")
+        deadline = time.monotonic() + 60
+        while not first.outputs() and time.monotonic() < deadline:   # running: holds the only slot
+            time.sleep(0.02)
+        second = clients[1].submit("Hi", SYSTEM, *greedy(4, 0), api_name="/chat")   # waits in the queue
+        time.sleep(0.5)
+        with pytest.raises(Exception, match="[Qq]ueue is full"):
+            clients[2].predict("Hi", SYSTEM, *greedy(4, 0), api_name="/chat")
+        first.cancel()
+        assert reply_text(second.result(timeout=120)[0])       # the queued one is served afterwards
+    finally:
+        demo.close()
+        demo.playground_monitor.close()
+    assert not wait_idle(smollm2_llm)["requests"]
