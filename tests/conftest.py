@@ -1,11 +1,14 @@
 """Shared fixtures: real models are loaded once per test session."""
 
+import contextlib
 import os
 import sys
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/tiny_models.py
+
+_MISSING = object()
 
 
 @pytest.fixture(scope="session")
@@ -43,23 +46,40 @@ def gemma3_checkpoint():
     return load_checkpoint("gemma3-270m")
 
 
-def import_transformers():
-    """Import HF `transformers` (test-only reference implementation) and return the module.
+@contextlib.contextmanager
+def torch_transformers():
+    """HF `transformers` backed by torch (the test-only reference implementation).
 
-    paddlecodec, a paddleformers dependency, installs a module named `torchcodec`
-    without torchcodec's package metadata; transformers then finds the module,
-    asks for its version and fails while importing its audio utilities.  The
-    module is hidden while transformers initialises and restored afterwards.
+    PaddleFormers imports transformers with torch hidden, so once it has been
+    imported, that copy of transformers has no models.  Inside this context a
+    fresh copy is imported next to it (with torch), and the previous one is put
+    back afterwards; objects made inside keep working outside.
+
+    paddlecodec, a paddleformers dependency, also installs a module named
+    `torchcodec` without its package metadata, which transformers' audio
+    utilities trip over: it is declared absent, as PaddleFormers does.
     """
-    hidden = sys.modules.get("torchcodec")
-    sys.modules["torchcodec"] = None  # find_spec() -> None: "not installed"
+    def ours(name):
+        return name == "transformers" or name.startswith("transformers.")
+
+    saved = {name: module for name, module in sys.modules.items() if ours(name)}
+    for name in saved:
+        del sys.modules[name]
+    codec = sys.modules.get("torchcodec", _MISSING)
+    sys.modules["torchcodec"] = None
     try:
+        import torch  # noqa: F401  (imported first, so transformers sees it)
         import transformers
-        import transformers.audio_utils  # noqa: F401  (reads the torchcodec version at import)
-        from transformers import modeling_utils  # noqa: F401
+        import transformers.audio_utils  # noqa: F401
+
+        assert transformers.utils.is_torch_available()
+        transformers.logging.set_verbosity_error()
+        yield transformers
     finally:
-        if hidden is None:
+        for name in [name for name in sys.modules if ours(name)]:
+            del sys.modules[name]
+        sys.modules.update(saved)
+        if codec is _MISSING:
             del sys.modules["torchcodec"]
         else:
-            sys.modules["torchcodec"] = hidden
-    return transformers
+            sys.modules["torchcodec"] = codec

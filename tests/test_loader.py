@@ -19,7 +19,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import import_transformers
+from conftest import torch_transformers
 
 from engine.loader import load_checkpoint, resolve_model, zoo
 from engine.loader.gguf_tokenizer import GEMMA_CHAT_TEMPLATE
@@ -37,7 +37,8 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def transformers():
-    return import_transformers()
+    with torch_transformers() as module:
+        yield module
 
 
 @pytest.fixture(scope="module")
