@@ -5,8 +5,8 @@ what this module does to undo it:
 
 * **Names**: ``blk.3.attn_q.weight`` <- ``model.layers.3.self_attn.q_proj.weight``
   (table below; Gemma 3 has two extra norms per layer).
-* **Layout**: GGUF lists dimensions fastest-first (``[in, out]``); the reader's
-  NumPy view is ``[out, in]``, which is the HF/torch linear layout already.
+* **Layout**: GGUF lists dimensions fastest-first (``[in, out]``); read as a
+  row-major NumPy array the shape is ``[out, in]``, HF/torch's linear layout.
 * **Quantization**: Q4_1, Q4_K, Q5_0, Q6_K, Q8_0, F16... -> float32 with
   `gguf.quants.dequantize`.
 * **Q/K RoPE permutation** (``llama`` only): ``LlamaModel.permute`` reorders the
