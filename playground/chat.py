@@ -14,8 +14,9 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from .logprobs import forced_record, token_records
 

@@ -8,8 +8,9 @@ layout and the wiring live in ``app.py``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import gradio as gr
 

@@ -11,7 +11,8 @@ feature reads (which alternatives a token had). Logprob values may be engine
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 __all__ = ["token_records", "forced_record", "entropy_bits", "token_tooltip_rows"]
 

@@ -9,8 +9,8 @@ Every bar carries a ``<title>`` so hovering it shows its exact value.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from html import escape
-from typing import Sequence
 
 __all__ = ["bar_chart_svg"]
 
@@ -73,11 +73,11 @@ def bar_chart_svg(
     left, right, top, bottom = 34, 6, 8, 28 if x_caption else 18
     plot_w = width - left - right
     plot_h = height - top - bottom
-    parts = [
+    parts = [(
         f'<svg class="{css_class}" viewBox="0 0 {width} {height}" '
         f'width="100%" preserveAspectRatio="xMidYMid meet" '
         f'xmlns="http://www.w3.org/2000/svg" role="img">'
-    ]
+    )]
     top_value = y_max if y_max is not None else (1.0 if percent else _nice_max(max(values, default=0)))
     # Horizontal grid lines at 0, 50 % and 100 % of the axis.
     for frac in (0.0, 0.5, 1.0):

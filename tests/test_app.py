@@ -8,11 +8,11 @@ import subprocess
 import sys
 import threading
 import time
-import tomllib
 from pathlib import Path
 
 import gradio_client
 import pytest
+import tomllib
 
 from engine import SamplingParams
 from playground.app import DEFAULT_SYSTEM_PROMPT, build_app, launch
