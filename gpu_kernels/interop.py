@@ -159,7 +159,9 @@ def _cuda_interface(x):
 
 def device_view(x):
     """Numba device array over a CUDA tensor's memory (float16 native, bf16 as uint16)."""
-    from numba import cuda
+    from numba import config, cuda
+    if isinstance(x, np.ndarray) and config.ENABLE_CUDASIM:
+        return x.view(np.uint16) if x.dtype.name == "bfloat16" else x   # simulator: host memory
     if cuda.is_cuda_array(x) and type(x).__module__.startswith("numba"):
         return x
     key, bf16, make = _cuda_interface(x)
@@ -205,6 +207,6 @@ def cuda_stream(x):
         ptr = 0
     stream = _streams.get(ptr)
     if stream is None:
-        stream = cuda.default_stream() if ptr == 0 else cuda.external_stream(ptr)
+        stream = 0 if ptr == 0 else cuda.external_stream(ptr)   # 0: the default stream
         _streams[ptr] = stream
     return stream

@@ -1,0 +1,262 @@
+"""Benchmark: ``python -m gpu_kernels.bench`` (``--sweep`` also tries decode kernel variants).
+
+Without a GPU it compares the ``cpu`` backend with a NumPy gather + softmax
+decode, and measures the per-call overhead of the dispatch layer (NumPy and
+Paddle arguments).
+
+With a GPU (needs torch) it prints, for the ``cuda`` backend on torch tensors:
+
+* the device's measured copy bandwidth (bytes read + written per second);
+* decode for batch x context in {1, 16, 64} x {512, 2048, 8192}, 8 KV heads,
+  32 query heads, head_dim 128, float16, block size 16, block tables in random
+  order: GPU time per call with a cold L2 (a 256 MB buffer is rewritten before
+  every call), effective KV bandwidth (K and V bytes read / time), and torch's
+  ``scaled_dot_product_attention`` on the same sizes in a contiguous cache;
+* host time per call of ``gpu_kernels.paged_decode`` (Python + launch);
+* prefill TFLOP/s (causal FLOPs only) against the FP32 CUDA-core peak
+  (SMs x 128 lanes x 2 FLOP x clock).
+
+GPU time is measured with CUDA events around one call queued behind a
+``torch.cuda._sleep`` kernel, so host-side overhead does not count; it is
+reported separately.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+import gpu_kernels
+from gpu_kernels.testing import make_problem
+
+
+def _host_time(fn, reps):
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+# --------------------------------------------------------------------------- CPU
+
+
+def numpy_decode(q, kc, vc, bt, lens, scale, out):
+    """The NumPy baseline: gather each sequence's pages, then softmax(q K^T) V per KV head."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, block_size = kc.shape[1], kc.shape[2]
+    group = num_heads // num_kv_heads
+    for i in range(q.shape[0]):
+        length = int(lens[i])
+        nb = -(-length // block_size)
+        k = kc[bt[i, :nb]].transpose(1, 0, 2, 3).reshape(num_kv_heads, nb * block_size, head_dim)
+        v = vc[bt[i, :nb]].transpose(1, 0, 2, 3).reshape(num_kv_heads, nb * block_size, head_dim)
+        k, v = k[:, :length].astype(np.float32), v[:, :length].astype(np.float32)
+        s = (q[i].reshape(num_kv_heads, group, head_dim).astype(np.float32) * scale) \
+            @ k.transpose(0, 2, 1)
+        s = np.exp(s - s.max(-1, keepdims=True))
+        s /= s.sum(-1, keepdims=True)
+        out[i] = (s @ v).reshape(num_heads, head_dim)
+
+
+def bench_cpu():
+    import numba
+    print(f"CPU backend vs NumPy (numba {numba.__version__}, {numba.get_num_threads()} threads)")
+    print("| batch | heads q/kv | head_dim | context | cache | cpu µs | NumPy µs | speed-up |")
+    print("|---|---|---|---|---|---|---|---|")
+    rng = np.random.default_rng(0)
+    for seqs, heads, kv_heads, head_dim, ctx, dtype in [
+            (1, 9, 3, 64, 512, "float32"), (8, 9, 3, 64, 1024, "float32"),
+            (1, 4, 1, 256, 4096, "float32"), (8, 32, 8, 128, 2048, "float32"),
+            (8, 32, 8, 128, 2048, "float16")]:
+        p = make_problem(rng, context_lens=[ctx] * seqs, query_lens=[1] * seqs,
+                         num_kv_heads=kv_heads, group=heads // kv_heads, head_dim=head_dim,
+                         dtype=dtype, query_dtype="float32")
+        out = np.zeros_like(p.query)
+        reps = max(3, int(3e6 // (seqs * ctx * heads * head_dim) * 10))
+        ours = _host_time(lambda: gpu_kernels.paged_decode(
+            p.query, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale, out=out,
+            backend="cpu"), reps)
+        base = _host_time(lambda: numpy_decode(p.query, p.k_cache, p.v_cache, p.block_tables,
+                                               p.context_lens, p.scale, out), reps)
+        print(f"| {seqs} | {heads}/{kv_heads} | {head_dim} | {ctx} | {dtype} | {ours:.0f} | "
+              f"{base:.0f} | {base / ours:.1f}x |")
+
+    p = make_problem(rng, context_lens=[1], query_lens=[1], num_kv_heads=3, group=3, head_dim=64)
+    out = np.zeros_like(p.query)
+    from gpu_kernels import cpu
+    args = (p.query, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale, 0, out,
+            numba.get_num_threads(), cpu.min_parallel_work)
+    kernel = _host_time(lambda: cpu.paged_decode(*args), 2000)
+    via_numpy = _host_time(lambda: gpu_kernels.paged_decode(
+        p.query, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale, out=out), 2000)
+    line = (f"\nper-call cost, 1-token decode: kernel call {kernel:.1f} µs, "
+            f"dispatch with NumPy arrays {via_numpy:.1f} µs")
+    try:
+        import paddle
+    except ImportError:
+        print(line)
+        return
+    t = {k: paddle.to_tensor(getattr(p, k)) for k in
+         ("query", "k_cache", "v_cache", "block_tables", "context_lens")}
+    pout = paddle.zeros(p.query.shape, dtype="float32")
+    via_paddle = _host_time(lambda: gpu_kernels.paged_decode(
+        t["query"], t["k_cache"], t["v_cache"], t["block_tables"], t["context_lens"], p.scale,
+        out=pout), 2000)
+    print(f"{line}, with Paddle tensors {via_paddle:.1f} µs")
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+class GpuTimer:
+    """Cold-L2 GPU time of one call, host overhead hidden behind a sleep kernel."""
+
+    def __init__(self, torch):
+        self.torch = torch
+        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.end = torch.cuda.Event(enable_timing=True)
+
+    def __call__(self, fn, reps=15):
+        torch = self.torch
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            self.flush.zero_()
+            torch.cuda._sleep(1_000_000)          # ~0.5 ms: the host queues fn meanwhile
+            self.start.record()
+            fn()
+            self.end.record()
+            self.end.synchronize()
+            times.append(self.start.elapsed_time(self.end) * 1e3)
+        return statistics.median(times)
+
+
+def copy_bandwidth(torch, timer):
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = timer(lambda: dst.copy_(src), reps=5)
+    return 2 * src.numel() / us / 1e6
+
+
+def decode_case(torch, seqs, ctx, kv_heads=8, heads=32, head_dim=128, block_size=16):
+    """Random fp16 paged cache with shuffled blocks, and a contiguous copy for the SDPA peer."""
+    nb = seqs * ctx // block_size
+    kc = torch.randn(nb, kv_heads, block_size, head_dim, dtype=torch.float16, device="cuda")
+    vc = torch.randn_like(kc)
+    tables = torch.randperm(nb, device="cuda", dtype=torch.int32).reshape(seqs, ctx // block_size)
+    lens = torch.full((seqs,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(seqs, heads, head_dim, dtype=torch.float16, device="cuda")
+    return q, kc, vc, tables, lens
+
+
+def contiguous(torch, cache, tables):
+    """[seqs, kv_heads, ctx, head_dim] view of each sequence's pages (for the SDPA peer)."""
+    pages = cache[tables.long()]                                  # [S, nb, Hkv, bs, D]
+    s, nb, h, bs, d = pages.shape
+    return pages.permute(0, 2, 1, 3, 4).reshape(s, h, nb * bs, d).contiguous()
+
+
+def bench_gpu(sweep):
+    import torch
+    import torch.nn.functional as F
+    from numba import cuda
+
+    from gpu_kernels import cuda as cuda_backend
+    dev = cuda.get_current_device()
+    sms, clock_khz = dev.MULTIPROCESSOR_COUNT, dev.CLOCK_RATE
+    fp32_peak = sms * 128 * 2 * clock_khz * 1e3 / 1e12
+    timer = GpuTimer(torch)
+    print(f"{torch.cuda.get_device_name()}: {sms} SMs, {clock_khz / 1e6:.2f} GHz, "
+          f"FP32 CUDA-core peak {fp32_peak:.1f} TFLOP/s")
+    bw = copy_bandwidth(torch, timer)
+    print(f"measured device copy bandwidth: {bw:.2f} TB/s (read + write)\n")
+    scale = 128 ** -0.5
+
+    if sweep:
+        print("decode variants (partition, unroll): µs at batch 64 x 8192 / batch 1 x 512")
+        for part, unroll in [(128, 4), (128, 2), (64, 4), (256, 2), (128, 1)]:
+            cuda_backend.PARTITION, cuda_backend.UNROLL = part, unroll
+            row = []
+            for seqs, ctx in [(64, 8192), (1, 512)]:
+                q, kc, vc, bt, lens = decode_case(torch, seqs, ctx)
+                out = torch.empty_like(q)
+                row.append(timer(lambda: gpu_kernels.paged_decode(q, kc, vc, bt, lens, scale,
+                                                                  out=out)))
+            print(f"  P={part:3d} U={unroll}: {row[0]:8.1f} µs {row[1]:6.1f} µs")
+        cuda_backend.PARTITION, cuda_backend.UNROLL = 128, 4
+        print()
+
+    print("decode, 32 q heads / 8 KV heads, d=128, fp16, block 16, cold L2")
+    print("| batch | context | KV MB | ours µs | ours TB/s | % of copy | SDPA µs | SDPA TB/s "
+          "| ours/SDPA speed | host µs/call | max err vs SDPA |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for seqs in (1, 16, 64):
+        for ctx in (512, 2048, 8192):
+            q, kc, vc, bt, lens = decode_case(torch, seqs, ctx)
+            out = torch.empty_like(q)
+            call = lambda: gpu_kernels.paged_decode(q, kc, vc, bt, lens, scale, out=out)  # noqa
+            ours = timer(call)
+            kv_bytes = 2 * seqs * ctx * 8 * 128 * 2
+            host = _host_time(call, 200)
+            torch.cuda.synchronize()
+            k4, v4 = contiguous(torch, kc, bt), contiguous(torch, vc, bt)
+            q4 = q.unsqueeze(2)                                   # [S, 32, 1, D]
+            sdpa = lambda: F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True)  # noqa
+            peer = timer(sdpa)
+            err = (out.float() - sdpa().squeeze(2).float()).abs().max().item()
+            del k4, v4
+            print(f"| {seqs} | {ctx} | {kv_bytes / 1e6:.0f} | {ours:.1f} | "
+                  f"{kv_bytes / ours / 1e6:.2f} | {100 * kv_bytes / ours / 1e6 / bw:.0f}% | "
+                  f"{peer:.1f} | {kv_bytes / peer / 1e6:.2f} | {peer / ours:.2f}x | {host:.0f} | "
+                  f"{err:.1e} |")
+            del q, kc, vc, bt, out
+            torch.cuda.empty_cache()
+
+    print("\nprefill, 32 q heads / 8 KV heads, d=128, fp16, causal (useful FLOPs only)")
+    print("| sequences x prompt | ours ms | TFLOP/s | % of FP32 peak | SDPA (tensor cores) ms |")
+    print("|---|---|---|---|---|")
+    for seqs, prompt in [(1, 4096), (4, 1024), (16, 512)]:
+        q, kc, vc, bt, lens = decode_case(torch, seqs, prompt)
+        q = torch.randn(seqs * prompt, 32, 128, dtype=torch.float16, device="cuda")
+        qsl = torch.arange(0, seqs + 1, dtype=torch.int32, device="cuda") * prompt
+        out = torch.empty_like(q)
+        ms = timer(lambda: gpu_kernels.paged_prefill(q, kc, vc, bt, qsl, lens, scale,
+                                                     out=out), reps=5) / 1e3
+        flops = cuda_backend.prefill_flops([prompt] * seqs, [prompt] * seqs, 32, 128)
+        k4, v4 = contiguous(torch, kc, bt), contiguous(torch, vc, bt)
+        q4 = q.reshape(seqs, prompt, 32, 128).transpose(1, 2)
+        peer = timer(lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True,
+                                                            enable_gqa=True), reps=5) / 1e3
+        tf = flops / ms / 1e9
+        print(f"| {seqs} x {prompt} | {ms:.2f} | {tf:.1f} | {100 * tf / fp32_peak:.0f}% | "
+              f"{peer:.3f} |")
+        del q, kc, vc, bt, out, k4, v4
+        torch.cuda.empty_cache()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="GPU: also time decode variants")
+    args = parser.parse_args(argv)
+    try:
+        from numba import cuda
+        gpu = cuda.is_available()
+        import torch
+        gpu = gpu and torch.cuda.is_available()
+    except ImportError:
+        gpu = False
+    if gpu:
+        bench_gpu(args.sweep)
+    else:
+        bench_cpu()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""Device helpers shared by the CUDA kernels, in two implementations.
+
+The kernels read KV caches as flat arrays of 32-bit *words* (two float16 or
+bfloat16 elements, or one float32 per word) with 16-byte vector loads, and
+convert elements to float32 themselves. Reductions inside a thread group
+use warp shuffles.
+
+On a GPU these are LLVM intrinsics / inline PTX and ``shfl_xor_sync``. Under
+``NUMBA_ENABLE_CUDASIM=1`` (the CUDA simulator runs kernels as Python threads;
+it has no warp shuffles and cannot compile intrinsics) the same names are
+plain Python: conversions through NumPy views, reductions through shared
+memory and ``syncthreads``. The kernels are written so that every thread of
+a block calls a reduction the same number of times, which both versions
+need.
+
+Element formats (``KIND``, a compile-time constant of each kernel)::
+
+    F32 = 0   float32 arrays
+    F16 = 1   float16 arrays (native on the device)
+    BF16 = 2  uint16 arrays holding bfloat16 bits
+
+Names:
+
+``ld4(words, i)``              words[i:i+4] as a tuple, one 16-byte load
+``word_elem(w, e, KIND)``      element e (0 or 1) of word w as float32
+``to_f32(x, KIND)``            an array element as float32
+``from_f32(v, KIND)``          float32 -> a value to store in an array of KIND
+                               (round to nearest even)
+``exp2(x)``                    2**x in float32 (fast approximate instruction on the GPU)
+``group_sum / group_max(v, width, scratch)``
+    reduce v over aligned groups of ``width`` consecutive threads; every thread
+    gets its group's result. ``scratch``: shared float32[blockDim.x] (simulator only).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import config, cuda
+
+if not hasattr(np, "row_stack"):      # NumPy 2.5 removed it; numba-cuda still calls it
+    np.row_stack = np.vstack
+
+SIMULATED = bool(config.ENABLE_CUDASIM)
+F32, F16, BF16 = 0, 1, 2
+
+
+@cuda.jit(device=True)
+def vmax(a, b):
+    """max() of two numbers (the builtin does not type-check in some numba-cuda versions)."""
+    return a if a > b else b
+
+
+@cuda.jit(device=True)
+def vmin(a, b):
+    return a if a < b else b
+
+
+def kind_of(dtype) -> int:
+    """Element format code of a device array dtype (float32 / float16 / uint16 = bf16)."""
+    dtype = np.dtype(dtype)
+    if dtype == np.float32:
+        return F32
+    if dtype == np.float16:
+        return F16
+    if dtype == np.uint16:
+        return BF16
+    raise TypeError(f"unsupported CUDA attention dtype {dtype}")
+
+
+if SIMULATED:
+    def _f32(bits):
+        return np.array([bits & 0xFFFFFFFF], np.uint32).view(np.float32)[0]
+
+    def _bits(value):
+        return int(np.array([value], np.float32).view(np.uint32)[0])
+
+    @cuda.jit(device=True)
+    def ld4(words, i):
+        return words[i], words[i + 1], words[i + 2], words[i + 3]
+
+    @cuda.jit(device=True)
+    def word_elem(w, e, kind):
+        w = int(w)
+        if kind == F32:
+            return _f32(w)
+        half = (w >> 16) if e else (w & 0xFFFF)
+        if kind == F16:
+            return np.float32(np.array([half], np.uint16).view(np.float16)[0])
+        return _f32(half << 16)
+
+    @cuda.jit(device=True)
+    def to_f32(x, kind):
+        if kind == BF16:
+            return _f32(int(x) << 16)
+        return np.float32(x)
+
+    @cuda.jit(device=True)
+    def from_f32(v, kind):
+        if kind == BF16:
+            bits = _bits(v)
+            return np.uint16(((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF)
+        if kind == F16:
+            return np.float16(v)
+        return np.float32(v)
+
+    @cuda.jit(device=True)
+    def exp2(x):
+        return np.float32(math.exp2(x))
+
+    def _group_reduce(v, width, scratch, is_max):
+        tid = cuda.threadIdx.x
+        cuda.syncthreads()
+        scratch[tid] = v
+        cuda.syncthreads()
+        base = tid - tid % width
+        r = scratch[base]
+        for k in range(1, width):
+            r = vmax(r, scratch[base + k]) if is_max else r + scratch[base + k]
+        cuda.syncthreads()
+        return np.float32(r)
+
+    @cuda.jit(device=True)
+    def group_sum(v, width, scratch):
+        return _group_reduce(v, width, scratch, False)
+
+    @cuda.jit(device=True)
+    def group_max(v, width, scratch):
+        return _group_reduce(v, width, scratch, True)
+
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.core.extending import intrinsic
+
+    @intrinsic
+    def _ld4(typingctx, arr, idx):
+        """One 16-byte load of 4 uint32 words at flat word index idx (16-byte aligned)."""
+        sig = types.UniTuple(types.uint32, 4)(arr, idx)
+
+        def codegen(context, builder, signature, args):
+            ary = context.make_array(signature.args[0])(context, builder, args[0])
+            base = builder.bitcast(ary.data, ir.IntType(32).as_pointer())
+            ptr = builder.gep(base, [args[1]])
+            vec = builder.load(builder.bitcast(ptr, ir.VectorType(ir.IntType(32), 4).as_pointer()),
+                               align=16)
+            vals = [builder.extract_element(vec, ir.Constant(ir.IntType(32), k)) for k in range(4)]
+            return context.make_tuple(builder, signature.return_type, vals)
+        return sig, codegen
+
+    @intrinsic
+    def _as_f32(typingctx, bits):
+        def codegen(context, builder, signature, args):
+            v = args[0]
+            if v.type.width != 32:
+                v = builder.trunc(v, ir.IntType(32)) if v.type.width > 32 else \
+                    builder.zext(v, ir.IntType(32))
+            return builder.bitcast(v, ir.FloatType())
+        return types.float32(bits), codegen
+
+    @intrinsic
+    def _as_u32(typingctx, value):
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.IntType(32))
+        return types.uint32(value), codegen
+
+    @intrinsic
+    def _half_bits_to_f32(typingctx, bits):
+        """Low 16 bits of an integer, read as IEEE half -> float32 (cvt.f32.f16)."""
+        def codegen(context, builder, signature, args):
+            h = builder.trunc(args[0], ir.IntType(16))
+            asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [ir.IntType(16)]),
+                               "cvt.f32.f16 $0, $1;", "=f,h")
+            return builder.call(asm, [h])
+        return types.float32(bits), codegen
+
+    @cuda.jit(device=True)
+    def ld4(words, i):
+        return _ld4(words, i)
+
+    @cuda.jit(device=True)
+    def word_elem(w, e, kind):
+        if kind == F32:
+            return _as_f32(w)
+        if kind == F16:
+            return _half_bits_to_f32((w >> np.uint32(16)) if e else w)
+        return _as_f32((w & np.uint32(0xFFFF0000)) if e else (w << np.uint32(16)))
+
+    @intrinsic
+    def _f32_to_half(typingctx, value):
+        """float32 -> float16, round to nearest even (cvt.rn.f16.f32)."""
+        def codegen(context, builder, signature, args):
+            asm = ir.InlineAsm(ir.FunctionType(ir.IntType(16), [ir.FloatType()]),
+                               "cvt.rn.f16.f32 $0, $1;", "=h,f")
+            return builder.call(asm, [args[0]])     # Numba-CUDA keeps float16 values as i16
+        return types.float16(value), codegen
+
+    @intrinsic
+    def _ex2(typingctx, x):
+        def codegen(context, builder, signature, args):
+            asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [ir.FloatType()]),
+                               "ex2.approx.ftz.f32 $0, $1;", "=f,f")
+            return builder.call(asm, [args[0]])
+        return types.float32(x), codegen
+
+    @cuda.jit(device=True)
+    def exp2(x):
+        return _ex2(np.float32(x))
+
+    @cuda.jit(device=True)
+    def to_f32(x, kind):
+        if kind == BF16:
+            return _as_f32(np.uint32(x) << np.uint32(16))
+        return np.float32(x)
+
+    @cuda.jit(device=True)
+    def from_f32(v, kind):
+        if kind == BF16:
+            bits = _as_u32(np.float32(v))
+            return np.uint16((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
+                             >> np.uint32(16))
+        if kind == F16:
+            return _f32_to_half(np.float32(v))
+        return np.float32(v)
+
+    @cuda.jit(device=True)
+    def group_sum(v, width, scratch):
+        off = width // 2
+        while off > 0:
+            v += cuda.shfl_xor_sync(0xFFFFFFFF, v, off)
+            off //= 2
+        return v
+
+    @cuda.jit(device=True)
+    def group_max(v, width, scratch):
+        off = width // 2
+        while off > 0:
+            v = vmax(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, off))
+            off //= 2
+        return v

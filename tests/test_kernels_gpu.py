@@ -1,0 +1,148 @@
+"""gpu_kernels: the CUDA kernels on a real GPU, on torch tensors, against the NumPy reference.
+
+Skipped where ``numba.cuda`` finds no GPU (CI). Sizes are real: long ragged
+contexts (many partitions and splits), GQA 1/4/8, head_dim 64/128/256,
+float32/float16/bfloat16 caches, sliding windows, mixed prefill + decode
+batches.
+"""
+import os
+
+import numpy as np
+import pytest
+
+if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+    pytest.skip("real-GPU tests do not run under the CUDA simulator", allow_module_level=True)
+
+from numba import cuda  # noqa: E402
+
+if not cuda.is_available():
+    pytest.skip("no CUDA GPU", allow_module_level=True)
+
+torch = pytest.importorskip("torch")
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import gpu_kernels  # noqa: E402
+from gpu_kernels import cuda as cuda_backend  # noqa: E402
+from gpu_kernels.testing import assert_close, make_problem  # noqa: E402
+
+SETTINGS = settings(max_examples=10, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+def to_torch(a):
+    """NumPy (float16/float32, or uint16 bf16 bits) -> torch CUDA tensor of the real dtype."""
+    if a.dtype == np.uint16:
+        return torch.from_numpy(a.view(np.int16)).cuda().view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(a)).cuda()
+
+
+def to_numpy(t):
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).cpu().numpy().view(np.uint16)
+    return t.cpu().numpy()
+
+
+@st.composite
+def problems(draw, *, decode_only):
+    num_seqs = draw(st.integers(1, 6))
+    context_lens = draw(st.lists(st.integers(1, 3000), min_size=num_seqs, max_size=num_seqs))
+    if decode_only:
+        query_lens = [1] * num_seqs
+    else:
+        query_lens = [draw(st.sampled_from([1, c, min(c, 37), min(c, 200)])) for c in context_lens]
+    dtype = draw(st.sampled_from(["float16", "bfloat16", "float32"]))
+    prob = make_problem(
+        np.random.default_rng(draw(st.integers(0, 2**31))),
+        context_lens=context_lens, query_lens=query_lens,
+        num_kv_heads=draw(st.sampled_from([1, 2, 8])), group=draw(st.sampled_from([1, 4, 8])),
+        head_dim=draw(st.sampled_from([64, 128, 256])), block_size=draw(st.sampled_from([1, 16])),
+        dtype=dtype, query_dtype=draw(st.sampled_from([dtype, "float32"])),
+        pad_tokens=draw(st.integers(0, 2)))
+    window = draw(st.sampled_from([None, None, 100, 1024]))
+    return prob, window
+
+
+def gpu_run(op, prob, window):
+    args = {k: to_torch(getattr(prob, k)) for k in
+            ("query", "k_cache", "v_cache", "block_tables", "context_lens", "query_start_loc")}
+    out = to_torch(prob.out())
+    if op == "decode":
+        gpu_kernels.paged_decode(args["query"], args["k_cache"], args["v_cache"],
+                                 args["block_tables"], args["context_lens"], prob.scale,
+                                 sliding_window=window, out=out)
+    else:
+        gpu_kernels.paged_prefill(args["query"], args["k_cache"], args["v_cache"],
+                                  args["block_tables"], args["query_start_loc"],
+                                  args["context_lens"], prob.scale, sliding_window=window, out=out)
+    torch.cuda.synchronize()
+    return to_numpy(out)
+
+
+def ref_run(op, prob, window):
+    out = prob.out()
+    if op == "decode":
+        gpu_kernels.paged_decode(prob.query, prob.k_cache, prob.v_cache, prob.block_tables,
+                                 prob.context_lens, prob.scale, sliding_window=window, out=out,
+                                 backend="cpu")
+    else:
+        gpu_kernels.paged_prefill(prob.query, prob.k_cache, prob.v_cache, prob.block_tables,
+                                  prob.query_start_loc, prob.context_lens, prob.scale,
+                                  sliding_window=window, out=out, backend="cpu")
+    return out
+
+
+def qdtype(prob):
+    return {"u": "bfloat16"}.get(prob.query.dtype.kind, str(prob.query.dtype))
+
+
+@SETTINGS
+@given(problems(decode_only=True))
+def test_decode_matches_cpu_backend(case):
+    prob, window = case
+    prob.query = prob.query[:len(prob.context_lens)]
+    assert_close(gpu_run("decode", prob, window), ref_run("decode", prob, window), qdtype(prob))
+
+
+@SETTINGS
+@given(problems(decode_only=False))
+def test_prefill_mixed_batch_matches_cpu_backend(case):
+    prob, window = case
+    prob.query = prob.query[:prob.query_start_loc[-1]]
+    assert_close(gpu_run("prefill", prob, window), ref_run("prefill", prob, window),
+                 qdtype(prob))
+
+
+def test_small_decode_matches_reference_exactly_defined():
+    """The CPU backend is itself checked against the reference; close the loop once here."""
+    prob = make_problem(np.random.default_rng(0), context_lens=[1, 17, 300, 2049],
+                        query_lens=[1, 1, 1, 1], num_kv_heads=2, group=4, head_dim=128,
+                        dtype="float16")
+    ref = prob.out()
+    gpu_kernels.paged_decode(prob.query, prob.k_cache, prob.v_cache, prob.block_tables,
+                             prob.context_lens, prob.scale, out=ref, backend="reference")
+    assert_close(gpu_run("decode", prob, None), ref, "float16")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_write_kv_on_torch_tensors(dtype):
+    prob = make_problem(np.random.default_rng(1), context_lens=[40, 700, 3], query_lens=[40, 1, 3],
+                        num_kv_heads=8, head_dim=128, dtype=dtype, pad_tokens=3)
+    kc, vc = to_torch(prob.k_cache), to_torch(prob.v_cache)
+    gpu_kernels.write_kv(to_torch(prob.key), to_torch(prob.value), kc, vc,
+                         to_torch(prob.slot_mapping))
+    torch.cuda.synchronize()
+    gpu_kernels.write_kv(prob.key, prob.value, prob.k_cache, prob.v_cache, prob.slot_mapping,
+                         backend="reference")
+    np.testing.assert_array_equal(to_numpy(kc).view(np.uint8), prob.k_cache.view(np.uint8))
+    np.testing.assert_array_equal(to_numpy(vc).view(np.uint8), prob.v_cache.view(np.uint8))
+
+
+@pytest.mark.parametrize("target_blocks", [1, 2048])
+def test_split_k_extremes(monkeypatch, target_blocks):
+    monkeypatch.setattr(cuda_backend, "decode_target_blocks", target_blocks)
+    prob = make_problem(np.random.default_rng(2), context_lens=[8000, 5, 1300], query_lens=[1] * 3,
+                        num_kv_heads=8, group=4, head_dim=128, dtype="float16")
+    for _ in range(3):
+        assert_close(gpu_run("decode", prob, None), ref_run("decode", prob, None), "float16")
