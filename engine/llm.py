@@ -9,9 +9,12 @@ queue; concurrent requests are batched together by the scheduler.
 
 from __future__ import annotations
 
+import atexit
+import itertools
 import logging
 import queue
 import threading
+import weakref
 from typing import Iterable, Iterator
 
 from tqdm.auto import tqdm
@@ -23,7 +26,42 @@ from .sampling_params import SamplingParams
 
 logger = logging.getLogger("engine")
 
-Prompt = "str | dict | list[dict]"
+
+
+class FairLock:
+    """A re-entrant lock granted in arrival order.
+
+    The engine thread re-takes the lock for every step; with a plain lock it
+    would win every race and starve callers waiting to submit, abort or take
+    a snapshot. Tickets make each waiter get its turn at the next step boundary.
+    """
+
+    def __init__(self):
+        self._cond = threading.Condition(threading.Lock())
+        self._tickets = itertools.count()
+        self._serving = 0
+        self._owner: int | None = None
+        self._depth = 0
+
+    def __enter__(self):
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner == me:
+                self._depth += 1
+                return self
+            ticket = next(self._tickets)
+            while ticket != self._serving:
+                self._cond.wait()
+            self._owner, self._depth = me, 1
+        return self
+
+    def __exit__(self, *exc):
+        with self._cond:
+            self._depth -= 1
+            if self._depth == 0:
+                self._owner = None
+                self._serving += 1
+                self._cond.notify_all()
 
 
 class LLM:
@@ -39,9 +77,11 @@ class LLM:
                              f"{', '.join(EngineConfig.__dataclass_fields__)}")
         self.config = EngineConfig(**engine_args)
         self.engine = LLMEngine(self.config)
-        self._lock = threading.RLock()
+        self._lock = FairLock()
         self._queues: dict[str, queue.SimpleQueue] = {}
         self._thread: threading.Thread | None = None
+        # Stop the engine thread before interpreter shutdown freezes it mid-step.
+        atexit.register(_shutdown_if_alive, weakref.ref(self))
 
     # -- properties ---------------------------------------------------------------
     @property
@@ -59,7 +99,7 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Text prompts, ``{"prompt_token_ids": [...]}`` or ``{"prompt": str}``; one or a list."""
-        if isinstance(prompts, (str, dict)):
+        if not isinstance(prompts, (list, tuple)):
             prompts = [prompts]
         return self._run_batch([self._encode(p) for p in prompts], sampling_params, use_tqdm)
 
@@ -93,6 +133,15 @@ class LLM:
             if q is not None:
                 q.put(delta)
             return True
+
+    def shutdown(self) -> None:
+        """Abort every unfinished request and wait for the engine thread to exit."""
+        with self._lock:
+            for rid in list(self.engine.requests):
+                self.abort(rid)
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
 
     # -- observability ---------------------------------------------------------------
     def snapshot(self):
@@ -170,3 +219,9 @@ class LLM:
                         q.put(d)
                     if d.finished:
                         self._queues.pop(d.request_id, None)
+
+
+def _shutdown_if_alive(ref) -> None:
+    llm = ref()
+    if llm is not None:
+        llm.shutdown()
