@@ -96,7 +96,7 @@ def bar_chart_svg(
             f'text-anchor="middle" style="{_FONT}">{escape(empty_text)}</text>'
         )
     slot = plot_w / max(len(values), 1)
-    bar_w = max(slot * 0.8, 1.0) if len(values) < 60 else max(slot, 0.5)
+    bar_w = min(max(slot * 0.8, 1.0), 36.0) if len(values) < 60 else max(slot, 0.5)
     label_every = max(1, len(values) // 8)
     last_labelled = -label_every
     for i, value in enumerate(values):
