@@ -69,7 +69,7 @@ class RMSNorm(nn.Layer):
 
     def forward(self, x):
         x32 = x.astype("float32")
-        x32 = x32 * paddle.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        x32 = x32 * paddle.rsqrt((x32 * x32).mean(-1, keepdim=True) + self.eps)
         return (x32 * self.weight.astype("float32")).astype(x.dtype)
 
 
