@@ -68,6 +68,8 @@ class RMSNorm(nn.Layer):
         self.weight = self.create_parameter([dim], default_initializer=nn.initializer.Constant(1.0))
 
     def forward(self, x):
+        if x.dtype == paddle.float32:
+            return x * paddle.rsqrt((x * x).mean(-1, keepdim=True) + self.eps) * self.weight
         x32 = x.astype("float32")
         x32 = x32 * paddle.rsqrt((x32 * x32).mean(-1, keepdim=True) + self.eps)
         return (x32 * self.weight.astype("float32")).astype(x.dtype)
