@@ -232,7 +232,8 @@ def test_space_requirements_match_the_runtime_dependencies():
     declared = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
     lines = [ln.strip() for ln in (root / "requirements.txt").read_text().splitlines()]
     assert sorted(ln for ln in lines if ln and not ln.startswith("#")) == sorted(declared)
-    front = (root / "playground" / "SPACE_README_FRONTMATTER.md").read_text()
+    readme = (root / "README.md").read_text()
+    front = readme.split("---")[1] if readme.startswith("---") else ""
     assert "sdk: gradio" in front and "app_file: app.py" in front
 
 
