@@ -160,6 +160,7 @@ class LLMEngine:
             duration_s=time.perf_counter() - t0,
         )
         self._emit("step", batch_size=self.last_step.batch_size, num_tokens=self.last_step.num_tokens,
+                   prefill=dict(self.last_step.prefill), decode=list(self.last_step.decode),
                    duration_s=self.last_step.duration_s)
         return deltas
 
