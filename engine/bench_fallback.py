@@ -1,0 +1,169 @@
+"""Benchmark section "fallback": the native engine vs the PaddleFormers backend vs PaddleFormers' ``generate``.
+
+All three run the same SmolLM2 weights (float32, one process, one run):
+
+* **native** — ``LLM(model_impl="native")``;
+* **paddleformers backend** — ``LLM(model_impl="paddleformers")``: PaddleFormers'
+  ``LlamaForCausalLM`` on the engine's paged KV cache and kernels;
+* **PaddleFormers generate** — the same class with its own attention (``sdpa``)
+  and its own KV cache, driven by its ``generate`` (greedy).
+
+Measured, each as the best of ``repeats`` runs interleaved across the three
+(the machine may be shared; the best run is the least disturbed one):
+
+* **single-stream decode tok/s** — one request: ``(N - 1) / (T(N) - T(1))``,
+  i.e. the time per generated token with the prefill subtracted;
+* **16-stream aggregate tok/s** — 16 different prompts submitted together
+  (continuous batching for the engine, one left-padded batch for
+  ``generate``): ``16 × N / T``.
+
+Greedy decoding without stopping at EOS, so every run generates exactly N tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import paddle
+
+STORY = "Tell me a story about a dragon who learns to read."
+TOPICS = ("a lighthouse", "the moon", "a lost key", "winter", "a robot", "the sea", "a violin", "bread",
+          "a mountain", "a library", "rain", "a garden", "a clock", "a train", "a fox", "a bridge")
+
+
+@dataclass(frozen=True)
+class Result:
+    name: str
+    single_tok_s: float
+    multi_tok_s: float
+
+
+class PaddleFormersGenerate:
+    """PaddleFormers' own model and ``generate`` on the checkpoint's weights (the baseline)."""
+
+    def __init__(self, checkpoint):
+        from .fallback.hf_config import paddleformers_class, paddleformers_config
+        from .fallback.weights import load_hf_weights
+
+        cls = paddleformers_class(checkpoint.architecture)
+        config = paddleformers_config(cls, checkpoint.config, "cpu", "sdpa")
+        config.use_cache = True
+        self.model = cls(config)
+        load_hf_weights(self.model, checkpoint.weights(progress=False), num_heads=config.num_attention_heads,
+                        num_kv_heads=config.num_key_value_heads)
+        self.model.eval()
+        self.pad = checkpoint.config.get("pad_token_id") or 0
+
+    @paddle.no_grad()
+    def generate(self, prompts: list[list[int]], n: int) -> list[list[int]]:
+        width = max(map(len, prompts))
+        ids = np.full((len(prompts), width), self.pad, dtype=np.int64)
+        mask = np.zeros((len(prompts), width), dtype=np.int64)
+        for i, p in enumerate(prompts):  # left padding
+            ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+        out = self.model.generate(input_ids=paddle.to_tensor(ids), attention_mask=paddle.to_tensor(mask),
+                                  max_new_tokens=n, min_new_tokens=n, decode_strategy="greedy_search",
+                                  pad_token_id=self.pad)
+        return out[0].numpy().tolist()
+
+
+def _engine_runner(llm):
+    from .sampling_params import SamplingParams
+
+    def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
+        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        return [o.outputs[0].token_ids for o in outs]
+
+    return generate
+
+
+def _timed(fn, *args) -> tuple[float, object]:
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return time.perf_counter() - t0, out
+
+
+def run(model: str = "smollm2-135m-instruct", tokens: int = 64, streams: int = 16, repeats: int = 3,
+        log=print) -> tuple[list[Result], bool]:
+    """Measure the three; returns the results and whether their single-stream greedy outputs agree."""
+    from .llm import LLM
+    from .loader import load_checkpoint
+
+    checkpoint = load_checkpoint(model)
+    log(f"loading {model}: native engine, PaddleFormers backend, PaddleFormers generate ...")
+    runners = {
+        "native engine": _engine_runner(LLM(model=model, model_impl="native", dtype="float32", device="cpu")),
+        "PaddleFormers backend": _engine_runner(LLM(model=model, model_impl="paddleformers", dtype="float32",
+                                                    device="cpu")),
+        "PaddleFormers generate": PaddleFormersGenerate(checkpoint).generate,
+    }
+    encode = lambda text: checkpoint.tokenizer.encode(text, add_special_tokens=True)
+    single = [encode(STORY)]
+    multi = [encode(f"Write a short poem about {TOPICS[i % len(TOPICS)]}.") for i in range(streams)]
+    for fn in runners.values():  # warm up: kernels compiled, caches allocated
+        fn(single, 2)
+
+    t1 = {k: [] for k in runners}
+    tn = {k: [] for k in runners}
+    tm = {k: [] for k in runners}
+    outputs = {}
+    for r in range(repeats):
+        for name, fn in runners.items():
+            t1[name].append(_timed(fn, single, 1)[0])
+            seconds, outputs[name] = _timed(fn, single, tokens)
+            tn[name].append(seconds)
+            tm[name].append(_timed(fn, multi, tokens)[0])
+            log(f"  run {r + 1}/{repeats} {name}: {tokens} tokens {tn[name][-1]:.2f} s, "
+                f"{streams} streams {tm[name][-1]:.2f} s")
+    results = [Result(name, (tokens - 1) / max(min(tn[name]) - min(t1[name]), 1e-9),
+                      streams * tokens / min(tm[name])) for name in runners]
+    return results, _agree(list(outputs.values()), checkpoint.tokenizer.eos_token_ids)
+
+
+def _agree(outputs: list[list[list[int]]], eos_ids) -> bool:
+    """Whether the single-stream greedy outputs agree up to the first EOS.
+
+    ``generate(min_new_tokens=N)`` keeps going by suppressing EOS, where the
+    engine's ``ignore_eos`` keeps going by sampling past it, so the
+    continuations may part after an EOS; before it they must be equal.
+    """
+    first = outputs[0][0]
+    end = next((i for i, t in enumerate(first) if t in eos_ids), len(first))
+    return all(o[0][:end] == first[:end] for o in outputs)
+
+
+def table(results: list[Result], agree: bool, tokens: int, streams: int) -> str:
+    by = {r.name: r for r in results}
+    native, backend, generate = by["native engine"], by["PaddleFormers backend"], by["PaddleFormers generate"]
+    lines = [f"fallback — SmolLM2 weights, float32, CPU, N={tokens} generated tokens, best of interleaved runs",
+             f"{'':<24}{'single-stream decode':>22}{f'{streams}-stream aggregate':>22}",
+             f"{'':<24}{'tok/s':>22}{'tok/s':>22}"]
+    for r in results:
+        lines.append(f"{r.name:<24}{r.single_tok_s:>22.1f}{r.multi_tok_s:>22.1f}")
+    lines.append("PaddleFormers backend ...")
+    for label, ref, target in (("vs native", native, 0.85), ("vs PF generate", generate, 1.5)):
+        s, m = backend.single_tok_s / ref.single_tok_s, backend.multi_tok_s / ref.multi_tok_s
+        lines.append(f"{'  ' + label:<24}{s:>21.2f}x{m:>21.2f}x   (target >= {target}x)")
+    lines.append(f"single-stream greedy outputs of the three agree: {'yes' if agree else 'NO'}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m engine.bench_fallback", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    results, agree = run(args.model, args.tokens, args.streams, args.repeats)
+    print(table(results, agree, args.tokens, args.streams))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
