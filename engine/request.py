@@ -31,6 +31,7 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    num_output_tokens: int = 0
 
     @property
     def ttft(self) -> float | None:
@@ -39,11 +40,12 @@ class RequestMetrics:
             return None
         return self.first_token_time - self.arrival_time
 
-    def tpot(self, num_output_tokens: int) -> float | None:
-        """Time per output token after the first, seconds."""
-        if self.finished_time is None or self.first_token_time is None or num_output_tokens < 2:
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first, seconds."""
+        if self.finished_time is None or self.first_token_time is None or self.num_output_tokens < 2:
             return None
-        return (self.finished_time - self.first_token_time) / (num_output_tokens - 1)
+        return (self.finished_time - self.first_token_time) / (self.num_output_tokens - 1)
 
 
 @dataclass(eq=False)
@@ -97,5 +99,6 @@ class Request:
 
     def append_token(self, token_id: int, logprobs: dict[int, Logprob] | None) -> None:
         self.output_token_ids.append(token_id)
+        self.metrics.num_output_tokens = len(self.output_token_ids)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)

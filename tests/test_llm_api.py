@@ -15,6 +15,8 @@ def test_factual_chat_answer(smollm2_llm):
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason in ("stop", "length")
     assert out.metrics.ttft is not None and out.metrics.ttft > 0
+    assert out.metrics.num_output_tokens == len(out.outputs[0].token_ids)
+    assert out.metrics.tpot is not None and 0 < out.metrics.tpot < 10
 
 
 def test_second_turn_hits_prefix_cache(smollm2_llm):
