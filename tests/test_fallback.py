@@ -243,6 +243,15 @@ def test_fallback_greedy_with_prefix_caching_off_and_on(smollm2_pf, pf_baseline)
     assert all(o.num_cached_tokens >= 16 for o in outs)  # the shared prefix came from the cache
 
 
+def test_fallback_streams_the_same_tokens_with_logprobs(smollm2_pf, pf_baseline):
+    deltas = list(smollm2_pf.stream(PROMPTS[1], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                                               logprobs=2)))
+    assert deltas[-1].finished and deltas[-1].finish_reason == "length"
+    assert [t for d in deltas for t in d.token_ids] == pf_baseline[1]
+    logprobs = [lp for d in deltas for lp in d.logprobs]
+    assert len(logprobs) == 24 and all(lp[t].rank == 1 for lp, t in zip(logprobs, pf_baseline[1]))
+
+
 def test_fallback_greedy_with_chunked_prefill(pf_baseline):
     llm = LLM(model="smollm2-135m-instruct", model_impl="paddleformers", max_num_batched_tokens=7)
     sizes = []
