@@ -1,0 +1,403 @@
+"""Jupyter widgets on the engine: a live ``Playground`` and one-shot views.
+
+::
+
+    from engine import LLM
+    from playground.notebook import Playground, show_blocks, show_logprobs, show_prefix_stats
+
+    llm = LLM()
+    pg = Playground(llm)     # as a cell's last expression: displays the app
+    pg.send("Hi!")           # or type in the box and press Send
+    show_blocks(llm)         # the KV block map as it is now
+
+Works wherever ipywidgets does (JupyterLab, Notebook 7, VS Code, Colab).
+Every panel is an ``ipywidgets.HTML`` whose value comes from the same
+renderers as the Gradio app (``playground.render``): the KV block map, the
+prefix-cache panel, the logprob view (hover a token for its alternatives) and
+the engine panel. The ``show_*`` functions return ``IPython.display.HTML`` of
+those views, so they also survive in a saved notebook.
+
+Threading: a reply streams on a background thread, so the kernel stays free
+(the Stop button works, other cells run). That thread only *sets widget
+values*; ipywidgets sends such changes to the front end from any thread. It
+never prints and never enters an ``Output`` widget's context manager, whose
+capture belongs to the cell being executed, not to the thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future
+from html import escape
+from typing import Any
+
+import ipywidgets as widgets
+from IPython.display import HTML
+
+from engine import SamplingParams
+
+from . import render
+from .chat import ChatSession, Reply, stream_reply
+from .logprobs import token_records
+from .monitor import EngineMonitor
+
+__all__ = ["Playground", "show_blocks", "show_logprobs", "show_prefix_stats", "show_alignment",
+           "chat_html", "DEFAULT_SYSTEM_PROMPT"]
+
+DEFAULT_SYSTEM_PROMPT = "You are a concise, friendly assistant. Answer in a few sentences."
+
+# The renderers' hint mentions clicking a token to branch, which is a Gradio app feature.
+_BRANCH_HINT = "<span>· hover a token for alternatives · click it to branch</span>"
+_HOVER_HINT = "<span>· hover a token for its top-k alternatives</span>"
+
+_CHAT_CSS = """<style>
+.nb-chat{font-family:ui-sans-serif,system-ui,sans-serif;font-size:14px;color:#0f172a;height:320px;
+ overflow-y:auto;display:flex;flex-direction:column-reverse;border:1px solid #e2e8f0;border-radius:8px;
+ padding:6px;background:#fff}
+.nb-msg{border-radius:8px;padding:6px 10px;margin:4px 0;white-space:pre-wrap;word-break:break-word;max-width:88%}
+.nb-msg .who{font-size:11px;font-weight:600;color:#64748b;margin-bottom:2px}
+.nb-user{background:#eef2ff;margin-left:auto}
+.nb-assistant{background:#f1f5f9;margin-right:auto}
+.nb-error{background:#fef2f2;color:#991b1b;margin-right:auto}
+.nb-empty{color:#94a3b8;font-style:italic;margin:auto}
+</style>"""
+
+
+# --------------------------------------------------------------------------- #
+# One-shot views
+# --------------------------------------------------------------------------- #
+def _snapshot_dict(source: Any) -> dict:
+    """A snapshot dict from an ``LLM``, an ``EngineSnapshot`` or a snapshot dict."""
+    if isinstance(source, Mapping):
+        return dict(source)
+    if hasattr(source, "snapshot"):
+        source = source.snapshot()
+    if hasattr(source, "to_dict"):
+        return source.to_dict()
+    raise TypeError(f"expected an LLM, an EngineSnapshot or a snapshot dict; got {type(source).__name__}")
+
+
+def show_blocks(source: Any, *, labels: Mapping[str, str] | None = None) -> HTML:
+    """The KV block map of ``source`` (an ``LLM``, ``EngineSnapshot`` or snapshot dict).
+
+    ``labels`` renames request ids in the legend, e.g. ``{"req-3": "long prompt"}``.
+    """
+    return HTML(render.block_map_html(_snapshot_dict(source), labels=labels))
+
+
+def _turn(output: Any, label: str) -> dict:
+    return {"label": label, "num_prompt_tokens": len(output.prompt_token_ids),
+            "num_cached_tokens": int(output.num_cached_tokens or 0)}
+
+
+def show_prefix_stats(source: Any, outputs: Iterable[Any] = ()) -> HTML:
+    """The prefix-cache panel: engine-wide statistics of ``source`` and, per
+    ``RequestOutput`` in ``outputs`` (oldest first), how many prompt tokens
+    came from the cache."""
+    history = [_turn(o, str(i + 1)) for i, o in enumerate(outputs)]
+    return HTML(render.prefix_cache_html(_snapshot_dict(source), history))
+
+
+def _logprob_records(output: Any, decode: Any = None) -> list[dict]:
+    if isinstance(output, Reply):
+        return output.records
+    completion = output.outputs[0] if hasattr(output, "outputs") else output
+    if completion.logprobs is None:
+        raise ValueError("this output has no logprobs: generate it with SamplingParams(logprobs=k), k >= 1")
+    return token_records(completion.token_ids, completion.logprobs, decode=decode)
+
+
+def _logprob_view(records: Sequence[Mapping[str, Any]]) -> str:
+    return render.logprob_html(records).replace(_BRANCH_HINT, _HOVER_HINT)
+
+
+def show_logprobs(output: Any, *, tokenizer: Any = None) -> HTML:
+    """A reply's tokens coloured by probability; hover one for its top-k alternatives.
+
+    ``output`` is a ``RequestOutput`` (its first completion), a
+    ``CompletionOutput`` or a ``Playground`` reply, generated with
+    ``SamplingParams(logprobs=k)``. ``tokenizer`` (``llm.get_tokenizer()``)
+    spells tokens whose text the engine did not send.
+    """
+    decode = (lambda t: tokenizer.decode([t])) if tokenizer is not None else None
+    return HTML(_logprob_view(_logprob_records(output, decode)))
+
+
+def show_alignment(report: Any) -> HTML:
+    """An ``engine.align.AlignmentReport`` as the app's alignment table."""
+    data = report.to_dict()
+    data.update(top1_agreement=report.top1_agreement, max_abs_logprob_diff=report.max_abs_logprob_diff,
+                all_greedy_identical=report.all_greedy_identical)
+    return HTML(render.alignment_html(data))
+
+
+def chat_html(messages: Sequence[Mapping[str, Any]], *, streaming: bool = False) -> str:
+    """The chat transcript: one bubble per ``{"role", "content"}`` message.
+
+    ``role`` is ``user``, ``assistant`` or ``error``; with ``streaming`` the
+    last bubble gets a cursor. Newest messages stay in view at the bottom.
+    """
+    if not messages:
+        body = '<div class="nb-empty">Type a message below and press Send.</div>'
+    else:
+        bubbles = []
+        for i, m in enumerate(messages):
+            role = m.get("role", "assistant")
+            text = str(m.get("content", ""))
+            if streaming and i == len(messages) - 1:
+                text += " ▌"
+            who = {"user": "you", "assistant": "assistant", "error": "engine error"}.get(role, role)
+            bubbles.append(f'<div class="nb-msg nb-{escape(role)}" data-role="{escape(role)}">'
+                           f'<div class="who">{who}</div>{escape(text)}</div>')
+        body = "<div>" + "".join(bubbles) + "</div>"
+    return f'{_CHAT_CSS}<div class="nb-chat">{body}</div>'
+
+
+# --------------------------------------------------------------------------- #
+# The live app
+# --------------------------------------------------------------------------- #
+class Playground:
+    """An ipywidgets app on ``llm``: chat with streaming replies next to live
+    views of the KV block map, the prefix cache, the reply's logprobs and the
+    engine.
+
+    Args:
+        llm: an ``engine.LLM``.
+        system_prompt, max_tokens, temperature, top_p, logprobs, seed: the
+            initial values of the settings controls (``seed=None``: random).
+        refresh_interval: seconds between redraws of the engine panels while a
+            reply streams (the chat text updates with every token).
+
+    Drive it from code with :meth:`send` (``wait=True`` returns the finished
+    ``Reply``); :meth:`stop`, :meth:`clear`, :meth:`refresh`, :meth:`close`
+    do what their buttons do. The widgets are attributes (``chat``,
+    ``block_map``, ``prefix_panel``, ``logprob_view``, ``engine_panel``,
+    ``status``, ``input``...) and ``widget`` is the whole app.
+    """
+
+    def __init__(self, llm: Any, *, system_prompt: str = DEFAULT_SYSTEM_PROMPT, max_tokens: int = 128,
+                 temperature: float = 0.7, top_p: float = 0.9, logprobs: int = 5, seed: int | None = None,
+                 refresh_interval: float = 0.3):
+        self.llm = llm
+        self.tokenizer = llm.get_tokenizer()
+        self.refresh_interval = refresh_interval
+        self.session = ChatSession()
+        self.monitor = EngineMonitor(llm, interval=refresh_interval)
+        self._ui_lock = threading.Lock()        # widget writes from the UI and the streaming thread
+        self._busy = threading.Lock()           # held while a reply streams: one at a time
+        self.reply: Reply | None = None         # the reply streaming now, or the last one
+        self._build(system_prompt, max_tokens, temperature, top_p, logprobs, seed)
+        self.refresh()
+
+    # -- layout -------------------------------------------------------------------
+    def _build(self, system_prompt, max_tokens, temperature, top_p, logprobs, seed) -> None:
+        W, L = widgets, widgets.Layout
+        snap = self.monitor.snapshot()
+        badges = " · ".join(escape(str(v)) for v in (
+            snap.get("model"), f"model_impl={snap.get('model_impl')}", snap.get("device"),
+            f"{snap.get('num_blocks')} KV blocks × {snap.get('block_size')} tokens"))
+        self.header = W.HTML(f"<b style='font-size:16px'>Fleet Playground</b> <span style='color:#64748b'>"
+                             f"{badges}</span>")
+        self.chat = W.HTML(chat_html([]), layout=L(width="100%"))
+        self.input = W.Textarea(placeholder="Message…", rows=2, layout=L(width="100%"))
+        self.send_button = W.Button(description="Send", button_style="primary", icon="paper-plane")
+        self.stop_button = W.Button(description="Stop", icon="stop", disabled=True)
+        self.clear_button = W.Button(description="Clear", icon="trash")
+        self.refresh_button = W.Button(description="Refresh views", icon="refresh")
+        self.reset_button = W.Button(description="Reset prefix cache")
+        self.status = W.HTML("ready")
+        self.system_prompt = W.Textarea(value=system_prompt, description="system", rows=2, layout=L(width="100%"))
+        self.max_tokens = W.IntSlider(value=max_tokens, min=1, max=1024, description="max tokens")
+        self.temperature = W.FloatSlider(value=temperature, min=0.0, max=2.0, step=0.05, description="temperature")
+        self.top_p = W.FloatSlider(value=top_p, min=0.05, max=1.0, step=0.05, description="top-p")
+        self.logprobs = W.IntSlider(value=logprobs, min=0, max=20, description="logprobs")
+        self.seed = W.IntText(value=-1 if seed is None else seed, description="seed (-1 random)")
+        settings = W.Accordion([W.VBox([self.system_prompt, W.HBox([self.max_tokens, self.temperature]),
+                                        W.HBox([self.top_p, self.logprobs]), self.seed])])
+        settings.set_title(0, "System prompt and sampling")
+        settings.selected_index = None
+
+        self.block_map = W.HTML(layout=L(width="100%"))
+        self.prefix_panel = W.HTML(layout=L(width="100%"))
+        self.logprob_view = W.HTML(_logprob_view([]), layout=L(width="100%"))
+        self.engine_panel = W.HTML(layout=L(width="100%"))
+
+        self.send_button.on_click(lambda _: self._send_from_ui())
+        self.stop_button.on_click(lambda _: self.stop())
+        self.clear_button.on_click(lambda _: self.clear())
+        self.refresh_button.on_click(lambda _: self.refresh())
+        self.reset_button.on_click(lambda _: self.reset_prefix_cache())
+
+        def titled(title, *children):
+            return W.VBox([W.HTML(f"<b>{title}</b>"), *children], layout=L(width="50%", padding="0 6px"))
+
+        buttons = W.HBox([self.send_button, self.stop_button, self.clear_button])
+        self.widget = W.VBox([
+            self.header,
+            W.HBox([titled("Chat", self.chat, self.input, buttons, self.status, settings),
+                    titled("KV cache blocks (one cell per physical block)", self.block_map,
+                           self.refresh_button)]),
+            W.HBox([titled("Logprobs of the reply", self.logprob_view),
+                    titled("Prefix cache", self.prefix_panel, self.reset_button)]),
+            titled("Engine", self.engine_panel),
+        ])
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    # -- settings --------------------------------------------------------------------
+    def sampling_params(self) -> SamplingParams:
+        """``SamplingParams`` from the settings controls."""
+        seed = int(self.seed.value)
+        return SamplingParams(max_tokens=int(self.max_tokens.value), temperature=float(self.temperature.value),
+                              top_p=float(self.top_p.value), seed=None if seed < 0 else seed,
+                              logprobs=int(self.logprobs.value) or None)
+
+    @property
+    def messages(self) -> list[dict]:
+        """The conversation as the model sees it (user and assistant turns)."""
+        return list(self.session.messages)
+
+    # -- actions ------------------------------------------------------------------------
+    def send(self, message: str, *, wait: bool = True, timeout: float | None = None) -> Reply | Future:
+        """Send a user message and stream the reply into the widgets.
+
+        With ``wait=True`` return the finished ``Reply`` (``.text``,
+        ``.records``, ``.num_cached_tokens``, ``.finish_reason``, ``.error``);
+        otherwise return at once with a ``concurrent.futures.Future`` of it.
+        Raises ``RuntimeError`` while another reply is streaming.
+        """
+        message = (message or "").strip()
+        if not message:
+            raise ValueError("the message is empty")
+        params = self.sampling_params()
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("a reply is still streaming: wait for it, or call stop() first")
+        future: Future = Future()
+        future.set_running_or_notify_cancel()
+        try:
+            self._set(self.send_button, "disabled", True)
+            self._set(self.stop_button, "disabled", False)
+            threading.Thread(target=self._stream, args=(message, params, future),
+                             name="playground-reply", daemon=True).start()
+        except BaseException:
+            self._busy.release()
+            raise
+        return future.result(timeout) if wait else future
+
+    def stop(self) -> bool:
+        """Abort the reply that is streaming (its blocks are freed); False if none is."""
+        rid = self.session.active_request_id
+        return bool(rid) and self.llm.abort(rid)
+
+    def clear(self) -> None:
+        """Stop any reply and forget the conversation."""
+        self.stop()
+        with self._busy:                 # wait for the streaming thread to finish the turn
+            self.session.reset()
+            self.reply = None
+        self.refresh()
+
+    def reset_prefix_cache(self) -> None:
+        """Evict every cached block (the next prompts are computed from scratch)."""
+        self.llm.reset_prefix_cache()
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Redraw every view from a fresh engine snapshot."""
+        snap = self.monitor.refresh()
+        streaming = self.reply is not None and not self.reply.finished
+        self._set(self.chat, "value", chat_html(self.session.display, streaming=streaming))
+        self._render_panels(snap, self.reply)
+
+    def close(self) -> None:
+        """Stop any reply and stop following the engine (the widgets stay as they are)."""
+        self.stop()
+        self.monitor.close()
+
+    # -- streaming (background thread) -----------------------------------------------------
+    def _send_from_ui(self) -> None:
+        text = self.input.value
+        if not text.strip():
+            return
+        try:
+            self.send(text, wait=False)
+        except RuntimeError as exc:
+            self._set(self.status, "value", f"<span style='color:#b91c1c'>{escape(str(exc))}</span>")
+            return
+        self._set(self.input, "value", "")
+
+    def _stream(self, message: str, params: SamplingParams, future: Future) -> None:
+        try:
+            future.set_result(self._run_turn(message, params))
+        except BaseException as exc:   # surfaced through the future (and the status line)
+            self._set(self.status, "value", f"<span style='color:#b91c1c'>{escape(repr(exc))}</span>")
+            future.set_exception(exc)
+        finally:
+            self.session.active_request_id = None
+            self._set(self.send_button, "disabled", False)
+            self._set(self.stop_button, "disabled", True)
+            self._busy.release()
+
+    def _run_turn(self, message: str, params: SamplingParams) -> Reply:
+        session = self.session
+        system = self.system_prompt.value.strip()
+        user = {"role": "user", "content": message}
+        prompt = ([{"role": "system", "content": system}] if system else []) + session.messages + [user]
+        reply = Reply(request_id=session.new_request_id("chat"))
+        self.reply = reply
+        session.active_request_id = reply.request_id
+        session.display += [user, {"role": "assistant", "content": ""}]
+        self._set(self.status, "value", "waiting for the first token…")
+        last_draw = 0.0
+        for reply in stream_reply(self.llm, prompt, params, reply, decode=self._decode):
+            session.display[-1] = {"role": "assistant", "content": reply.text}
+            self._set(self.chat, "value", chat_html(session.display, streaming=not reply.finished))
+            self._set(self.status, "value", f"streaming… {len(reply.token_ids)} tokens")
+            if time.monotonic() - last_draw >= self.refresh_interval and not reply.finished:
+                self._render_panels(self.monitor.refresh(), reply)
+                last_draw = time.monotonic()
+        self._finish_turn(user, reply)
+        self.refresh()
+        return reply
+
+    def _finish_turn(self, user: dict, reply: Reply) -> None:
+        """Keep the finished turn in the conversation (errors are shown, not kept)."""
+        session = self.session
+        if reply.error:
+            session.display[-1] = {"role": "error", "content": reply.error}
+            self._set(self.status, "value", f"<span style='color:#b91c1c'>engine error: {escape(reply.error)}</span>")
+            return
+        stopped = reply.finish_reason == "abort" or not reply.finished
+        session.display[-1] = {"role": "assistant", "content": reply.text + (" ⏹ (stopped)" if stopped else "")}
+        session.messages += [user, {"role": "assistant", "content": reply.text}]
+        session.last = reply
+        session.record_turn(reply, str(len(session.turns) + 1))
+        stats = [f"{len(reply.token_ids)} tokens ({reply.finish_reason})",
+                 f"{reply.num_cached_tokens}/{reply.num_prompt_tokens} prompt tokens from the prefix cache"]
+        if reply.ttft is not None:
+            stats.append(f"TTFT {reply.ttft * 1000:.0f} ms")
+        if reply.decode_tps is not None:
+            stats.append(f"{reply.decode_tps:.1f} tok/s")
+        self._set(self.status, "value", " · ".join(stats))
+
+    # -- drawing (any thread) ------------------------------------------------------------------
+    def _decode(self, token_id: int) -> str:
+        return self.tokenizer.decode([int(token_id)])
+
+    def _set(self, widget: widgets.Widget, name: str, value: Any) -> None:
+        with self._ui_lock:
+            setattr(widget, name, value)
+
+    def _render_panels(self, snap: dict, reply: Reply | None) -> None:
+        turns = list(self.session.turns)
+        if reply is not None and reply is not self.session.last and reply.num_prompt_tokens and not reply.error:
+            turns.append({"label": str(len(turns) + 1), "num_prompt_tokens": reply.num_prompt_tokens,
+                          "num_cached_tokens": reply.num_cached_tokens})
+        stats = {"ttft": reply.ttft, "decode_tps": reply.decode_tps} if reply is not None else None
+        self._set(self.block_map, "value", render.block_map_html(snap, labels=self.session.labels))
+        self._set(self.prefix_panel, "value", render.prefix_cache_html(snap, turns))
+        self._set(self.logprob_view, "value", _logprob_view(reply.records if reply is not None else []))
+        self._set(self.engine_panel, "value", render.engine_panel_html(snap, self.monitor.steps(120), stats))
