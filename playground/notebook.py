@@ -33,8 +33,12 @@ from concurrent.futures import Future
 from html import escape
 from typing import Any
 
-import ipywidgets as widgets
-from IPython.display import HTML
+try:
+    import ipywidgets as widgets
+    from IPython.display import HTML
+except ImportError as exc:  # pragma: no cover - depends on the install
+    raise ImportError('playground.notebook needs ipywidgets: pip install "fleet-playground[notebook]" '
+                      "(or the conda environment in environment.yml)") from exc
 
 from engine import SamplingParams
 

@@ -1,0 +1,101 @@
+"""The conda environment (environment.yml) matches pyproject.toml, the README
+says how to start Jupyter with it, and the "python3" Jupyter kernel runs this
+interpreter (so the notebooks see the installed project)."""
+
+import os
+import sys
+import tomllib
+from pathlib import Path
+
+import yaml
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _normalized(requirement: str) -> str:
+    """One spelling per requirement: canonical name, sorted extras, specifier, marker."""
+    r = Requirement(requirement)
+    extras = f"[{','.join(sorted(r.extras))}]" if r.extras else ""
+    marker = f"; {r.marker}" if r.marker else ""
+    return f"{canonicalize_name(r.name)}{extras}{r.specifier}{marker}"
+
+
+def _pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def _environment() -> dict:
+    return yaml.safe_load((ROOT / "environment.yml").read_text())
+
+
+def _conda_and_pip(env: dict) -> tuple[list[str], list[str]]:
+    conda = [d for d in env["dependencies"] if isinstance(d, str)]
+    pips = [d["pip"] for d in env["dependencies"] if isinstance(d, dict) and "pip" in d]
+    assert len(pips) == 1, "environment.yml must have exactly one pip section"
+    return conda, pips[0]
+
+
+def test_environment_lists_the_same_dependencies_as_pyproject():
+    project = _pyproject()
+    declared = {_normalized(r) for r in project["dependencies"]}
+    for extra in project["optional-dependencies"].values():
+        declared |= {_normalized(r) for r in extra}
+    _, pip = _conda_and_pip(_environment())
+    listed = [_normalized(r) for r in pip if not r.startswith("-")]
+    assert len(listed) == len(set(listed)), "a requirement is listed twice in environment.yml"
+    assert set(listed) == declared, (
+        f"only in environment.yml: {sorted(set(listed) - declared)}; "
+        f"only in pyproject.toml: {sorted(declared - set(listed))}")
+
+
+def test_environment_installs_the_project_and_a_supported_python():
+    env = _environment()
+    conda, pip = _conda_and_pip(env)
+    assert env["name"] == "fleet-playground"
+    assert "-e ." in pip, "the environment must install this project (editable) so notebooks can import it"
+    assert "pip" in conda
+    pythons = [d.split("=", 1)[1] for d in conda if d.startswith("python=")]
+    assert pythons == ["3.11"]
+    assert SpecifierSet(_pyproject()["requires-python"]).contains("3.11")
+
+
+def test_notebook_extra_has_the_widgets_and_jupyter():
+    extra = {canonicalize_name(Requirement(r).name) for r in _pyproject()["optional-dependencies"]["notebook"]}
+    assert {"ipywidgets", "jupyterlab", "matplotlib"} <= extra
+
+
+def test_readme_shows_how_to_start_jupyter_with_the_environment():
+    readme = (ROOT / "README.md").read_text()
+    for command in ("conda env create -f environment.yml", "conda activate fleet-playground", "jupyter lab"):
+        assert command in readme, f"README.md should show `{command}`"
+
+
+def test_python3_kernel_runs_this_interpreter_and_imports_the_project():
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3", cwd=str(ROOT / "notebooks"),
+                              env=_kernel_env())
+    try:
+        out: list[str] = []
+
+        def collect(msg):
+            if msg["msg_type"] == "stream" and msg["content"]["name"] == "stdout":
+                out.append(msg["content"]["text"])
+
+        code = "import sys, engine, playground.notebook; print(sys.executable)"
+        reply = kc.execute_interactive(code, output_hook=collect, timeout=120)
+        assert reply["content"]["status"] == "ok", reply["content"]
+        assert Path("".join(out).strip()).resolve() == Path(sys.executable).resolve()
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def _kernel_env() -> dict:
+    """This process's environment, with the repository importable (also without ``pip install -e``)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return env
