@@ -9,6 +9,7 @@
 * the PaddleFleet backend end to end, wherever paddlefleet is installed.
 """
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -192,6 +193,24 @@ def test_fleet_adapter_matches_dense_attention():
         adapter(paddle.to_tensor(q).unsqueeze(0), paddle.to_tensor(q).unsqueeze(0), paddle.to_tensor(q).unsqueeze(0))
 
 
+def test_speedups_compute_what_the_library_layers_compute():
+    from paddleformers.nn.norm import RMSNorm
+    from paddleformers.transformers import LlamaConfig
+    from paddleformers.transformers.gemma3_text.modeling import Gemma3RMSNorm
+
+    from engine.fallback.speedups import apply_speedups
+
+    rng = np.random.default_rng(2)
+    layers = [RMSNorm(LlamaConfig(hidden_size=64, rms_norm_eps=1e-5, fuse_rms_norm=False)),
+              Gemma3RMSNorm(64, eps=1e-6)]
+    x = paddle.to_tensor(rng.standard_normal((1, 7, 64)).astype(np.float32) * 3)
+    for layer in layers:
+        layer.weight.set_value(rng.standard_normal(64).astype(np.float32))
+        expected = type(layer).forward(layer, x).numpy()  # the library's own forward
+        assert apply_speedups(layer) == [type(layer).__name__]
+        np.testing.assert_allclose(layer(x).numpy(), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_export_hf_directory_round_trips(tmp_path):
     from engine.fallback.hf_export import export_hf_directory
     from engine.loader import load_checkpoint
@@ -279,8 +298,25 @@ GEMMA_PROMPTS = ["Question: What is 2+3?\nAnswer:", "The capital of France is", 
 
 @pytest.fixture(scope="module")
 def gemma3_transformers(gemma3_checkpoint):
-    """HF transformers' greedy continuations, computed in a separate process started right away."""
+    """HF transformers' greedy continuations: ``() -> (prompt ids, continuations)``.
+
+    Computed by `hf_reference.py` in a separate process started right away (so
+    it overlaps with loading our model), and memoised in the zoo cache under a
+    key of the GGUF file, the prompts and the transformers/torch versions:
+    reading the GGUF takes transformers about a minute.
+    """
+    from importlib.metadata import version
+
+    from engine.loader.zoo import cache_dir
+
     ids = [gemma3_checkpoint.tokenizer.encode(p, add_special_tokens=True) for p in GEMMA_PROMPTS]
+    stat = os.stat(gemma3_checkpoint.path)
+    key = hashlib.sha256(json.dumps([ids, 12, stat.st_size, stat.st_mtime_ns, version("transformers"),
+                                     version("torch")]).encode()).hexdigest()[:16]
+    memo = cache_dir() / f"hf-reference-gemma3-{key}.json"
+    if memo.is_file():
+        yield lambda: (ids, json.loads(memo.read_text()))
+        return
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, "hf_reference.py"), gemma3_checkpoint.path,
                              "--max-new-tokens", "12"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -290,6 +326,7 @@ def gemma3_transformers(gemma3_checkpoint):
     def result():
         out = proc.stdout.read()
         assert proc.wait() == 0, proc.stderr.read()[-3000:]
+        memo.write_text(out)
         return ids, json.loads(out)
 
     yield result

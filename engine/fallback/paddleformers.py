@@ -4,8 +4,8 @@
 checkpoint's architecture (``LlamaForCausalLM``, ``Gemma3ForCausalLM``, any
 class that routes attention through ``ALL_ATTENTION_FUNCTIONS``) from the
 checkpoint's HF config (`hf_config`), loads the weights (`weights`), applies
-known corrections (`fixups`) and points its attention at ours
-(`attention_adapter`). `PaddleFormersModel` then gives the model runner the
+known corrections (`fixups`) and faster equivalent norms (`speedups`), and
+points its attention at ours (`attention_adapter`). `PaddleFormersModel` then gives the model runner the
 engine's model interface:
 
 ``forward(input_ids, positions, meta, kv_caches) -> hidden [T, hidden]``
@@ -30,6 +30,7 @@ import paddle
 from . import attention_adapter
 from .fixups import apply_fixups
 from .hf_config import paddleformers_class, paddleformers_config
+from .speedups import apply_speedups
 from .step_context import bind_step
 from .weights import load_hf_weights
 
@@ -108,12 +109,13 @@ def build_paddleformers_model(checkpoint, dtype: str, device: str) -> PaddleForm
     load_hf_weights(model, checkpoint.weights("float32"), num_heads=config.num_attention_heads,
                     num_kv_heads=config.num_key_value_heads)
     fixups = tuple(apply_fixups(model))
+    faster = apply_speedups(model)
     if dtype != "float32":
         model.to(dtype=dtype)
     model.eval()
     _check_attention_routed(model, name)
-    logger.info("PaddleFormers %s on the engine's paged attention%s", model_cls.__name__,
-                f" (fixups: {', '.join(fixups)})" if fixups else "")
+    logger.info("PaddleFormers %s on the engine's paged attention (fixups: %s; faster forwards: %s)",
+                model_cls.__name__, ", ".join(fixups) or "none", ", ".join(faster) or "none")
     return PaddleFormersModel(model, fixups=fixups)
 
 
