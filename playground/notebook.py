@@ -334,16 +334,22 @@ class Playground:
         self._set(self.input, "value", "")
 
     def _stream(self, message: str, params: SamplingParams, future: Future) -> None:
+        reply, error = None, None
         try:
-            future.set_result(self._run_turn(message, params))
+            reply = self._run_turn(message, params)
         except BaseException as exc:   # surfaced through the future (and the status line)
             self._set(self.status, "value", f"<span style='color:#b91c1c'>{escape(repr(exc))}</span>")
-            future.set_exception(exc)
+            error = exc
         finally:
             self.session.active_request_id = None
             self._set(self.send_button, "disabled", False)
             self._set(self.stop_button, "disabled", True)
             self._busy.release()
+        # Only now: whoever waits on the future may send the next message at once.
+        if error is None:
+            future.set_result(reply)
+        else:
+            future.set_exception(error)
 
     def _run_turn(self, message: str, params: SamplingParams) -> Reply:
         session = self.session

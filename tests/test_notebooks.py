@@ -1,0 +1,80 @@
+"""Every notebook in notebooks/ runs headless, top to bottom, in a fresh "python3"
+Jupyter kernel on the CPU. Each ends with assertions about what it showed, so
+running it is a test; the executed copy is written to pytest's tmp_path."""
+
+import os
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOK_DIR = ROOT / "notebooks"
+NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
+CELL_TIMEOUT_S = 300           # one cell; a cold Numba cache compiles the kernels in the first one that calls them
+NOTEBOOK_BUDGET_S = 240        # a whole notebook on a busy 2-core CPU (they take about 20-60 s)
+
+# What each notebook must have displayed: the playground's views (HTML), the
+# Playground widget, the kernel lab's timing plot.
+SHOWS = {
+    "01_quickstart": ["text/html", "application/vnd.jupyter.widget-view+json"],
+    "02_kv_cache_and_prefix_caching": ["text/html"],
+    "03_model_impl_fallback": ["text/html"],
+    "04_kernel_lab": ["image/png"],
+}
+
+
+def _kernel_env() -> dict:
+    """This process's environment, with the repository importable (also without ``pip install -e``)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _outputs(nb, kind: str) -> list:
+    """Every output of the executed notebook's code cells that carries ``kind`` (a MIME type or "stdout")."""
+    found = []
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            if kind == "stdout" and out.get("name") == "stdout":
+                found.append(out["text"])
+            elif kind in out.get("data", {}):
+                found.append(out["data"][kind])
+    return found
+
+
+def test_the_guided_notebooks_are_there():
+    assert [p.stem for p in NOTEBOOKS] == sorted(SHOWS)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_is_stored_without_outputs(path):
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, (
+                f"{path.name} has outputs: clear them before committing")
+    assert nb.metadata.kernelspec.name == "python3"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs_and_its_checks_pass(path, tmp_path):
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                            resources={"metadata": {"path": str(NOTEBOOK_DIR)}})
+    start = time.monotonic()
+    try:
+        client.execute(env=_kernel_env())     # raises CellExecutionError with the cell's traceback
+    finally:
+        nbformat.write(nb, tmp_path / path.name)
+    elapsed = time.monotonic() - start
+
+    last = nb.cells[-1]
+    assert last.cell_type == "code" and "assert " in last.source, "a notebook must end with its checks"
+    assert "all checks passed" in "".join(_outputs(nb, "stdout"))
+    for kind in SHOWS[path.stem]:
+        assert _outputs(nb, kind), f"{path.name} should display {kind}"
+    assert elapsed < NOTEBOOK_BUDGET_S, f"{path.name} took {elapsed:.0f} s"
