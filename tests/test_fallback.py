@@ -193,6 +193,17 @@ def test_fleet_adapter_matches_dense_attention():
         adapter(paddle.to_tensor(q).unsqueeze(0), paddle.to_tensor(q).unsqueeze(0), paddle.to_tensor(q).unsqueeze(0))
 
 
+def test_a_model_bypassing_our_attention_is_refused(tmp_path):
+    from engine.fallback.paddleformers import _probe_step, build_paddleformers_model
+    from engine.loader import load_checkpoint
+
+    wrapped = build_paddleformers_model(load_checkpoint(make_tiny_model(str(tmp_path / "llama"), seed=3)),
+                                        "float32", "cpu")  # its load-time probe passed
+    wrapped.model.config._attn_implementation = "sdpa"  # as if the class ignored the interface
+    with paddle.no_grad(), pytest.raises(RuntimeError, match="bypasses PaddleFormers' attention interface"):
+        wrapped.forward(*_probe_step(wrapped))
+
+
 def test_speedups_compute_what_the_library_layers_compute():
     from paddleformers.nn.norm import RMSNorm
     from paddleformers.transformers import LlamaConfig

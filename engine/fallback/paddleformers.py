@@ -40,7 +40,7 @@ logger = logging.getLogger("engine")
 class PaddleFormersModel:
     """The engine's model interface around a PaddleFormers ``*ForCausalLM``."""
 
-    def __init__(self, model, *, fixups: tuple[str, ...] = ()):
+    def __init__(self, model, *, fixups: tuple[str, ...] = (), faster: tuple[str, ...] = ()):
         config = model.config
         if getattr(config, "attn_logit_softcapping", None):
             raise NotImplementedError(f"{type(model).__name__} soft-caps attention logits "
@@ -48,22 +48,19 @@ class PaddleFormersModel:
         self.model = model
         self.body = getattr(model, model.base_model_prefix)
         self.config = config
-        self.fixups = fixups
+        self.fixups = fixups    # corrections applied (see fixups.py)
+        self.faster = faster    # layer classes given faster forwards (see speedups.py)
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.softcap = getattr(config, "final_logit_softcapping", None)
-
-    @property
-    def architecture(self) -> str:
-        return type(self.model).__name__
 
     def kv_layout(self) -> tuple[int, int, int]:
         return self.num_layers, self.num_kv_heads, self.head_dim
 
     def forward(self, input_ids: paddle.Tensor, positions: paddle.Tensor, meta, kv_caches) -> paddle.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm for the packed batch."""
-        with bind_step(meta, kv_caches):
+        with bind_step(meta, kv_caches) as step:
             out = self.body(
                 input_ids=input_ids.unsqueeze(0),
                 position_ids=positions.unsqueeze(0),
@@ -71,6 +68,11 @@ class PaddleFormersModel:
                 use_cache=False,
                 return_dict=False,
             )
+        if sorted(step.attended) != list(range(self.num_layers)):
+            raise RuntimeError(
+                f"{type(self.model).__name__}: {len(step.attended)} attention calls reached the engine's KV cache "
+                f"for {self.num_layers} layers (layers {sorted(set(step.attended))}); the model bypasses "
+                "PaddleFormers' attention interface, so its attention would not see the cached context")
         hidden = out[0] if isinstance(out, (tuple, list)) else out
         return hidden.squeeze(0)
 
@@ -113,19 +115,25 @@ def build_paddleformers_model(checkpoint, dtype: str, device: str) -> PaddleForm
     if dtype != "float32":
         model.to(dtype=dtype)
     model.eval()
-    _check_attention_routed(model, name)
+    wrapped = PaddleFormersModel(model, fixups=fixups, faster=tuple(faster))
+    with paddle.no_grad():
+        wrapped.forward(*_probe_step(wrapped))  # fails now, not mid-generation, if attention bypasses the engine
     logger.info("PaddleFormers %s on the engine's paged attention (fixups: %s; faster forwards: %s)",
                 model_cls.__name__, ", ".join(fixups) or "none", ", ".join(faster) or "none")
-    return PaddleFormersModel(model, fixups=fixups)
+    return wrapped
 
 
-def _check_attention_routed(model, name: str) -> None:
-    """Fail at load time, not mid-generation, when the class does not use the attention interface."""
-    layers = [m for _, m in model.named_sublayers() if hasattr(m, "layer_idx") and hasattr(m, "config")
-              and getattr(m.config, "_attn_implementation", None) is not None]
-    if not layers:
-        raise ValueError(f"{type(model).__name__} has no attention layers that route through PaddleFormers' "
-                         f"ALL_ATTENTION_FUNCTIONS, so the engine cannot give it the paged KV cache")
-    for layer in layers:
-        if getattr(layer, "attn_implementation", name) != name:  # a copy taken at construction (Gemma 3)
-            layer.attn_implementation = name
+def _probe_step(wrapped: PaddleFormersModel):
+    """A one-token step on a throwaway one-block cache: ``(input_ids, positions, meta, kv_caches)``."""
+    from ..attention import AttentionMetadata
+
+    layers, kv_heads, head_dim = wrapped.kv_layout()
+    dtype = wrapped.model.lm_head.weight.dtype
+    caches = [(paddle.zeros([1, kv_heads, 1, head_dim], dtype=dtype), paddle.zeros([1, kv_heads, 1, head_dim],
+                                                                                    dtype=dtype))
+              for _ in range(layers)]
+    meta = AttentionMetadata(
+        positions=paddle.zeros([1], dtype="int64"), slot_mapping=paddle.zeros([1], dtype="int64"),
+        block_tables=paddle.zeros([1, 1], dtype="int32"), context_lens=paddle.ones([1], dtype="int32"),
+        query_start_loc=paddle.to_tensor(np.array([0, 1], dtype=np.int32)), decode_only=True, num_tokens=1)
+    return paddle.zeros([1], dtype="int64"), meta.positions, meta, caches
