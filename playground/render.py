@@ -354,7 +354,8 @@ def engine_panel_html(
         titles.append(f"step {s.get('step')}: batch {s.get('batch_size')}{pre}{extra}")
     chart = bar_chart_svg(
         values, labels=[str(s.get("step", "")) for s in steps], titles=titles, colors=colors,
-        y_max=float(-(-max(values + [4]) // 2) * 2), x_caption="engine step",   # even: integer mid label css_class="pg-chart batch-chart",
+        # an even y_max gives an integer middle label
+        y_max=float(-(-max(values + [4]) // 2) * 2), x_caption="engine step", css_class="pg-chart batch-chart",
         empty_text="no engine steps yet", height=120,
     )
     legend = (
