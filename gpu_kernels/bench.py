@@ -180,17 +180,24 @@ def bench_gpu(sweep):
     scale = 128 ** -0.5
 
     if sweep:
-        print("decode variants (partition, unroll): µs at batch 64 x 8192 / batch 1 x 512")
-        for part, unroll in [(128, 4), (128, 2), (64, 4), (256, 2), (128, 1)]:
-            cuda_backend.PARTITION, cuda_backend.UNROLL = part, unroll
+        print("decode variants (threads, unroll, register cap, query registers): "
+              "µs at batch 64 x 8192 / 1 x 512")
+        variants = [(128, 1, None, 64), (128, 2, None, 64), (128, 1, 168, 64),
+                    (128, 2, None, 32), (128, 1, None, 32), (128, 2, 128, 32),
+                    (256, 1, None, 64), (64, 1, None, 64)]
+        for threads, unroll, regs, qregs in variants:
+            cuda_backend.DECODE_THREADS, cuda_backend.UNROLL = threads, unroll
+            cuda_backend.DECODE_MAX_REGISTERS, cuda_backend.DECODE_QREGS = regs, qregs
             row = []
             for seqs, ctx in [(64, 8192), (1, 512)]:
                 q, kc, vc, bt, lens = decode_case(torch, seqs, ctx)
                 out = torch.empty_like(q)
                 row.append(timer(lambda: gpu_kernels.paged_decode(q, kc, vc, bt, lens, scale,
                                                                   out=out)))
-            print(f"  P={part:3d} U={unroll}: {row[0]:8.1f} µs {row[1]:6.1f} µs")
-        cuda_backend.PARTITION, cuda_backend.UNROLL = 128, 4
+            print(f"  threads={threads:3d} U={unroll} regs={regs} qregs={qregs}: "
+                  f"{row[0]:8.1f} µs {row[1]:6.1f} µs", flush=True)
+        cuda_backend.DECODE_THREADS, cuda_backend.UNROLL = 128, 2
+        cuda_backend.DECODE_MAX_REGISTERS, cuda_backend.DECODE_QREGS = None, 64
         print()
 
     print("decode, 32 q heads / 8 KV heads, d=128, fp16, block 16, cold L2")

@@ -22,12 +22,17 @@ import numpy as np
 from numba import cuda
 
 from .cuda_decode import ML_PAD, build_decode_kernel
+from .cuda_launch import launcher
 from .cuda_prefill import build_prefill_kernel
 from .cuda_primitives import F32, SIMULATED, from_f32, kind_of, to_f32
 
-THREADS = 32 if SIMULATED else 128     # threads per block
-PARTITION = 32 if SIMULATED else 128   # decode: keys per shared-memory partition
-UNROLL = 1 if SIMULATED else 4         # decode: keys (per thread group) loaded before use
+THREADS = 64 if SIMULATED else 128    # threads per block (prefill, write_kv)
+DECODE_THREADS = 64 if SIMULATED else 128
+SEGMENT = 32 if SIMULATED else 512     # decode: keys per block-table prefetch
+SPLIT_GRAIN = 16 if SIMULATED else 64  # decode: split lengths are multiples of this
+UNROLL = 1 if SIMULATED else 2         # decode: K loads (of 32 / lanes_per_token keys) per step
+DECODE_MAX_REGISTERS = None            # decode: register cap (None: the compiler's choice)
+DECODE_QREGS = 64                      # decode: registers for each lane's query slice
 LOG2E = 1.4426950408889634
 
 #: decode launches about this many blocks (split-K) when sequences are few;
@@ -68,16 +73,16 @@ def heads_per_block(group):
     return max(h for h in range(1, min(group, 8) + 1) if group % h == 0)
 
 
-def lanes_per_token(row_vecs, hpb, dpv):
+def lanes_per_token(row_vecs, hpb, dpv, qregs=64):
     """Threads sharing one key row in the decode K pass (power of two dividing row_vecs).
 
     At least 8 when the row allows (wide coalesced reads), more while the
-    query slice each lane keeps in registers (hpb * dims per lane) exceeds 64.
+    query slice each lane keeps in registers (hpb * dims per lane) exceeds ``qregs``.
     """
     tg = 1
     while tg < 8 and row_vecs % (2 * tg) == 0:
         tg *= 2
-    while tg < 32 and row_vecs % (2 * tg) == 0 and hpb * (row_vecs // tg) * dpv > 64:
+    while tg < 32 and row_vecs % (2 * tg) == 0 and hpb * (row_vecs // tg) * dpv > qregs:
         tg *= 2
     return tg
 
@@ -132,7 +137,7 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping, *, stream=0):
     if key.shape[0] == 0:
         return
     kernel = _build_write_kernel(kind_of(key.dtype), kind_of(k_cache.dtype))
-    kernel[key.shape[0], THREADS, stream](key, value, k_cache, v_cache, slot_mapping)
+    launcher(kernel)(key.shape[0], THREADS, stream, key, value, k_cache, v_cache, slot_mapping)
 
 
 # --------------------------------------------------------------------------- attention
@@ -149,24 +154,25 @@ def paged_decode(query, k_cache, v_cache, block_tables, context_lens, scale, win
     hpb = heads_per_block(group)
     dpv = 4 if kind_kv == F32 else 8
     row_vecs = head_dim // dpv
-    threads = max(THREADS, -(-row_vecs // 32) * 32)
-    tg = lanes_per_token(row_vecs, hpb, dpv)
+    threads = DECODE_THREADS
+    tg = lanes_per_token(row_vecs, hpb, dpv, DECODE_QREGS)
     kernel = build_decode_kernel(threads, group, hpb, head_dim, kind_of(query.dtype), kind_kv,
-                                 kind_of(out.dtype), PARTITION, tg, UNROLL)
+                                 kind_of(out.dtype), block_size, SEGMENT, tg, UNROLL,
+                                 DECODE_MAX_REGISTERS)
     head_blocks = num_kv_heads * (group // hpb)
     max_keys = block_tables.shape[1] * block_size
     if window:
         max_keys = min(max_keys, window)
     target = decode_target_blocks or 4 * _num_sms()
-    splits = min(-(-target // (num_seqs * head_blocks)), max(1, -(-max_keys // PARTITION)))
+    splits = min(-(-target // (num_seqs * head_blocks)), max(1, -(-max_keys // SPLIT_GRAIN)))
     splits = max(1, splits)
-    chunk = -(-max(1, -(-max_keys // splits)) // PARTITION) * PARTITION
+    chunk = -(-max(1, -(-max_keys // splits)) // SPLIT_GRAIN) * SPLIT_GRAIN
     splits = max(1, -(-max_keys // chunk))
     part_ml, part_acc, counters = _split_scratch(num_seqs, head_blocks, splits, hpb, head_dim)
-    kernel[(splits, head_blocks, num_seqs), threads, stream](
-        query, _words(k_cache), _words(v_cache), block_tables, context_lens, out,
+    launcher(kernel)(
+        (splits, head_blocks, num_seqs), threads, stream, query, _words(k_cache), _words(v_cache), block_tables, context_lens, out,
         part_ml, part_acc, counters, np.float32(scale * LOG2E), np.int32(window),
-        np.int32(num_kv_heads), np.int32(block_size), np.int32(splits), np.int32(chunk))
+        np.int32(num_kv_heads), np.int32(splits), np.int32(chunk))
 
 
 def paged_prefill(query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
@@ -185,8 +191,8 @@ def paged_prefill(query, k_cache, v_cache, block_tables, query_start_loc, contex
     max_tiles = -(-num_tokens // tile_tokens) + num_seqs
     if num_tokens == 0:
         return
-    kernel[(max_tiles, num_kv_heads * (group // hpb)), THREADS, stream](
-        query, _words(k_cache), _words(v_cache), block_tables, query_start_loc, context_lens,
+    launcher(kernel)(
+        (max_tiles, num_kv_heads * (group // hpb)), THREADS, stream, query, _words(k_cache), _words(v_cache), block_tables, query_start_loc, context_lens,
         out, np.float32(scale * LOG2E), np.int32(window), np.int32(num_kv_heads),
         np.int32(block_size))
 

@@ -1,33 +1,34 @@
 """CUDA decode kernel: one query token per sequence, the whole GQA group per thread block.
 
-Grid ``(splits, num_kv_heads * head_chunks, num_seqs)``; block ``THREADS`` threads.
-A block owns one sequence, one KV head (and ``HPB`` of the query heads that
-read it: the whole group unless the group is larger than 8) and one *split*:
-a contiguous range of ``chunk`` keys. Long contexts are split over many
-blocks so that even one sequence fills the GPU (split-K / flash-decoding).
+Grid ``(splits, num_kv_heads * head_chunks, num_seqs)``; block ``THREADS``
+threads (``NW`` warps). A block owns one sequence, one KV head (and ``HPB``
+of the query heads reading it: the whole group unless it is larger than 8)
+and one *split*: ``chunk`` consecutive keys. Long contexts are split over
+many blocks so that one sequence fills the GPU (split-K / flash-decoding).
 
-Each block walks its key range in partitions of ``P`` keys:
+The block walks its keys in segments of ``SEG``; a segment's block-table
+entries are prefetched into shared memory. Inside a segment every warp
+streams its own *steps* of ``ST`` keys with no block-wide barrier:
 
-1. **block-table prefetch**: the partition's block ids go to shared memory.
-2. **K pass**: ``TG`` consecutive threads share one key row; each loads
-   ``VPL`` 16-byte vectors of it (a warp reads whole rows, coalesced) and
-   multiplies them with its slice of the ``HPB`` query rows, which it keeps in
-   registers, pre-scaled by ``scale * log2(e)``. A shuffle reduction over the
-   ``TG`` lanes gives the scores, stored in shared memory. Every K byte is
-   read once for all ``HPB`` heads.
-3. **softmax**: one warp per head: partition max, ``p = exp2(s - m)``, sum;
-   the running max / sum / rescale factor live in shared memory.
-4. **V pass**: thread ``(tl, dc)`` owns 16-byte column ``dc`` of the V rows
-   and accumulates ``p * v`` for rows ``tl, tl + VT, ...`` in registers.
+* **K**: ``TG`` lanes share a key row; each loads ``VPL`` 16-byte vectors and
+  dots them with its slice of the ``HPB`` query rows (kept in registers,
+  pre-scaled by ``scale * log2(e)``); a shuffle reduction over the ``TG``
+  lanes gives the scores. Each K byte is read once for all ``HPB`` heads.
+* **V**: ``VL`` lanes share a value row (each owns ``VPLV`` 16-byte columns),
+  so a warp covers ``TPV`` keys per load; the V loads are issued together
+  with the K loads, before any arithmetic, to keep many bytes in flight.
+* **softmax**: a lane fetches its keys' scores with ``shfl`` and keeps a
+  private online-softmax state (max ``m``, sum ``l``, accumulators) over the
+  keys it has seen: ``acc = acc * 2^(m - m') + 2^(s - m') v``.
 
-At the end the per-thread accumulators are summed over ``tl`` in shared
-memory. With one split the block writes ``acc / l`` to ``out``. With several
-it writes its unnormalized state (``m``, ``l``, ``acc``) to a scratch buffer
-and takes a ticket from a per-(sequence, head block) counter; the block that
-draws the last ticket merges all splits (``out = sum w_s acc_s / sum w_s l_s``,
-``w_s = exp2(m_s - max m)``) and resets the counter: no second launch.
+At the end the lanes' states are merged with shuffles, the warps' states in
+shared memory. With one split the block writes ``acc / l``; with several it
+writes ``(m, l, acc)`` to a scratch buffer and takes a ticket from a counter
+per (sequence, head block): the block with the last ticket merges all splits
+(``sum 2^(m_s - M) acc_s / sum 2^(m_s - M) l_s``) and resets the counter, so
+there is no second launch.
 
-Softmax state uses the finite ``NEG`` for minus infinity (fast-math).
+Minus infinity is the finite ``NEG`` (fast-math).
 """
 from __future__ import annotations
 
@@ -36,52 +37,157 @@ import functools
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
-from .cuda_primitives import (F32, exp2, from_f32, group_max, group_sum, ld4, to_f32, vmax, vmin,
-                              word_elem)
+from .cuda_primitives import (F32, SIMULATED, exp2, from_f32, group_sum, ld4, shfl_idx, shfl_xor,
+                              to_f32, vmax, vmin, word_elem)
 
 NEG = np.float32(-1e30)
 ML_PAD = 32          # part_ml rows are padded to 128 bytes (see cuda.py: no stale L1 lines)
 
 
+def _pow2_divisor(n, limit):
+    """The largest power of two <= limit that divides n."""
+    p = 1
+    while p < limit and n % (2 * p) == 0:
+        p *= 2
+    return p
+
+
 @functools.lru_cache(maxsize=None)
-def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o,
-                        partition, lanes_per_token, unroll):
+def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, block_size,
+                        segment, lanes_per_token, unroll, max_registers=None):
     """Compile-time specialization of the decode kernel (all arguments are constants)."""
     EPW = 1 if kind_kv == F32 else 2            # elements per 32-bit word
     DPV = 4 * EPW                               # elements per 16-byte vector
     ROW_VECS = head_dim // DPV                  # vectors per key row
-    TG = lanes_per_token
-    VPL = ROW_VECS // TG                        # vectors per lane in the K pass
-    NGROUPS = threads // TG                     # keys in flight per K step
-    VT = threads // ROW_VECS                    # key lanes in the V pass
-    NW = max(1, threads // 32)
-    WARP = min(32, threads)
-    HCHUNKS = group // hpb
-    P = partition
+    NW = threads // 32
+    TG = lanes_per_token                        # K: lanes per key
+    VPL = ROW_VECS // TG                        # K: vectors per lane
+    TK = 32 // TG                               # K: keys per warp load
+    VL = _pow2_divisor(ROW_VECS, 32)            # V: lanes per key
+    VPLV = ROW_VECS // VL                       # V: vectors per lane
+    TPV = 32 // VL                              # V: keys per warp load
     U = unroll
-    QN = hpb * VPL * DPV          # query slice per thread (registers)
-    ACCN = hpb * DPV              # output accumulators per thread
-    WK = U * VPL * 4              # K words in flight per thread
-    WV = U * 4                    # V words in flight per thread
-    TBL = P + 1                   # block-table entries a partition can span
-    RED = threads * DPV
+    ST = TK * U                                 # keys per warp step
+    VTL = ST // TPV                             # V: keys per lane per step
+    HCHUNKS = group // hpb
+    SEG = segment
+    TBL = SEG + 2
+    QN = hpb * VPL * DPV                        # query slice per lane
+    ACCN = hpb * VPLV * DPV                     # accumulators per lane
+    WKN = U * VPL * 4                           # K words in flight per lane
+    WVN = VTL * VPLV * 4                        # V words in flight per lane
+    SCN = U * hpb
+    WSTATE = NW * hpb * head_dim
+    # The simulator has no warp shuffles: there, partial dots and the lanes' final
+    # softmax states go through shared memory instead (two barriers per step).
+    SIM = SIMULATED
+    SIM_DOTS = SCN * threads if SIM else 1
+    LSTATE = hpb * (2 + VPLV * DPV)
+    SIM_STATE = LSTATE * threads if SIM else 1
+    BS = block_size
+    ROW_WORDS = ROW_VECS * 4
+    PAGE_WORDS = BS * ROW_WORDS
+    SVN = VTL * hpb
 
-    @cuda.jit(fastmath=True)
+    options = {} if SIM or max_registers is None else {"max_registers": max_registers}
+
+    @cuda.jit(device=True, inline="always")
+    def load_step(kw, vw, tbl_sh, b_first, seg0, seg_n, s0, blk_stride, head_off, lane, wk, wv):
+        """Issue this lane's 16-byte loads of one step: K rows, then V rows."""
+        for u in range(U):
+            t = s0 + u * TK + lane // TG
+            if t < seg_n:
+                j = seg0 + t
+                jb = j // BS
+                base = tbl_sh[jb - b_first] * blk_stride + head_off + (j - jb * BS) * ROW_WORDS
+                for v in range(VPL):
+                    w = ld4(kw, base + (lane % TG + v * TG) * 4)
+                    for x in range(4):
+                        wk[(u * VPL + v) * 4 + x] = w[x]
+        for m in range(VTL):
+            t = s0 + m * TPV + lane // VL
+            if t < seg_n:
+                j = seg0 + t
+                jb = j // BS
+                base = tbl_sh[jb - b_first] * blk_stride + head_off + (j - jb * BS) * ROW_WORDS
+                for v in range(VPLV):
+                    w = ld4(vw, base + (lane % VL + v * VL) * 4)
+                    for x in range(4):
+                        wv[(m * VPLV + v) * 4 + x] = w[x]
+
+    @cuda.jit(device=True, inline="always")
+    def compute_step(qr, wk, wv, acc, m_run, l_run, sc, sv, scratch, sim_dots, s0, seg_n,
+                     tid, lane):
+        """Scores of the step's keys, then the lane's online-softmax update with its V rows."""
+        for u in range(U):
+            for g in range(hpb):
+                dot = float32(0.0)
+                for v in range(VPL):
+                    for x in range(4):
+                        for e in range(EPW):
+                            dot += qr[(g * VPL + v) * DPV + x * EPW + e] * \
+                                word_elem(wk[(u * VPL + v) * 4 + x], e, kind_kv)
+                if SIM:
+                    sim_dots[(u * hpb + g) * threads + tid] = dot
+                else:
+                    sc[u * hpb + g] = group_sum(dot, TG, scratch)
+        if SIM:
+            cuda.syncthreads()
+        vt = lane // VL
+        # this lane's keys: s0 + m * TPV + vt (m < VTL); fetch their scores
+        for m in range(VTL):
+            u = (m * TPV) // TK                     # the K load that held these keys
+            src = ((m * TPV) % TK + vt) * TG         # a lane that has the score
+            for g in range(hpb):
+                if SIM:
+                    s = float32(0.0)
+                    for x in range(TG):
+                        s += sim_dots[(u * hpb + g) * threads + (tid - lane) + src + x]
+                else:
+                    s = shfl_idx(sc[u * hpb + g], src, scratch)
+                sv[m * hpb + g] = s if s0 + m * TPV + vt < seg_n else NEG
+        if SIM:
+            cuda.syncthreads()
+        # one rescale per step, then accumulate p * v
+        for g in range(hpb):
+            m_new = m_run[g]
+            for m in range(VTL):
+                m_new = vmax(m_new, sv[m * hpb + g])
+            alpha = exp2(m_run[g] - m_new)
+            m_run[g] = m_new
+            l_sum = l_run[g] * alpha
+            for k in range(VPLV * DPV):
+                acc[g * VPLV * DPV + k] *= alpha
+            for m in range(VTL):
+                p = exp2(sv[m * hpb + g] - m_new) if sv[m * hpb + g] > NEG else float32(0.0)
+                l_sum += p
+                for v in range(VPLV):
+                    for x in range(4):
+                        for e in range(EPW):
+                            k = (g * VPLV + v) * DPV + x * EPW + e
+                            acc[k] += p * word_elem(wv[(m * VPLV + v) * 4 + x], e, kind_kv)
+            l_run[g] = l_sum
+
+    @cuda.jit(fastmath=True, **options)
     def decode(q, kw, vw, block_tables, context_lens, out, part_ml, part_acc, counters,
-               scale_log2, window, num_kv_heads, block_size, splits, chunk):
+               scale_log2, window, num_kv_heads, splits, chunk):
         tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
         split = cuda.blockIdx.x
         hb = cuda.blockIdx.y
         i = cuda.blockIdx.z
         kvh = hb // HCHUNKS
         head0 = kvh * group + (hb % HCHUNKS) * hpb
 
-        s_sh = cuda.shared.array((hpb, P), float32)       # scores, then probabilities
-        tbl_sh = cuda.shared.array(TBL, int32)           # block ids of the partition
-        stat_sh = cuda.shared.array((hpb, 3), float32)     # running max, running sum, rescale
-        red_sh = cuda.shared.array(RED, float32)
+        tbl_sh = cuda.shared.array(TBL, int32)
+        w_acc = cuda.shared.array(WSTATE, float32)          # per-warp accumulators
+        w_ml = cuda.shared.array((NW, hpb, 2), float32)      # per-warp (max, sum)
+        f_ml = cuda.shared.array((hpb, 2), float32)          # block (max, sum)
         scratch = cuda.shared.array(threads, float32)
         flag_sh = cuda.shared.array(1, int32)
+        sim_dots = cuda.shared.array(SIM_DOTS, float32)
+        sim_state = cuda.shared.array(SIM_STATE, float32)
 
         length = context_lens[i]
         lo = 0
@@ -90,145 +196,136 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o,
         start = lo + split * chunk
         end = vmin(length, start + chunk)
 
-        lig = tid % TG                                     # lane in the key's thread group
-        gid = tid // TG
+        kl = lane % TG                                       # K: lane within the key's group
+        vl = lane % VL                                       # V: lane within the key's group
         qr = cuda.local.array(QN, float32)
         for g in range(hpb):
             for v in range(VPL):
                 for e in range(DPV):
-                    d = (lig + v * TG) * DPV + e
+                    d = (kl + v * TG) * DPV + e
                     qr[(g * VPL + v) * DPV + e] = to_f32(q[i, head0 + g, d], kind_q) * scale_log2
-        dc = tid % ROW_VECS                                # V pass: 16-byte column
-        tl = tid // ROW_VECS                               # V pass: key lane
         acc = cuda.local.array(ACCN, float32)
         for k in range(ACCN):
             acc[k] = 0.0
-        if tid < hpb:
-            stat_sh[tid, 0] = NEG
-            stat_sh[tid, 1] = 0.0
-        page_words = block_size * ROW_VECS * 4
-        cuda.syncthreads()
+        m_run = cuda.local.array(hpb, float32)
+        l_run = cuda.local.array(hpb, float32)
+        for g in range(hpb):
+            m_run[g] = NEG
+            l_run[g] = 0.0
+        blk_stride = num_kv_heads * PAGE_WORDS
+        head_off = kvh * PAGE_WORDS
+        wk_a = cuda.local.array(WKN, uint32)
+        wv_a = cuda.local.array(WVN, uint32)
+        wk_b = cuda.local.array(WKN, uint32)
+        wv_b = cuda.local.array(WVN, uint32)
+        sc = cuda.local.array(SCN, float32)
+        sv = cuda.local.array(SVN, float32)
+        for k in range(WKN):
+            wk_a[k] = 0
+            wk_b[k] = 0
+        for k in range(WVN):
+            wv_a[k] = 0
+            wv_b[k] = 0
 
-        for p0 in range(start, end, P):
-            n = vmin(P, end - p0)
-            b_first = p0 // block_size
-            nb = (p0 + n - 1) // block_size - b_first + 1
+        for seg0 in range(start, end, SEG):
+            seg_n = vmin(SEG, end - seg0)
+            b_first = seg0 // BS
+            nb = (seg0 + seg_n - 1) // BS - b_first + 1
+            cuda.syncthreads()
             for e in range(tid, nb, threads):
                 tbl_sh[e] = block_tables[i, b_first + e]
             cuda.syncthreads()
+            # Steps of NW * ST keys (warp w takes the w-th ST of each), software-pipelined:
+            # the loads of step n + 1 are in flight while step n is computed.
+            steps = (seg_n + NW * ST - 1) // (NW * ST)
+            load_step(kw, vw, tbl_sh, b_first, seg0, seg_n, warp * ST, blk_stride, head_off,
+                      lane, wk_a, wv_a)
+            for n in range(0, steps, 2):
+                s0 = n * NW * ST + warp * ST
+                if n + 1 < steps:
+                    load_step(kw, vw, tbl_sh, b_first, seg0, seg_n, s0 + NW * ST, blk_stride,
+                              head_off, lane, wk_b, wv_b)
+                compute_step(qr, wk_a, wv_a, acc, m_run, l_run, sc, sv, scratch, sim_dots, s0,
+                             seg_n, tid, lane)
+                if n + 1 < steps:
+                    if n + 2 < steps:
+                        load_step(kw, vw, tbl_sh, b_first, seg0, seg_n, s0 + 2 * NW * ST,
+                                  blk_stride, head_off, lane, wk_a, wv_a)
+                    compute_step(qr, wk_b, wv_b, acc, m_run, l_run, sc, sv, scratch, sim_dots,
+                                 s0 + NW * ST, seg_n, tid, lane)
 
-            # ---- K pass: scores of HPB heads x n keys
-            wk = cuda.local.array(WK, uint32)
-            for t0 in range(0, n, NGROUPS * U):
-                for u in range(U):
-                    t = t0 + u * NGROUPS + gid
-                    if t < n:
-                        j = p0 + t
-                        jb = j // block_size
-                        base = (tbl_sh[jb - b_first] * num_kv_heads + kvh) * page_words \
-                            + (j - jb * block_size) * (ROW_VECS * 4)
-                        for v in range(VPL):
-                            w = ld4(kw, base + (lig + v * TG) * 4)
-                            for x in range(4):
-                                wk[(u * VPL + v) * 4 + x] = w[x]
-                    else:
-                        for x in range(VPL * 4):
-                            wk[u * VPL * 4 + x] = 0
-                for u in range(U):
-                    t = t0 + u * NGROUPS + gid
-                    dots = cuda.local.array(hpb, float32)
-                    for g in range(hpb):
-                        dots[g] = 0.0
-                    for v in range(VPL):
-                        for x in range(4):
-                            for e in range(EPW):
-                                kval = word_elem(wk[(u * VPL + v) * 4 + x], e, kind_kv)
-                                for g in range(hpb):
-                                    dots[g] += qr[(g * VPL + v) * DPV + x * EPW + e] * kval
-                    for g in range(hpb):
-                        score = group_sum(dots[g], TG, scratch)
-                        if lig == 0 and t < n:
-                            s_sh[g, t] = score
-            cuda.syncthreads()
-
-            # ---- softmax over the partition, one warp per head
-            warp = tid // WARP
-            lane = tid % WARP
-            for gi in range(0, hpb, NW):
-                g = gi + warp
-                active = g < hpb and warp < NW
-                m_old = NEG
-                mx = NEG
-                if active:
-                    m_old = stat_sh[g, 0]
-                    for t in range(lane, n, WARP):
-                        mx = vmax(mx, s_sh[g, t])
-                mx = group_max(mx, WARP, scratch)
-                m_new = vmax(m_old, mx)
-                total = float32(0.0)
-                if active:
-                    for t in range(lane, n, WARP):
-                        p = exp2(s_sh[g, t] - m_new)
-                        s_sh[g, t] = p
-                        total += p
-                total = group_sum(total, WARP, scratch)
-                if active and lane == 0:
-                    alpha = exp2(m_old - m_new)
-                    stat_sh[g, 2] = alpha
-                    stat_sh[g, 1] = stat_sh[g, 1] * alpha + total
-                    stat_sh[g, 0] = m_new
-            cuda.syncthreads()
-
-            # ---- V pass: acc[g, column dc] += p[g, t] * v[t, column dc]
+        # ---- merge the TPV lane classes of each warp (lanes vl, vl + VL, ...)
+        if SIM:
             for g in range(hpb):
-                alpha = stat_sh[g, 2]
-                for k in range(DPV):
-                    acc[g * DPV + k] *= alpha
-            wv = cuda.local.array(WV, uint32)
-            for t0 in range(0, n, VT * U):
-                for u in range(U):
-                    t = t0 + u * VT + tl
-                    if tl < VT and t < n:
-                        j = p0 + t
-                        jb = j // block_size
-                        base = (tbl_sh[jb - b_first] * num_kv_heads + kvh) * page_words \
-                            + (j - jb * block_size) * (ROW_VECS * 4)
-                        w = ld4(vw, base + dc * 4)
-                        for x in range(4):
-                            wv[u * 4 + x] = w[x]
-                for u in range(U):
-                    t = t0 + u * VT + tl
-                    if tl < VT and t < n:
-                        for x in range(4):
-                            for e in range(EPW):
-                                val = word_elem(wv[u * 4 + x], e, kind_kv)
-                                for g in range(hpb):
-                                    acc[g * DPV + x * EPW + e] += s_sh[g, t] * val
+                sim_state[tid * LSTATE + g * 2] = m_run[g]
+                sim_state[tid * LSTATE + g * 2 + 1] = l_run[g]
+            for k in range(ACCN):
+                sim_state[tid * LSTATE + 2 * hpb + k] = acc[k]
             cuda.syncthreads()
-
-        # ---- sum the key lanes' accumulators; write out (1 split) or the partial state
-        for g in range(hpb):
-            for k in range(DPV):
-                red_sh[tid * DPV + k] = acc[g * DPV + k] if tl < VT else 0.0
-            cuda.syncthreads()
-            if tid < ROW_VECS:
-                l_sum = stat_sh[g, 1]
-                for k in range(DPV):
-                    total = float32(0.0)
-                    for r in range(VT):
-                        total += red_sh[(r * ROW_VECS + tid) * DPV + k]
-                    d = tid * DPV + k
-                    if splits == 1:
-                        o = total / l_sum if l_sum > 0 else float32(0.0)
-                        out[i, head0 + g, d] = from_f32(o, kind_o)
-                    else:
-                        part_acc[i, hb, split, g, d] = total
-            cuda.syncthreads()
+            for c in range(1, TPV if lane < VL else 1):      # lane vl merges vl + c * VL
+                other = (tid + c * VL) * LSTATE
+                for g in range(hpb):
+                    m_o = sim_state[other + g * 2]
+                    m_new = vmax(m_run[g], m_o)
+                    a_me = exp2(m_run[g] - m_new)
+                    a_o = exp2(m_o - m_new)
+                    m_run[g] = m_new
+                    l_run[g] = l_run[g] * a_me + sim_state[other + g * 2 + 1] * a_o
+                    for k in range(VPLV * DPV):
+                        idx = g * VPLV * DPV + k
+                        acc[idx] = acc[idx] * a_me + sim_state[other + 2 * hpb + idx] * a_o
+        else:
+            off = VL
+            while off < 32:
+                for g in range(hpb):
+                    m_o = shfl_xor(m_run[g], off, scratch)
+                    l_o = shfl_xor(l_run[g], off, scratch)
+                    m_new = vmax(m_run[g], m_o)
+                    a_me = exp2(m_run[g] - m_new)
+                    a_o = exp2(m_o - m_new)
+                    m_run[g] = m_new
+                    l_run[g] = l_run[g] * a_me + l_o * a_o
+                    for k in range(VPLV * DPV):
+                        idx = g * VPLV * DPV + k
+                        acc[idx] = acc[idx] * a_me + shfl_xor(acc[idx], off, scratch) * a_o
+                off *= 2
+        # ---- merge the warps in shared memory
+        if lane < VL:
+            for g in range(hpb):
+                if lane == 0:
+                    w_ml[warp, g, 0] = m_run[g]
+                    w_ml[warp, g, 1] = l_run[g]
+                for v in range(VPLV):
+                    for k in range(DPV):
+                        d = (vl + v * VL) * DPV + k
+                        w_acc[(warp * hpb + g) * head_dim + d] = acc[(g * VPLV + v) * DPV + k]
+        cuda.syncthreads()
+        if tid < hpb:
+            m_max = NEG
+            for w8 in range(NW):
+                m_max = vmax(m_max, w_ml[w8, tid, 0])
+            den = float32(0.0)
+            for w8 in range(NW):
+                den += exp2(w_ml[w8, tid, 0] - m_max) * w_ml[w8, tid, 1]
+            f_ml[tid, 0] = m_max
+            f_ml[tid, 1] = den
+        cuda.syncthreads()
+        for idx in range(tid, hpb * head_dim, threads):
+            g = idx // head_dim
+            num = float32(0.0)
+            for w8 in range(NW):
+                num += exp2(w_ml[w8, g, 0] - f_ml[g, 0]) * w_acc[w8 * hpb * head_dim + idx]
+            if splits == 1:
+                den = f_ml[g, 1]
+                o = num / den if den > 0 else float32(0.0)
+                out[i, head0 + g, idx - g * head_dim] = from_f32(o, kind_o)
+            else:
+                part_acc[i, hb, split, g, idx - g * head_dim] = num
         if splits == 1:
             return
         if tid < hpb:
-            part_ml[i, hb, (split * hpb + tid) * 2] = stat_sh[tid, 0]
-            part_ml[i, hb, (split * hpb + tid) * 2 + 1] = stat_sh[tid, 1]
+            part_ml[i, hb, (split * hpb + tid) * 2] = f_ml[tid, 0]
+            part_ml[i, hb, (split * hpb + tid) * 2 + 1] = f_ml[tid, 1]
 
         # ---- split-K: the last block of this (sequence, head block) merges all splits
         cuda.threadfence()

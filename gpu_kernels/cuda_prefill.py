@@ -151,6 +151,9 @@ def build_prefill_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o)
                         for e in range(EPW):
                             kv_sh[(vc * DPV + x * EPW + e) * KT_STRIDE + key] = \
                                 word_elem(w[x], e, kind_kv)
+                else:                                        # masked below; keep it finite
+                    for k in range(DPV):
+                        kv_sh[(vc * DPV + k) * KT_STRIDE + key] = 0.0
             cuda.syncthreads()
             # ---- 2. scores with the causal / sliding-window mask
             sc = cuda.local.array(SCN, float32)

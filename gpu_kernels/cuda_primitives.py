@@ -27,6 +27,8 @@ Names:
 ``from_f32(v, KIND)``          float32 -> a value to store in an array of KIND
                                (round to nearest even)
 ``exp2(x)``                    2**x in float32 (fast approximate instruction on the GPU)
+``shfl_idx(v, src, scratch)``  v of lane ``src`` of the calling warp
+``shfl_xor(v, mask, scratch)`` v of lane ``lane ^ mask``
 ``group_sum / group_max(v, width, scratch)``
     reduce v over aligned groups of ``width`` consecutive threads; every thread
     gets its group's result. ``scratch``: shared float32[blockDim.x] (simulator only).
@@ -107,6 +109,23 @@ if SIMULATED:
     @cuda.jit(device=True)
     def exp2(x):
         return np.float32(math.exp2(x))
+
+    def _exchange(v, src_lane, scratch):
+        tid = cuda.threadIdx.x
+        cuda.syncthreads()
+        scratch[tid] = v
+        cuda.syncthreads()
+        r = scratch[tid - tid % 32 + src_lane]
+        cuda.syncthreads()
+        return r
+
+    @cuda.jit(device=True)
+    def shfl_idx(v, src, scratch):
+        return _exchange(v, src, scratch)
+
+    @cuda.jit(device=True)
+    def shfl_xor(v, mask, scratch):
+        return _exchange(v, (cuda.threadIdx.x % 32) ^ mask, scratch)
 
     def _group_reduce(v, width, scratch, is_max):
         tid = cuda.threadIdx.x
@@ -222,6 +241,14 @@ else:
         if kind == F16:
             return _f32_to_half(np.float32(v))
         return np.float32(v)
+
+    @cuda.jit(device=True)
+    def shfl_idx(v, src, scratch):
+        return cuda.shfl_sync(0xFFFFFFFF, v, src)
+
+    @cuda.jit(device=True)
+    def shfl_xor(v, mask, scratch):
+        return cuda.shfl_xor_sync(0xFFFFFFFF, v, mask)
 
     @cuda.jit(device=True)
     def group_sum(v, width, scratch):

@@ -142,7 +142,7 @@ def _cuda_interface(x):
     if fw == "torch":
         import torch
         bf16 = x.dtype == torch.bfloat16
-        key = (x.data_ptr(), tuple(x.shape), x.dtype, tuple(x.stride()))
+        key = (x.data_ptr(), x.shape, x.dtype, None if x.is_contiguous() else x.stride())
         make = lambda: dict((x.view(torch.int16) if bf16 else x.detach()).__cuda_array_interface__)
     elif fw == "paddle":
         import paddle
@@ -160,9 +160,10 @@ def _cuda_interface(x):
 def device_view(x):
     """Numba device array over a CUDA tensor's memory (float16 native, bf16 as uint16)."""
     from numba import config, cuda
-    if isinstance(x, np.ndarray) and config.ENABLE_CUDASIM:
+    fw = framework(x)
+    if fw == "numpy" and config.ENABLE_CUDASIM:
         return x.view(np.uint16) if x.dtype.name == "bfloat16" else x   # simulator: host memory
-    if cuda.is_cuda_array(x) and type(x).__module__.startswith("numba"):
+    if fw == "numba" and cuda.is_cuda_array(x):
         return x
     key, bf16, make = _cuda_interface(x)
     view = _device_views.get(key)
@@ -196,7 +197,8 @@ def cuda_stream(x):
     fw = framework(x)
     if fw == "torch":
         import torch
-        ptr = torch.cuda.current_stream(x.device).cuda_stream
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)   # fast; public API below
+        ptr = raw(x.get_device()) if raw else torch.cuda.current_stream(x.device).cuda_stream
     elif fw == "paddle":
         import paddle
         ptr = paddle.device.current_stream().cuda_stream
