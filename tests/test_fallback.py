@@ -222,6 +222,20 @@ def test_speedups_compute_what_the_library_layers_compute():
         np.testing.assert_allclose(layer(x).numpy(), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_fused_qkv_rows_come_apart_the_way_gemma3_splits_them():
+    from engine.fallback.weights import fuse_qkv
+
+    rng = np.random.default_rng(4)
+    heads, kv_heads, dim, hidden, tokens = 4, 2, 8, 16, 3
+    q, k, v = (rng.standard_normal((n * dim, hidden)) for n in (heads, kv_heads, kv_heads))
+    x = rng.standard_normal((tokens, hidden))
+    mix = (x @ fuse_qkv(q, k, v, heads, kv_heads).T).reshape(tokens, kv_heads, (heads // kv_heads + 2) * dim)
+    q_out, k_out, v_out = np.split(mix, [heads // kv_heads * dim, (heads // kv_heads + 1) * dim], axis=-1)
+    np.testing.assert_allclose(q_out.reshape(tokens, heads, dim), (x @ q.T).reshape(tokens, heads, dim))
+    np.testing.assert_allclose(k_out, (x @ k.T).reshape(tokens, kv_heads, dim))
+    np.testing.assert_allclose(v_out, (x @ v.T).reshape(tokens, kv_heads, dim))
+
+
 def test_export_hf_directory_round_trips(tmp_path):
     from engine.fallback.hf_export import export_hf_directory
     from engine.loader import load_checkpoint
