@@ -1,27 +1,31 @@
 """Benchmark section "fallback": the native engine vs the PaddleFormers backend vs PaddleFormers' ``generate``.
 
-All three run the same SmolLM2 weights (float32, one process, one run):
+All three run the same SmolLM2 weights (float32, CPU, one process, one run):
 
-* **native** — ``LLM(model_impl="native")``;
-* **paddleformers backend** — ``LLM(model_impl="paddleformers")``: PaddleFormers'
+* **native engine** — ``LLM(model_impl="native")``;
+* **PaddleFormers backend** — ``LLM(model_impl="paddleformers")``: PaddleFormers'
   ``LlamaForCausalLM`` on the engine's paged KV cache and kernels;
 * **PaddleFormers generate** — the same class with its own attention (``sdpa``)
   and its own KV cache, driven by its ``generate`` (greedy).
 
-Measured, each as the best of ``repeats`` runs interleaved across the three
-(the machine may be shared; the best run is the least disturbed one):
+Measured over ``repeats`` rounds, the three interleaved within each round:
 
-* **single-stream decode tok/s** — one request: ``(N - 1) / (T(N) - T(1))``,
-  i.e. the time per generated token with the prefill subtracted;
+* **single-stream decode tok/s** — one request of N tokens; ``1 / median``
+  of the intervals between consecutive generated tokens (the prefill is not
+  an interval). For the engines an interval is the time between two streamed
+  tokens; for ``generate`` the time between two calls of the model's forward
+  (one per token), so both include everything done per token. The median
+  shrugs off the steps a busy neighbour on a shared machine slowed down.
 * **16-stream aggregate tok/s** — 16 different prompts submitted together
-  (continuous batching for the engine, one left-padded batch for
-  ``generate``): ``16 × N / T``.
+  (continuous batching for the engines, one left-padded batch for
+  ``generate``): ``16 × N / T``, best round.
 
-Greedy decoding without stopping at EOS, so every run generates exactly N tokens.
+Greedy decoding that does not stop at EOS, so every run generates exactly N tokens.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -38,6 +42,29 @@ class Result:
     name: str
     single_tok_s: float
     multi_tok_s: float
+
+
+class EngineRunner:
+    """An ``LLM`` driven with token-id prompts, greedy, ignoring EOS."""
+
+    def __init__(self, llm):
+        from .sampling_params import SamplingParams
+
+        self.llm = llm
+        self.params = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+    def generate(self, prompts: list[list[int]], n: int) -> list[list[int]]:
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], self.params(n))
+        return [o.outputs[0].token_ids for o in outs]
+
+    def token_intervals(self, prompt: list[int], n: int) -> tuple[list[float], list[int]]:
+        """Seconds between consecutive streamed tokens of one request, and its tokens."""
+        times, tokens = [], []
+        for delta in self.llm.stream({"prompt_token_ids": prompt}, self.params(n)):
+            if delta.token_ids:
+                times.append(time.perf_counter())
+                tokens += delta.token_ids
+        return list(np.diff(times)), tokens
 
 
 class PaddleFormersGenerate:
@@ -68,22 +95,15 @@ class PaddleFormersGenerate:
                                   pad_token_id=self.pad)
         return out[0].numpy().tolist()
 
-
-def _engine_runner(llm):
-    from .sampling_params import SamplingParams
-
-    def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
-        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        return [o.outputs[0].token_ids for o in outs]
-
-    return generate
-
-
-def _timed(fn, *args) -> tuple[float, object]:
-    t0 = time.perf_counter()
-    out = fn(*args)
-    return time.perf_counter() - t0, out
+    def token_intervals(self, prompt: list[int], n: int) -> tuple[list[float], list[int]]:
+        """Seconds between consecutive forward calls after the prefill (one call per token), and the tokens."""
+        starts = []
+        hook = self.model.register_forward_pre_hook(lambda layer, args: starts.append(time.perf_counter()))
+        try:
+            tokens = self.generate([prompt], n)[0]
+        finally:
+            hook.remove()
+        return list(np.diff(starts)), tokens  # starts[0] is the prefill, each later one decodes a token
 
 
 def run(model: str = "smollm2-135m-instruct", tokens: int = 64, streams: int = 16, repeats: int = 3,
@@ -95,52 +115,55 @@ def run(model: str = "smollm2-135m-instruct", tokens: int = 64, streams: int = 1
     checkpoint = load_checkpoint(model)
     log(f"loading {model}: native engine, PaddleFormers backend, PaddleFormers generate ...")
     runners = {
-        "native engine": _engine_runner(LLM(model=model, model_impl="native", dtype="float32", device="cpu")),
-        "PaddleFormers backend": _engine_runner(LLM(model=model, model_impl="paddleformers", dtype="float32",
-                                                    device="cpu")),
-        "PaddleFormers generate": PaddleFormersGenerate(checkpoint).generate,
+        "native engine": EngineRunner(LLM(model=model, model_impl="native", dtype="float32", device="cpu")),
+        "PaddleFormers backend": EngineRunner(LLM(model=model, model_impl="paddleformers", dtype="float32",
+                                                  device="cpu")),
+        "PaddleFormers generate": PaddleFormersGenerate(checkpoint),
     }
     encode = lambda text: checkpoint.tokenizer.encode(text, add_special_tokens=True)
-    single = [encode(STORY)]
+    single = encode(STORY)
     multi = [encode(f"Write a short poem about {TOPICS[i % len(TOPICS)]}.") for i in range(streams)]
-    for fn in runners.values():  # warm up: kernels compiled, caches allocated
-        fn(single, 2)
+    for runner in runners.values():  # warm up: kernels compiled, caches allocated
+        runner.generate([single], 2)
 
-    t1 = {k: [] for k in runners}
-    tn = {k: [] for k in runners}
-    tm = {k: [] for k in runners}
+    intervals = {k: [] for k in runners}
+    multi_s = {k: [] for k in runners}
     outputs = {}
     for r in range(repeats):
-        for name, fn in runners.items():
-            t1[name].append(_timed(fn, single, 1)[0])
-            seconds, outputs[name] = _timed(fn, single, tokens)
-            tn[name].append(seconds)
-            tm[name].append(_timed(fn, multi, tokens)[0])
-            log(f"  run {r + 1}/{repeats} {name}: {tokens} tokens {tn[name][-1]:.2f} s, "
-                f"{streams} streams {tm[name][-1]:.2f} s")
-    results = [Result(name, (tokens - 1) / max(min(tn[name]) - min(t1[name]), 1e-9),
-                      streams * tokens / min(tm[name])) for name in runners]
+        for name, runner in runners.items():
+            gaps, outputs[name] = runner.token_intervals(single, tokens)
+            intervals[name] += gaps
+            t0 = time.perf_counter()
+            runner.generate(multi, tokens)
+            multi_s[name].append(time.perf_counter() - t0)
+            log(f"  round {r + 1}/{repeats} {name}: median {statistics.median(gaps) * 1000:.1f} ms/token "
+                f"single-stream, {streams} streams {multi_s[name][-1]:.2f} s")
+    for runner in runners.values():
+        if isinstance(runner, EngineRunner):
+            runner.llm.shutdown()
+    results = [Result(name, 1.0 / statistics.median(intervals[name]), streams * tokens / min(multi_s[name]))
+               for name in runners]
     return results, _agree(list(outputs.values()), checkpoint.tokenizer.eos_token_ids)
 
 
-def _agree(outputs: list[list[list[int]]], eos_ids) -> bool:
+def _agree(outputs: list[list[int]], eos_ids) -> bool:
     """Whether the single-stream greedy outputs agree up to the first EOS.
 
     ``generate(min_new_tokens=N)`` keeps going by suppressing EOS, where the
     engine's ``ignore_eos`` keeps going by sampling past it, so the
     continuations may part after an EOS; before it they must be equal.
     """
-    first = outputs[0][0]
+    first = outputs[0]
     end = next((i for i, t in enumerate(first) if t in eos_ids), len(first))
-    return all(o[0][:end] == first[:end] for o in outputs)
+    return all(o[:end] == first[:end] for o in outputs)
 
 
 def table(results: list[Result], agree: bool, tokens: int, streams: int) -> str:
     by = {r.name: r for r in results}
     native, backend, generate = by["native engine"], by["PaddleFormers backend"], by["PaddleFormers generate"]
-    lines = [f"fallback — SmolLM2 weights, float32, CPU, N={tokens} generated tokens, best of interleaved runs",
+    lines = [f"fallback — SmolLM2 weights, float32, CPU, N={tokens} generated tokens per request",
              f"{'':<24}{'single-stream decode':>22}{f'{streams}-stream aggregate':>22}",
-             f"{'':<24}{'tok/s':>22}{'tok/s':>22}"]
+             f"{'':<24}{'tok/s (median)':>22}{'tok/s (best)':>22}"]
     for r in results:
         lines.append(f"{r.name:<24}{r.single_tok_s:>22.1f}{r.multi_tok_s:>22.1f}")
     lines.append("PaddleFormers backend ...")
