@@ -1,8 +1,10 @@
 """Benchmark: ``python -m gpu_kernels.bench`` (``--sweep`` also tries decode kernel variants).
 
 Without a GPU it compares the ``cpu`` backend with a NumPy gather + softmax
-decode, and measures the per-call overhead of the dispatch layer (NumPy and
-Paddle arguments).
+decode, measures the per-call overhead of the dispatch layer (NumPy and
+Paddle arguments), and times CPU prefill: the tiled BLAS kernel
+(``cpu_prefill``), the previous row-by-row kernel (``cpu.paged_prefill``) and
+the NumPy reference, in GFLOP/s of causal (useful) FLOPs.
 
 With a GPU (needs torch) it prints, for the ``cuda`` backend on torch tensors:
 
@@ -108,6 +110,37 @@ def bench_cpu():
         t["query"], t["k_cache"], t["v_cache"], t["block_tables"], t["context_lens"], p.scale,
         out=pout), 2000)
     print(f"{line}, with Paddle tensors {via_paddle:.1f} µs")
+
+
+def bench_cpu_prefill():
+    from gpu_kernels import cpu, cpu_prefill, interop, reference
+    print("\nCPU prefill, query fp32, block size 16 (best of several calls; causal FLOPs only)")
+    print("| sequences x prompt | heads q/kv | head_dim | cache | window | tiled ms | GFLOP/s "
+          "| row-by-row ms | GFLOP/s | NumPy reference ms | tiled / row-by-row |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    rng = np.random.default_rng(0)
+    cpu_prefill.single_threaded_blas()
+    for seqs, prompt, heads, kv_heads, head_dim, dtype, window in [
+            (1, 1400, 9, 3, 64, "float32", 0), (4, 512, 9, 3, 64, "float32", 0),
+            (1, 2048, 32, 8, 128, "float16", 0), (1, 2048, 8, 4, 256, "bfloat16", 512)]:
+        p = make_problem(rng, context_lens=[prompt] * seqs, query_lens=[prompt] * seqs,
+                         num_kv_heads=kv_heads, group=heads // kv_heads, head_dim=head_dim,
+                         dtype=dtype, query_dtype="float32")
+        out = np.zeros_like(p.query)
+        kc, vc = (interop.host_view(c) for c in (p.k_cache, p.v_cache))
+        args = (p.query, kc, vc, p.block_tables, p.query_start_loc, p.context_lens, p.scale,
+                window, out, cpu.min_parallel_work)
+        seen = [min(j + 1, window) if window else j + 1 for j in range(prompt)]
+        flops = 4 * head_dim * heads * seqs * sum(seen)
+        best = lambda fn, reps: min(_host_time(fn, 1) for _ in range(reps)) / 1e3  # noqa
+        tiled = best(lambda: cpu_prefill.paged_prefill(*args), 5)
+        rows = best(lambda: cpu.paged_prefill(*args), 3)
+        ref = best(lambda: reference.paged_prefill(
+            p.query, p.k_cache, p.v_cache, p.block_tables, p.query_start_loc, p.context_lens,
+            p.scale, sliding_window=window, out=out), 1)
+        print(f"| {seqs} x {prompt} | {heads}/{kv_heads} | {head_dim} | {dtype} | "
+              f"{window or '-'} | {tiled:.1f} | {flops / tiled / 1e6:.1f} | {rows:.1f} | "
+              f"{flops / rows / 1e6:.1f} | {ref:.0f} | {rows / tiled:.1f}x |")
 
 
 # --------------------------------------------------------------------------- GPU
@@ -263,6 +296,7 @@ def main(argv=None):
         bench_gpu(args.sweep)
     else:
         bench_cpu()
+        bench_cpu_prefill()
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import threading
 
 from numba import get_num_threads
 
-from . import cpu, interop, reference
+from . import cpu, cpu_prefill, interop, reference
 
 BACKENDS = ("reference", "cpu", "cuda")
 _cpu_lock = threading.Lock()     # Numba's workqueue threading layer is not re-entrant
@@ -135,7 +135,8 @@ def paged_prefill(query, k_cache, v_cache, block_tables, query_start_loc, contex
     if backend == "reference":
         reference.paged_prefill(q, kc, vc, bt, qsl, cl, scale, sliding_window=window, out=o)
         return out
+    cpu_prefill.single_threaded_blas()
     with _cpu_lock:
-        cpu.paged_prefill(q, kc, vc, bt, qsl, cl, float(scale), window, o,
-                          cpu.min_parallel_work)
+        cpu_prefill.paged_prefill(q, kc, vc, bt, qsl, cl, float(scale), window, o,
+                                  cpu.min_parallel_work)
     return out

@@ -1,0 +1,271 @@
+"""Chunked prefill on the CPU as tiled matrix products (Numba + BLAS ``np.dot``).
+
+Same contract as ``cpu.paged_prefill`` (packed chunks, each the last tokens
+of its sequence, bottom-right-aligned causal mask, optional sliding window,
+GQA, fp32/fp16/bf16 caches, softmax in float32), organised for long chunks.
+
+Tiling
+------
+A work item is (sequence, KV head, query tile): ``tile`` consecutive tokens
+of one chunk times the ``group`` query heads that read that KV head, i.e.
+``R = tile * group`` rows, row ``r`` = token ``r // group``, head ``r % group``.
+The item walks the keys its rows can see, ``[lo, hi)`` with ``hi`` = last
+token's position + 1 and ``lo`` = 0 (or the window start of its first
+token), in KV tiles of ``KV_TILE`` keys; keys before ``lo`` or after ``hi``
+are never touched, so fully masked KV tiles are skipped. Per KV tile:
+
+1. gather the tile's keys and values from their pages into contiguous float32
+   scratch ``K [n, D]`` and ``V [n, D]`` (this also converts fp16/bf16);
+2. ``S = Q K^T``  (``[R, D] x [D, n]``, BLAS sgemm; ``Q`` is pre-scaled);
+3. per row, the visible keys of the tile are one contiguous range ``[a, e)``
+   (causal: ``j <= p``; window: ``j > p - w``): fold them into the row's
+   online-softmax state (running max ``m``, sum ``l``) and overwrite ``S``
+   with the probabilities ``P`` (zero outside ``[a, e)``), rescaling the row's
+   accumulator by ``exp(m_old - m_new)``;
+4. ``acc += P V``  (``[R, n] x [n, D]``, BLAS sgemm).
+
+The output row is ``acc / l`` (zeros for a row that sees no key).
+
+Chunks shorter than ``MIN_TILED_TOKENS`` tokens (decodes in a mixed batch,
+small speculative chunks) use the row-by-row ``cpu.attend_range`` instead,
+which has no gather or BLAS call overhead.
+
+Parallelism: ``prange`` over all items. Items of one sequence are ordered
+zig-zag (first tile, last tile, second, second to last, ...) so that the
+static split of the iteration space gives every thread a similar mix of
+cheap early tiles and expensive late ones (causal work grows with the tile
+index). Calls under ``min_parallel_work`` run on the calling thread.
+
+Numba lowers ``np.dot`` on contiguous float32 2-D arrays to BLAS through
+SciPy's ``cython_blas`` (SciPy's bundled OpenBLAS). The items already use
+every core, so ``single_threaded_blas()`` (called by the dispatch layer)
+sets that OpenBLAS to one thread: its own threads would only compete with
+the items (and with Paddle) for the same cores. NumPy's BLAS is not touched.
+
+``exp`` here is ``fast_exp``, a polynomial that LLVM vectorizes (Numba's
+``np.exp`` is a scalar libm call without Intel SVML), relative error ~2e-7.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+
+import numpy as np
+from numba import njit, prange
+
+from .cpu import NEG, attend_range, load_rows, store_rows
+from .cpu_formats import _u32_as_f32, to_f32
+
+TILE_ROWS = 192          # query rows (tokens x group heads) per item of a long chunk
+KV_TILE = 256            # keys per gathered K/V tile
+MIN_TILED_TOKENS = 8     # chunks shorter than this take the row-by-row path
+
+_PAR = dict(parallel=True, fastmath=True, cache=True, nogil=True)
+_SEQ = dict(fastmath=True, cache=True, nogil=True)
+
+
+_blas_configured = False
+
+
+def single_threaded_blas():
+    """Set SciPy's bundled OpenBLAS (the one Numba's ``np.dot`` calls) to one thread, once."""
+    global _blas_configured
+    if _blas_configured:
+        return
+    _blas_configured = True
+    try:
+        import scipy
+    except ImportError:
+        return
+    libs = os.path.join(os.path.dirname(os.path.dirname(scipy.__file__)), "scipy.libs")
+    for path in glob.glob(os.path.join(libs, "*openblas*")):
+        lib = ctypes.CDLL(path)
+        for name in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
+                     "openblas_set_num_threads64_", "openblas_set_num_threads"):
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn(1)
+                break
+
+
+@njit(**_SEQ)
+def fast_exp(x):
+    """exp(x) for float32 x <= 0 (softmax: score minus running max): 2^n * e^f.
+
+    n = round(x / ln2) by truncating x / ln2 - 1/2 (x <= 0), f = x - n ln2 in
+    [-ln2/2, ln2/2]; e^f is a degree-6 Taylor polynomial and 2^n is built in the
+    exponent bits. Only selects, multiplies and integer ops, so loops vectorize.
+    x is clamped to [-87, 0]: below -87 the result is ~1e-38 instead of 0.
+    """
+    x = x if x > np.float32(-87.0) else np.float32(-87.0)
+    x = x if x < np.float32(0.0) else np.float32(0.0)
+    n = np.int32(x * np.float32(1.4426950408889634) - np.float32(0.5))
+    fn = np.float32(n)
+    f = x - fn * np.float32(0.693145751953125) - fn * np.float32(1.428606765330187e-06)
+    p = np.float32(1.0 / 720)
+    p = p * f + np.float32(1.0 / 120)
+    p = p * f + np.float32(1.0 / 24)
+    p = p * f + np.float32(1.0 / 6)
+    p = p * f + np.float32(0.5)
+    p = p * f + np.float32(1.0)
+    p = p * f + np.float32(1.0)
+    return p * _u32_as_f32((n + np.int32(127)) << np.int32(23))
+
+
+@njit(**_SEQ)
+def gather_kv(k_cache, v_cache, table, h, j0, j1, kt, vt):
+    """kt[j - j0], vt[j - j0] = K, V of KV head h at key positions j in [j0, j1), as float32."""
+    block_size, head_dim = k_cache.shape[2], k_cache.shape[3]
+    j = j0
+    while j < j1:
+        b = j // block_size
+        off = j - b * block_size
+        blk = table[b]
+        n = min(block_size - off, j1 - j)
+        for t in range(n):
+            row = j - j0 + t
+            for d in range(head_dim):
+                kt[row, d] = to_f32(k_cache[blk, h, off + t, d])
+                vt[row, d] = to_f32(v_cache[blk, h, off + t, d])
+        j += n
+
+
+@njit(**_SEQ)
+def softmax_tile(s, first_pos, group, j0, window, m, l, acc):
+    """Step 3 of the module docstring: scores ``s [R, n]`` of keys j0.. -> probabilities in place."""
+    rows, n = s.shape
+    head_dim = acc.shape[1]
+    for r in range(rows):
+        p = first_pos + r // group
+        a = max(p - window + 1 - j0, 0) if window > 0 else 0
+        e = min(p + 1 - j0, n)
+        if a >= e:
+            s[r, :] = 0.0
+            continue
+        mx = NEG
+        for t in range(a, e):
+            v = s[r, t]
+            mx = v if v > mx else mx
+        m_new = max(m[r], mx)
+        c = fast_exp(m[r] - m_new)
+        total = np.float32(0.0)
+        for t in range(a, e):
+            pr = fast_exp(s[r, t] - m_new)
+            s[r, t] = pr
+            total += pr
+        s[r, :a] = 0.0
+        s[r, e:] = 0.0
+        l[r] = l[r] * c + total
+        m[r] = m_new
+        if c != 1.0:
+            for d in range(head_dim):
+                acc[r, d] *= c
+
+
+@njit(**_SEQ)
+def tiled_item(query, k_cache, v_cache, table, q_row, first_pos, n_tok, h, group, scale,
+               window, out):
+    """Query tokens ``q_row .. q_row + n_tok`` (positions from first_pos) x KV head h, tiled."""
+    head_dim = query.shape[2]
+    rows = n_tok * group
+    qf = np.empty((rows, head_dim), np.float32)
+    load_rows(query, q_row, n_tok, h * group, group, scale, qf)
+    m = np.full(rows, NEG, np.float32)
+    l = np.zeros(rows, np.float32)
+    acc = np.zeros((rows, head_dim), np.float32)
+    pv = np.empty((rows, head_dim), np.float32)
+    kt = np.empty((KV_TILE, head_dim), np.float32)
+    vt = np.empty((KV_TILE, head_dim), np.float32)
+    s_buf = np.empty(rows * KV_TILE, np.float32)
+    lo = max(0, first_pos - window + 1) if window > 0 else 0
+    hi = first_pos + n_tok
+    for j0 in range(lo, hi, KV_TILE):
+        j1 = min(j0 + KV_TILE, hi)
+        n = j1 - j0
+        gather_kv(k_cache, v_cache, table, h, j0, j1, kt, vt)
+        s = s_buf[:rows * n].reshape(rows, n)
+        np.dot(qf, kt[:n].T, s)
+        softmax_tile(s, first_pos, group, j0, window, m, l, acc)
+        np.dot(s, vt[:n], pv)
+        acc += pv
+    store_rows(out, q_row, n_tok, h * group, group, l, acc)
+
+
+@njit(**_SEQ)
+def row_item(query, k_cache, v_cache, table, q_row, first_pos, n_tok, h, group, scale,
+             window, out):
+    """The same item row by row (``cpu.attend_range``): for decodes and short chunks."""
+    head_dim = query.shape[2]
+    rows = n_tok * group
+    qf = np.empty((rows, head_dim), np.float32)
+    load_rows(query, q_row, n_tok, h * group, group, scale, qf)
+    qpos = np.empty(rows, np.int64)
+    for r in range(rows):
+        qpos[r] = first_pos + r // group
+    m = np.full(rows, NEG, np.float32)
+    l = np.zeros(rows, np.float32)
+    acc = np.zeros((rows, head_dim), np.float32)
+    s = np.empty(k_cache.shape[2], np.float32)
+    lo = max(0, first_pos - window + 1) if window > 0 else 0
+    hi = first_pos + n_tok
+    if lo < hi:
+        attend_range(qf, qpos, k_cache, v_cache, table, h, lo, hi, window, m, l, acc, s)
+    store_rows(out, q_row, n_tok, h * group, group, l, acc)
+
+
+@njit(**_SEQ)
+def run_item(query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
+             window, out, tile_start, tile, num_tiled, item):
+    """Work item ``item``: its sequence, KV head and (zig-zag ordered) query tile."""
+    num_kv_heads = k_cache.shape[1]
+    group = query.shape[1] // num_kv_heads
+    k, h = item // num_kv_heads, item % num_kv_heads
+    i = np.searchsorted(tile_start, k, side="right") - 1
+    n = query_start_loc[i + 1] - query_start_loc[i]
+    tiles = tile_start[i + 1] - tile_start[i]
+    z = k - tile_start[i]
+    z = z // 2 if z % 2 == 0 else tiles - 1 - z // 2          # zig-zag over the chunk's tiles
+    t_tok = tile[i]
+    t0 = z * t_tok
+    n_tok = min(t_tok, n - t0)
+    first_pos = context_lens[i] - n + t0
+    if n >= num_tiled:
+        tiled_item(query, k_cache, v_cache, block_tables[i], query_start_loc[i] + t0,
+                   first_pos, n_tok, h, group, scale, window, out)
+    else:
+        row_item(query, k_cache, v_cache, block_tables[i], query_start_loc[i] + t0,
+                 first_pos, n_tok, h, group, scale, window, out)
+
+
+@njit(**_PAR)
+def paged_prefill(query, k_cache, v_cache, block_tables, query_start_loc, context_lens,
+                  scale, window, out, min_parallel_work, num_tiled=MIN_TILED_TOKENS):
+    """Packed query chunks, each the last tokens of its sequence (see module docstring).
+
+    ``num_tiled``: chunks of at least this many tokens take the tiled BLAS path.
+    """
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    num_seqs = context_lens.shape[0]
+    # tile[i]: tokens per query tile of sequence i; tile_start[i]: its first tile's number
+    tile = np.empty(num_seqs, np.int64)
+    tile_start = np.zeros(num_seqs + 1, np.int64)
+    work = 0
+    for i in range(num_seqs):
+        n = query_start_loc[i + 1] - query_start_loc[i]
+        rows = TILE_ROWS if n >= num_tiled else 64
+        tile[i] = max(1, rows // group)
+        tile_start[i + 1] = tile_start[i] + (n + tile[i] - 1) // tile[i]
+        keys = min(context_lens[i], window) if window > 0 else context_lens[i]
+        work += n * keys
+    items = tile_start[num_seqs] * num_kv_heads
+    if work * num_heads * head_dim >= min_parallel_work:
+        for item in prange(items):
+            run_item(query, k_cache, v_cache, block_tables, query_start_loc, context_lens,
+                     scale, window, out, tile_start, tile, num_tiled, item)
+    else:
+        for item in range(items):
+            run_item(query, k_cache, v_cache, block_tables, query_start_loc, context_lens,
+                     scale, window, out, tile_start, tile, num_tiled, item)
