@@ -25,7 +25,7 @@ from engine import LLM, SamplingParams
 from engine.align import align
 from engine.attention import AttentionMetadata, dense_causal_attention
 from engine.fallback.attention_adapter import paged_attention_forward
-from engine.fallback.paddlefleet import FleetPagedAttention, patch_core_attention
+from engine.fallback.paddlefleet import patch_core_attention
 from engine.fallback.step_context import bind_step
 from engine.model_impl import resolve_model_impl
 from tiny_models import make_tiny_model, tiny_prompts
