@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from dataclasses import dataclass, fields
 
 MODEL_IMPLS = ("auto", "native", "paddleformers", "paddlefleet")
@@ -90,6 +89,3 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     names = {f.name for f in fields(EngineConfig)}
     return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
 
-
-def replace(config: EngineConfig, **changes) -> EngineConfig:
-    return dataclasses.replace(config, **changes)

@@ -118,10 +118,6 @@ class KVCacheManager:
         self.pool.free_blocks(reversed(table))
         self._req_to_hashes.pop(request.request_id, None)
 
-    def forget_hashes(self, request: Request) -> None:
-        """Drop the request's cached hash chain (its tokens are about to change)."""
-        self._req_to_hashes.pop(request.request_id, None)
-
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 
