@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 MODEL_IMPLS = ("auto", "native", "paddleformers", "paddlefleet")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "gpu")
+QUANTIZATION_MODES = ("auto", "none")
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
@@ -17,6 +18,11 @@ class EngineConfig:
 
     ``kv_cache_memory`` is either bytes (> 1) or a fraction (0 < f <= 1) of the
     memory the KV cache may use on the device (for CPU: of 4 GiB).
+
+    ``quantization="auto"`` keeps a GGUF checkpoint's Q4_0/Q4_1/Q8_0 linear
+    weights in their blocks too and multiplies small CPU batches on them
+    (``engine.block_linear``: same weights, a quarter of the bytes to read);
+    ``"none"`` runs every matmul on the dequantized float weights.
     """
 
     model: str = DEFAULT_MODEL
@@ -29,12 +35,14 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     device: str = "auto"
+    quantization: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
         _choice("model_impl", self.model_impl, MODEL_IMPLS)
         _choice("dtype", self.dtype, DTYPES)
         _choice("device", self.device, DEVICES)
+        _choice("quantization", self.quantization, QUANTIZATION_MODES)
         _positive_int("block_size", self.block_size)
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -80,6 +88,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--device", default="auto", choices=DEVICES)
+    g.add_argument("--quantization", default="auto", choices=QUANTIZATION_MODES,
+                   help="auto: small CPU batches multiply on a GGUF's Q4_0/Q4_1/Q8_0 blocks; none: float weights only")
     g.add_argument("--seed", type=int, default=0)
     return parser
 

@@ -54,7 +54,7 @@ class LLMEngine:
         self.architecture = checkpoint.architecture
         self.model_name = config.model
         self.tokenizer = checkpoint.tokenizer
-        model = build_model(self.model_impl, checkpoint, self.dtype, self.device)
+        model = build_model(self.model_impl, checkpoint, self.dtype, self.device, config.quantization)
         logger.info("model_impl=%s serves %s", self.model_impl, checkpoint.architecture)
 
         num_layers, num_kv_heads, head_dim = model.kv_layout()

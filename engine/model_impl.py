@@ -35,16 +35,23 @@ def resolve_model_impl(requested: str, architecture: str) -> str:
     return requested
 
 
-def build_model(impl: str, checkpoint, dtype: str, device: str):
-    """Instantiate the model for a resolved ``impl`` with the checkpoint's weights loaded."""
+def build_model(impl: str, checkpoint, dtype: str, device: str, quantization: str = "auto"):
+    """Instantiate the model for a resolved ``impl`` with the checkpoint's weights loaded.
+
+    ``quantization="auto"``: on CPU in float32, linears whose weights the checkpoint
+    stores in a kept block format also get those blocks (``engine.block_linear``).
+    """
     logger.info("loading %s (%s) with model_impl=%s, dtype=%s, device=%s",
                 checkpoint.path, checkpoint.architecture, impl, dtype, device)
+    blocks = {}
+    if quantization == "auto" and device == "cpu" and dtype == "float32":
+        blocks = checkpoint.quantized_blocks()
     if impl == "native":
-        return build_native_model(checkpoint.architecture, checkpoint.config, checkpoint.weights(), dtype)
+        return build_native_model(checkpoint.architecture, checkpoint.config, checkpoint.weights(), dtype, blocks)
     if impl == "paddleformers":
         from .fallback.paddleformers import build_paddleformers_model
 
-        return build_paddleformers_model(checkpoint, dtype, device)
+        return build_paddleformers_model(checkpoint, dtype, device, blocks)
     if impl == "paddlefleet":
         from .fallback.paddlefleet import build_paddlefleet_model
 

@@ -32,7 +32,7 @@ from .fixups import apply_fixups
 from .hf_config import paddleformers_class, paddleformers_config
 from .speedups import apply_speedups
 from .step_context import bind_step
-from .weights import load_hf_weights
+from .weights import attach_hf_blocks, lm_head_blocks, load_hf_weights
 
 logger = logging.getLogger("engine")
 
@@ -54,6 +54,7 @@ class PaddleFormersModel:
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.softcap = getattr(config, "final_logit_softcapping", None)
+        self.lm_head_blocks = None  # LM head in quantized blocks (engine.block_linear), set by the builder
 
     def kv_layout(self) -> tuple[int, int, int]:
         return self.num_layers, self.num_kv_heads, self.head_dim
@@ -78,7 +79,10 @@ class PaddleFormersModel:
 
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         head = self.model.lm_head
-        logits = paddle.matmul(hidden, head.weight, transpose_y=True)  # LM head weight is [vocab, hidden]
+        if self.lm_head_blocks is not None and self.lm_head_blocks.accepts(hidden):
+            logits = self.lm_head_blocks.matmul(hidden)  # small batch on the quantized blocks
+        else:
+            logits = paddle.matmul(hidden, head.weight, transpose_y=True)  # LM head weight is [vocab, hidden]
         if getattr(head, "bias", None) is not None:
             logits = logits + head.bias
         logits = logits.astype("float32")
@@ -102,7 +106,7 @@ def packed_row_indices(meta) -> paddle.Tensor:
     return paddle.to_tensor(ends.reshape(1, 1, -1, 1))
 
 
-def build_paddleformers_model(checkpoint, dtype: str, device: str) -> PaddleFormersModel:
+def build_paddleformers_model(checkpoint, dtype: str, device: str, blocks: dict | None = None) -> PaddleFormersModel:
     """The checkpoint's architecture as a PaddleFormers model on our paged attention, weights loaded."""
     model_cls = paddleformers_class(checkpoint.architecture)
     name = attention_adapter.register()
@@ -116,6 +120,9 @@ def build_paddleformers_model(checkpoint, dtype: str, device: str) -> PaddleForm
         model.to(dtype=dtype)
     model.eval()
     wrapped = PaddleFormersModel(model, fixups=fixups, faster=tuple(faster))
+    if blocks and dtype == "float32":
+        attach_hf_blocks(model, blocks, num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads)
+        wrapped.lm_head_blocks = lm_head_blocks(blocks, bool(checkpoint.config.get("tie_word_embeddings")))
     with paddle.no_grad():
         wrapped.forward(*_probe_step(wrapped))  # fails now, not mid-generation, if attention bypasses the engine
     logger.info("PaddleFormers %s on the engine's paged attention (fixups: %s; faster forwards: %s)",

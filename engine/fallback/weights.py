@@ -26,6 +26,9 @@ from typing import Iterable
 import numpy as np
 import paddle
 
+from ..block_linear import BlockWeight, attach_blocks, fused_blocks
+from ..loader.gguf_blocks import combine_rows
+
 _QKV = re.compile(r"^(.*)\.self_attn\.(q|k|v)_proj\.(weight|bias)$")
 _GATE_UP = re.compile(r"^(.*)\.mlp\.(gate|up)_proj\.(weight|bias)$")
 
@@ -98,3 +101,28 @@ def fuse_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, num_heads: int, num_kv
     kg = k.reshape(num_kv_heads, head_dim, *rest)
     vg = v.reshape(num_kv_heads, head_dim, *rest)
     return np.concatenate([qg, kg, vg], axis=1).reshape(-1, *rest)
+
+
+def attach_hf_blocks(model: paddle.nn.Layer, blocks: dict, *, num_heads: int, num_kv_heads: int) -> int:
+    """Give the model's ``paddle.nn.Linear`` layers their HF weights' quantized blocks, fused the way
+    `load_hf_weights` fuses the float weights (see ``engine.block_linear``); returns how many."""
+    attached = 0
+    for prefix, layer in model.named_sublayers():
+        if type(layer) is not paddle.nn.Linear:
+            continue
+        found = blocks.get(f"{prefix}.weight")
+        if found is None and prefix.endswith(".self_attn.qkv_proj"):
+            names = [prefix.replace("qkv_proj", f"{p}_proj.weight") for p in "qkv"]
+            if all(n in blocks for n in names):
+                found = combine_rows([blocks[n] for n in names],
+                                     lambda q, k, v: fuse_qkv(q, k, v, num_heads, num_kv_heads))
+        elif found is None and prefix.endswith(".mlp.up_gate_proj"):
+            found = fused_blocks(blocks, [prefix.replace("up_gate_proj", f"{p}_proj.weight") for p in ("gate", "up")])
+        attached += attach_blocks(layer, found)
+    return attached
+
+
+def lm_head_blocks(blocks: dict, tied: bool) -> BlockWeight | None:
+    """The LM head's blocks (``[vocab, hidden]``): its own, or the embedding's when tied."""
+    found = blocks.get("lm_head.weight") or (blocks.get("model.embed_tokens.weight") if tied else None)
+    return BlockWeight(found) if found is not None else None

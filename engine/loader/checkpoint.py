@@ -9,6 +9,7 @@ import ml_dtypes
 import numpy as np
 
 if TYPE_CHECKING:
+    from .gguf_blocks import BlockQuantized
     from ..tokenizer import Tokenizer
 
 
@@ -42,6 +43,8 @@ class Checkpoint:
     config: dict
     tokenizer: "Tokenizer"
     _read_weights: Callable[..., Iterator[tuple[str, np.ndarray]]] = field(repr=False, compare=False)
+    _read_blocks: Callable[[], Iterator[tuple[str, "BlockQuantized"]]] | None = field(
+        default=None, repr=False, compare=False)
 
     def weights(self, dtype: str = "float32", progress: bool = True) -> Iterator[tuple[str, np.ndarray]]:
         """Yield ``(name, array)`` for every parameter, one tensor at a time.
@@ -54,6 +57,12 @@ class Checkpoint:
         """
         numpy_dtype(dtype)  # reject a bad dtype now, not at the first tensor
         return self._read_weights(dtype=dtype, progress=progress)
+
+    def quantized_blocks(self) -> dict[str, "BlockQuantized"]:
+        """HF-named linear weights that the file stores in a block format the engine computes on
+        directly (`engine.loader.gguf_blocks`: Q4_0, Q4_1, Q8_0), rows ordered as in `weights`.
+        Empty for other checkpoints and formats."""
+        return dict(self._read_blocks()) if self._read_blocks else {}
 
     def state_dict(self, dtype: str = "float32") -> dict[str, np.ndarray]:
         """All weights in one dict (convenient for small models and tests)."""

@@ -2,7 +2,7 @@
 
 A GGUF file holds everything in one place: the architecture's hyper-parameters
 (`gguf_config`), the tokenizer (`gguf_tokenizer`) and quantized tensors
-(`gguf_weights`).  This module ties the three together.
+(`gguf_weights`, and kept in their blocks by `gguf_blocks`).  This module ties the three together.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 from .checkpoint import Checkpoint
+from .gguf_blocks import iter_gguf_blocks
 from .gguf_config import GGUF_ARCHITECTURES, config_from_gguf
 from .gguf_file import GGUFFile
 from .gguf_tokenizer import tokenizer_from_gguf
@@ -34,4 +35,5 @@ def load_gguf(path: str) -> Checkpoint:
         config=config,
         tokenizer=tokenizer,
         _read_weights=functools.partial(iter_gguf_weights, f, config),
+        _read_blocks=functools.partial(iter_gguf_blocks, f, config),
     )

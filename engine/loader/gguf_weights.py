@@ -85,6 +85,15 @@ def unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
+def undo_rope_permutation(gguf_name: str, arch: str, config: dict, w: np.ndarray) -> np.ndarray:
+    """`unpermute` the rows of a ``llama`` q_proj/k_proj tensor; any other tensor as it is."""
+    if arch == "llama" and ".attn_q." in gguf_name:
+        return unpermute(w, config["num_attention_heads"])
+    if arch == "llama" and ".attn_k." in gguf_name:
+        return unpermute(w, config["num_key_value_heads"])
+    return w
+
+
 def dequantized(f: GGUFFile, tensor: GGUFTensor) -> np.ndarray:
     """A GGUF tensor as float32 in NumPy (row-major, HF ``[out, in]`` for linear weights)."""
     data = dequantize(tensor.raw(f.buf), tensor.tensor_type)
@@ -96,7 +105,6 @@ def iter_gguf_weights(f: GGUFFile, config: dict, dtype: str = "float32",
     """Yield ``(hf_name, array)`` for every parameter in `f`, HF conventions, `dtype`."""
     out_dtype = numpy_dtype(dtype)
     arch = f.architecture
-    n_heads, n_kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     tensors = [t for t in f.tensors.values() if t.name not in _SKIPPED]
     bar = tqdm(tensors, desc=f"loading {config['architectures'][0]}", unit="tensor",
                disable=not progress, leave=False)
@@ -107,10 +115,7 @@ def iter_gguf_weights(f: GGUFFile, config: dict, dtype: str = "float32",
         except Exception as exc:
             raise ValueError(f"{f.path}: cannot dequantize tensor {tensor.name} "
                              f"({tensor.tensor_type.name}): {exc}") from exc
-        if arch == "llama" and ".attn_q." in tensor.name:
-            w = unpermute(w, n_heads)
-        elif arch == "llama" and ".attn_k." in tensor.name:
-            w = unpermute(w, n_kv_heads)
+        w = undo_rope_permutation(tensor.name, arch, config, w)
         if arch.startswith("gemma") and tensor.name.endswith("norm.weight"):
             w = w - 1.0
         yield name, np.require(w, out_dtype, ["C", "W"])  # own, writable memory

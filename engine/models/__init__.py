@@ -7,6 +7,7 @@ import re
 import numpy as np
 import paddle
 
+from ..block_linear import BlockWeight, attach_blocks, fused_blocks
 from .llama import DecoderConfig, LlamaForCausalLM
 
 NATIVE_ARCHITECTURES = {
@@ -22,8 +23,13 @@ _FUSED = {  # HF projection -> (our fused parameter, position among its parts)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
 
 
-def build_native_model(architecture: str, hf_config: dict, weights, dtype: str) -> LlamaForCausalLM:
-    """Construct the native model for ``architecture`` and load HF-named weights into it."""
+def build_native_model(architecture: str, hf_config: dict, weights, dtype: str,
+                       blocks: dict | None = None) -> LlamaForCausalLM:
+    """Construct the native model for ``architecture`` and load HF-named weights into it.
+
+    ``blocks``: HF-named weights also kept quantized (``Checkpoint.quantized_blocks``),
+    which small float32 batches then multiply on (``engine.block_linear``).
+    """
     if architecture not in NATIVE_ARCHITECTURES:
         raise ValueError(
             f"no native implementation for {architecture}; native architectures: {', '.join(NATIVE_ARCHITECTURES)}"
@@ -33,6 +39,8 @@ def build_native_model(architecture: str, hf_config: dict, weights, dtype: str) 
     load_hf_weights(model, weights)
     if dtype != "float32":
         model.to(dtype=dtype)
+    elif blocks:
+        attach_native_blocks(model, blocks)
     model.eval()
     return model
 
@@ -64,6 +72,25 @@ def load_hf_weights(model: LlamaForCausalLM, weights) -> None:
     missing = set(params) - loaded
     if missing or pending:
         raise ValueError(f"checkpoint is missing tensors for: {sorted(missing | set(pending))[:8]}")
+
+
+def attach_native_blocks(model: LlamaForCausalLM, blocks: dict) -> int:
+    """Give the native linears (fused like their weights) and the LM head their blocks; returns how many."""
+    attached = 0
+    for i, layer in enumerate(model.layers):
+        prefix = f"model.layers.{i}."
+        for linear, names in (
+            (layer.self_attn.qkv_proj, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+            (layer.self_attn.o_proj, ["self_attn.o_proj"]),
+            (layer.mlp.gate_up_proj, ["mlp.gate_proj", "mlp.up_proj"]),
+            (layer.mlp.down_proj, ["mlp.down_proj"]),
+        ):
+            attached += attach_blocks(linear, fused_blocks(blocks, [f"{prefix}{n}.weight" for n in names]))
+    head = "model.embed_tokens.weight" if model.cfg.tie_word_embeddings else "lm_head.weight"
+    if head in blocks:
+        model.lm_head_blocks = BlockWeight(blocks[head])
+        attached += 1
+    return attached
 
 
 def _native_name(hf_name: str) -> tuple[str, int | None]:

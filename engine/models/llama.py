@@ -7,7 +7,8 @@
 
 Q/K/V are one fused projection and gate/up another, so a layer runs two
 matmuls where HF runs five. Weights are stored Paddle-style, ``[in, out]``.
-Attention goes through ``engine.attention.paged_attention`` (the paged KV
+Small batches on CPU may multiply on the checkpoint's quantized blocks
+(``engine.block_linear``). Attention goes through ``engine.attention.paged_attention`` (the paged KV
 cache) or, without metadata, ``dense_causal_attention`` (the reference).
 """
 
@@ -73,9 +74,13 @@ class Linear(nn.Layer):
         super().__init__()
         self.weight = self.create_parameter([in_features, out_features])
         self.bias = self.create_parameter([out_features], is_bias=True) if bias else None
+        self.block_weight = None  # the checkpoint's quantized blocks, for small batches (engine.block_linear)
 
     def forward(self, x):
-        y = paddle.matmul(x, self.weight)
+        if self.block_weight is not None and self.block_weight.accepts(x):
+            y = self.block_weight.matmul(x)
+        else:
+            y = paddle.matmul(x, self.weight)
         return y if self.bias is None else y + self.bias
 
 
@@ -160,6 +165,7 @@ class LlamaForCausalLM(nn.Layer):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head_blocks = None  # LM head (or tied embedding) in quantized blocks, see engine.block_linear
 
     def forward(self, input_ids, positions, meta: AttentionMetadata | None = None, kv_caches=None):
         """Hidden states [num_tokens, hidden] after the final norm.
@@ -178,6 +184,8 @@ class LlamaForCausalLM(nn.Layer):
         return self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim
 
     def compute_logits(self, hidden):
+        if self.lm_head_blocks is not None and self.lm_head_blocks.accepts(hidden):
+            return self.lm_head_blocks.matmul(hidden)
         if self.cfg.tie_word_embeddings:
             logits = paddle.matmul(hidden, self.embed_tokens.weight, transpose_y=True)
         else:

@@ -1,0 +1,87 @@
+"""Linear layers that multiply small batches on the checkpoint's own quantized blocks (CPU).
+
+A GGUF checkpoint stores most linear weights quantized (SmolLM2: Q4_1, its
+embedding / tied LM head Q8_0); the loader dequantizes them to float32 for
+Paddle. At decode time a CPU step multiplies a handful of rows by every
+weight, which is bound by reading 4 bytes per weight from memory. With
+``quantization="auto"`` the engine also keeps the formats it can compute on
+(`engine.loader.gguf_blocks`: Q4_0, Q4_1, Q8_0) as int8 codes plus per-block
+scales, 1.25 bytes per weight, and steps of at most `MAX_ROWS` rows multiply
+on those (`gpu_kernels.cpu_block_matmul`). The weights are the same numbers
+either way (the blocks dequantize exactly to the float32 tensors); only the
+order of the floating-point sums differs. Prefill chunks and large batches
+keep using Paddle's float32 matmul.
+
+`attach_blocks` gives a layer its blocks; the native ``Linear`` and the
+borrowed models' ``paddle.nn.Linear`` / LM heads then route small inputs
+through `BlockWeight.matmul`.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import paddle
+
+from gpu_kernels.cpu_block_matmul import block_matmul
+from gpu_kernels.interop import host_view
+
+from .loader.gguf_blocks import BlockQuantized, concat_rows
+
+MAX_ROWS = 8  # above this a float32 GEMM (reads each weight once for all rows) is faster
+
+
+class BlockWeight:
+    """A ``[out, in]`` weight in blocks; ``matmul`` computes ``x @ W.T`` for small float32 CPU inputs."""
+
+    def __init__(self, blocks: BlockQuantized):
+        self.codes, self.scales, self.offsets = blocks.codes, blocks.scales, blocks.offsets
+        self.kind = blocks.kind
+        self.out_features, self.in_features = blocks.shape
+
+    def accepts(self, x: paddle.Tensor) -> bool:
+        """Small float32 input (blocks are only kept for CPU models, so ``x`` is on the CPU)."""
+        shape = x.shape
+        rows = shape[0] if len(shape) == 2 else math.prod(shape[:-1])
+        return rows <= MAX_ROWS and x.dtype == paddle.float32
+
+    def matmul(self, x: paddle.Tensor) -> paddle.Tensor:
+        shape = list(x.shape[:-1]) + [self.out_features]
+        out = paddle.empty(shape, dtype="float32")
+        block_matmul(host_view(x).reshape(-1, self.in_features), self.codes, self.scales, self.offsets,
+                     host_view(out).reshape(-1, self.out_features))
+        return out
+
+
+def fused_blocks(blocks: dict[str, BlockQuantized], names: list[str], rows=None) -> BlockQuantized | None:
+    """The blocks of several HF weights stacked along outputs (``rows``: a row re-ordering
+    applied to the stack), or None unless every one of them is kept in blocks."""
+    if not names or any(n not in blocks for n in names):
+        return None
+    stacked = concat_rows([blocks[n] for n in names]) if len(names) > 1 else blocks[names[0]]
+    return stacked.map_rows(rows) if rows is not None else stacked
+
+
+def _linear_forward(self, x):
+    """``paddle.nn.Linear.forward`` (``x @ W + b``, W ``[in, out]``) with small inputs on the blocks."""
+    if self.block_weight.accepts(x):
+        y = self.block_weight.matmul(x)
+        return y if self.bias is None else y + self.bias
+    return paddle.nn.functional.linear(x, self.weight, self.bias)
+
+
+def attach_blocks(layer: paddle.nn.Layer, blocks: BlockQuantized | None) -> bool:
+    """Give ``layer`` its weight's blocks; a ``paddle.nn.Linear`` also gets the routing forward.
+
+    Checks the blocks dequantize to the layer's weight shape (``[in, out]`` for
+    linears, ``[out, in]`` for LM heads/embeddings is the caller's business).
+    """
+    if blocks is None:
+        return False
+    layer.block_weight = BlockWeight(blocks)
+    if type(layer) is paddle.nn.Linear:
+        if tuple(layer.weight.shape) != (blocks.shape[1], blocks.shape[0]):
+            raise ValueError(f"blocks {blocks.shape} do not fit linear weight {list(layer.weight.shape)}")
+        layer.forward = types.MethodType(_linear_forward, layer)
+    return True

@@ -1,0 +1,107 @@
+"""GGUF weights kept in their quantized blocks, for the engine's block-quantized matmul.
+
+In the Q4_0, Q4_1 and Q8_0 formats every weight of a block of 32 consecutive
+inputs is ``scale * code + offset`` with a small integer ``code`` and one
+``scale`` (and, for Q4_1, one ``offset``) per block:
+
+| format | bytes per block | code | offset |
+|---|---|---|---|
+| Q8_0 | 2 + 32 | int8 | 0 |
+| Q4_0 | 2 + 16 | nibble - 8 | 0 |
+| Q4_1 | 2 + 2 + 16 | nibble | f16 ``m`` |
+
+`BlockQuantized` holds those codes as int8 (one byte per weight instead of
+four) with float32 scales and offsets; `dequantize` gives back exactly the
+float32 values ``gguf.quants.dequantize`` produces, so a matmul on the
+blocks computes with the same weights as one on the dequantized tensor.
+Other formats (K-quants, Q5_*) are not kept (`unpack` returns None) and run
+on their float weights.
+
+Every transformation the loaders apply to linear weights permutes or
+concatenates *rows* (outputs): `map_rows` and `concat_rows` apply them to
+the blocks (`combine_rows` when they take several weights).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+BLOCK = 32
+KEPT_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
+
+
+@dataclass(frozen=True)
+class BlockQuantized:
+    """A ``[out, in]`` weight as ``scales[o, b] * codes[o, b, j] + offsets[o, b]`` (blocks of 32 inputs)."""
+
+    codes: np.ndarray    # int8    [out, in // 32, 32]
+    scales: np.ndarray   # float32 [out, in // 32]
+    offsets: np.ndarray  # float32 [out, in // 32] (zeros for Q4_0 / Q8_0)
+    kind: str            # GGUF format name, "+"-joined after concatenating different ones
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.codes.shape[1] * BLOCK
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes + self.offsets.nbytes
+
+    def dequantize(self) -> np.ndarray:
+        """float32 ``[out, in]``, computed as GGUF's own dequantization does."""
+        w = self.scales[..., None] * self.codes.astype(np.float32) + self.offsets[..., None]
+        return w.reshape(self.shape)
+
+    def map_rows(self, fn: Callable[[np.ndarray], np.ndarray]) -> "BlockQuantized":
+        """Apply a row operation (reorder, reshape along outputs) to codes, scales and offsets alike."""
+        return BlockQuantized(np.ascontiguousarray(fn(self.codes)), np.ascontiguousarray(fn(self.scales)),
+                              np.ascontiguousarray(fn(self.offsets)), self.kind)
+
+
+def combine_rows(parts: list[BlockQuantized], fn: Callable[..., np.ndarray]) -> BlockQuantized:
+    """Apply a row operation that takes several weights (``fn(*arrays)``) to codes, scales and offsets."""
+    kinds = dict.fromkeys(p.kind for p in parts)
+    return BlockQuantized(*(np.ascontiguousarray(fn(*(getattr(p, f) for p in parts)))
+                            for f in ("codes", "scales", "offsets")), "+".join(kinds))
+
+
+def concat_rows(parts: list[BlockQuantized]) -> BlockQuantized:
+    """Stack weights along outputs (fused projections such as Q/K/V or gate/up)."""
+    return combine_rows(parts, lambda *arrays: np.concatenate(arrays))
+
+
+def unpack(raw: np.ndarray, tensor_type: QT, shape: tuple[int, ...]) -> BlockQuantized | None:
+    """The blocks of a 2-D GGUF tensor (``raw``: its bytes), or None when its format is not kept."""
+    if tensor_type.name not in KEPT_FORMATS or len(shape) != 2 or shape[1] % BLOCK:
+        return None
+    rows, nblk = shape[0], shape[1] // BLOCK
+    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(rows * nblk, -1)
+    scales = blocks[:, :2].copy().view(np.float16).astype(np.float32)[:, 0]
+    offsets = np.zeros_like(scales)
+    if tensor_type == QT.Q8_0:
+        codes = blocks[:, 2:].copy().view(np.int8)
+    else:
+        if tensor_type == QT.Q4_1:
+            offsets = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0]
+        packed = blocks[:, -BLOCK // 2:]
+        codes = np.concatenate([packed & 0x0F, packed >> 4], axis=1).astype(np.int8)  # low nibbles first
+        if tensor_type == QT.Q4_0:
+            codes -= 8
+    return BlockQuantized(codes.reshape(rows, nblk, BLOCK), scales.reshape(rows, nblk),
+                          offsets.reshape(rows, nblk), tensor_type.name)
+
+
+def iter_gguf_blocks(f, config: dict) -> Iterator[tuple[str, BlockQuantized]]:
+    """``(hf_name, blocks)`` for every 2-D tensor of GGUF file ``f`` in a kept format, rows
+    ordered as the float loader orders them (llama.cpp's Q/K RoPE permutation undone)."""
+    from .gguf_weights import hf_name, undo_rope_permutation
+
+    for tensor in f.tensors.values():
+        blocks = unpack(tensor.raw(f.buf), tensor.tensor_type, tensor.shape)
+        if blocks is not None:
+            yield hf_name(tensor.name, f.architecture), blocks.map_rows(
+                lambda a: undo_rope_permutation(tensor.name, f.architecture, config, a))

@@ -1,0 +1,124 @@
+"""GGUF weights kept in their quantized blocks, and the small-batch matmul that runs on them."""
+
+import gguf
+import numpy as np
+import paddle
+import pytest
+from gguf import GGMLQuantizationType as QT
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.block_linear import MAX_ROWS, BlockWeight
+from engine.loader.gguf_blocks import KEPT_FORMATS, concat_rows, unpack
+from gpu_kernels import cpu_block_matmul
+
+
+def _quantized(rng, rows, cols, qtype):
+    raw = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+    return raw, gguf.quants.dequantize(raw, qtype).reshape(rows, cols)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q8_0])
+def test_unpacked_blocks_dequantize_exactly_like_gguf(qtype):
+    raw, expected = _quantized(np.random.default_rng(0), 12, 96, qtype)
+    blocks = unpack(raw, qtype, (12, 96))
+    assert blocks.kind == qtype.name and blocks.codes.dtype == np.int8 and blocks.shape == (12, 96)
+    np.testing.assert_array_equal(blocks.dequantize(), expected)
+    assert blocks.nbytes < expected.nbytes / 3  # 1.25 bytes per weight instead of 4
+
+
+def test_formats_without_a_kernel_are_not_kept():
+    assert unpack(np.zeros((4, 256), np.uint8), QT.F32, (4, 64)) is None
+    assert unpack(np.zeros((4, 210), np.uint8), QT.Q6_K, (4, 256)) is None
+    assert set(KEPT_FORMATS) == {"Q4_0", "Q4_1", "Q8_0"}
+
+
+def test_row_operations_follow_the_dequantized_rows():
+    rng = np.random.default_rng(1)
+    parts = [unpack(_quantized(rng, r, 64, QT.Q4_1)[0], QT.Q4_1, (r, 64)) for r in (8, 4)]
+    stacked = concat_rows(parts)
+    np.testing.assert_array_equal(stacked.dequantize(), np.concatenate([p.dequantize() for p in parts]))
+    flipped = stacked.map_rows(lambda a: a[::-1])
+    np.testing.assert_array_equal(flipped.dequantize(), stacked.dequantize()[::-1])
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, MAX_ROWS), out=st.integers(1, 70), in_blocks=st.integers(1, 6),
+       qtype=st.sampled_from([QT.Q4_0, QT.Q4_1, QT.Q8_0]), seed=st.integers(0, 2**16))
+def test_block_matmul_matches_float_matmul(rows, out, in_blocks, qtype, seed):
+    rng = np.random.default_rng(seed)
+    raw, w = _quantized(rng, out, 32 * in_blocks, qtype)
+    blocks = unpack(raw, qtype, w.shape)
+    x = rng.standard_normal((rows, w.shape[1])).astype(np.float32)
+    y = cpu_block_matmul.block_matmul(x, blocks.codes, blocks.scales, blocks.offsets)
+    expected = x.astype(np.float64) @ w.T.astype(np.float64)
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+def test_each_row_is_computed_the_same_whatever_the_batch(monkeypatch):
+    """A request's numbers do not depend on its batch-mates, nor on threads vs no threads."""
+    rng = np.random.default_rng(2)
+    raw, w = _quantized(rng, 300, 128, QT.Q4_1)
+    blocks = unpack(raw, QT.Q4_1, w.shape)
+    x = rng.standard_normal((5, 128)).astype(np.float32)
+    batch = cpu_block_matmul.block_matmul(x, blocks.codes, blocks.scales, blocks.offsets)
+    for t in range(5):
+        alone = cpu_block_matmul.block_matmul(x[t:t + 1], blocks.codes, blocks.scales, blocks.offsets)
+        np.testing.assert_array_equal(alone[0], batch[t])
+    monkeypatch.setattr(cpu_block_matmul, "PARALLEL_MIN_WEIGHTS", 1)  # now the threaded kernel
+    np.testing.assert_array_equal(cpu_block_matmul.block_matmul(x, blocks.codes, blocks.scales, blocks.offsets),
+                                  batch)
+
+
+def test_block_matmul_rejects_mismatched_inputs():
+    blocks = unpack(_quantized(np.random.default_rng(3), 4, 64, QT.Q8_0)[0], QT.Q8_0, (4, 64))
+    with pytest.raises(ValueError, match="does not match"):
+        cpu_block_matmul.block_matmul(np.zeros((1, 96), np.float32), blocks.codes, blocks.scales, blocks.offsets)
+    with pytest.raises(ValueError, match="float32"):
+        cpu_block_matmul.block_matmul(np.zeros((1, 64), np.float64), blocks.codes, blocks.scales, blocks.offsets)
+
+
+def test_block_weight_takes_small_float32_batches_only():
+    raw, w = _quantized(np.random.default_rng(4), 16, 64, QT.Q4_0)
+    bw = BlockWeight(unpack(raw, QT.Q4_0, w.shape))
+    small, large = paddle.randn([1, 2, 64]), paddle.randn([MAX_ROWS + 1, 64])
+    assert bw.accepts(small) and not bw.accepts(large) and not bw.accepts(small.astype("float64"))
+    y = bw.matmul(small)
+    assert y.shape == [1, 2, 16]
+    np.testing.assert_allclose(y.numpy(), small.numpy() @ w.T, rtol=1e-5, atol=1e-4)
+
+
+def test_smollm2_blocks_equal_its_dequantized_weights(smollm2_checkpoint, smollm2_state_dict):
+    blocks = smollm2_checkpoint.quantized_blocks()
+    # every linear of the 30 layers (Q4_1) and the embedding / tied LM head (Q8_0)
+    assert len(blocks) == 30 * 7 + 1
+    assert {b.kind for b in blocks.values()} == {"Q4_1", "Q8_0"}
+    for name, b in blocks.items():  # Q/K rows come un-permuted, like the float weights
+        np.testing.assert_array_equal(b.dequantize(), smollm2_state_dict[name], err_msg=name)
+
+
+def test_quantized_decode_keeps_greedy_output_and_logprobs(smollm2_llm):
+    """quantization='auto' (the shared LLM) vs 'none': same greedy tokens, logprobs within 1e-3."""
+    from engine import LLM, SamplingParams
+
+    model = smollm2_llm.engine.runner.model
+    assert model.layers[0].self_attn.qkv_proj.block_weight is not None and model.lm_head_blocks is not None
+    params = SamplingParams(max_tokens=24, temperature=0, logprobs=1)
+    prompt = "The three primary colors are"
+    auto = smollm2_llm.generate(prompt, params)[0].outputs[0]
+    plain_llm = LLM(model="smollm2-135m-instruct", quantization="none")
+    try:
+        assert plain_llm.engine.runner.model.layers[0].self_attn.qkv_proj.block_weight is None
+        plain = plain_llm.generate(prompt, params)[0].outputs[0]
+    finally:
+        plain_llm.shutdown()
+    assert auto.token_ids == plain.token_ids
+    deltas = [abs(a[t].logprob - p[t].logprob) for t, a, p in zip(auto.token_ids, auto.logprobs, plain.logprobs)]
+    assert max(deltas) <= 1e-3
+
+
+def test_bad_quantization_mode_is_rejected():
+    from engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="quantization must be one of auto, none; got 'int4'"):
+        EngineConfig(quantization="int4")
