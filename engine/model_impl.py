@@ -46,6 +46,13 @@ def build_model(impl: str, checkpoint, dtype: str, device: str, quantization: st
     blocks = {}
     if quantization == "auto" and device == "cpu" and dtype == "float32":
         blocks = checkpoint.quantized_blocks()
+        if blocks:
+            from .block_linear import MAX_ROWS
+
+            kinds = sorted({b.kind for b in blocks.values()})
+            logger.info("quantization=auto: %d weights kept in their GGUF blocks too (%s, %.0f MB); matmuls of "
+                        "up to %d rows run on them", len(blocks), ", ".join(kinds),
+                        sum(b.nbytes for b in blocks.values()) / 2**20, MAX_ROWS)
     if impl == "native":
         return build_native_model(checkpoint.architecture, checkpoint.config, checkpoint.weights(), dtype, blocks)
     if impl == "paddleformers":
