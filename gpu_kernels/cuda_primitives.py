@@ -21,12 +21,14 @@ Element formats (``KIND``, a compile-time constant of each kernel)::
 
 Names:
 
-``ld4(words, i)``              words[i:i+4] as a tuple, one 16-byte load
+``ld4(words, i)``              words[i:i+4] as a tuple of uint32, one 16-byte load (any
+                               array of 4-byte elements: a float32 shared buffer is read as bits)
 ``word_elem(w, e, KIND)``      element e (0 or 1) of word w as float32
 ``to_f32(x, KIND)``            an array element as float32
 ``from_f32(v, KIND)``          float32 -> a value to store in an array of KIND
                                (round to nearest even)
 ``exp2(x)``                    2**x in float32 (fast approximate instruction on the GPU)
+``fmax32(a, b)``               max of two float32 (one instruction on the GPU)
 ``shfl_idx(v, src, scratch)``  v of lane ``src`` of the calling warp
 ``shfl_xor(v, mask, scratch)`` v of lane ``lane ^ mask``
 ``group_sum / group_max(v, width, scratch)``
@@ -58,6 +60,11 @@ def vmin(a, b):
     return a if a < b else b
 
 
+def register_cap(max_registers):
+    """``cuda.jit`` options capping registers per thread (None: no cap; the simulator has none)."""
+    return {} if SIMULATED or max_registers is None else {"max_registers": max_registers}
+
+
 def kind_of(dtype) -> int:
     """Element format code of a device array dtype (float32 / float16 / uint16 = bf16)."""
     dtype = np.dtype(dtype)
@@ -79,6 +86,8 @@ if SIMULATED:
 
     @cuda.jit(device=True)
     def ld4(words, i):
+        if words.dtype == np.float32:           # a shared buffer holding copied words
+            words = words.view(np.uint32)
         return words[i], words[i + 1], words[i + 2], words[i + 3]
 
     @cuda.jit(device=True)
@@ -109,6 +118,10 @@ if SIMULATED:
     @cuda.jit(device=True)
     def exp2(x):
         return np.float32(math.exp2(x))
+
+    @cuda.jit(device=True)
+    def fmax32(a, b):
+        return np.float32(a if a > b else b)
 
     def _exchange(v, src_lane, scratch):
         tid = cuda.threadIdx.x
@@ -225,6 +238,18 @@ else:
     @cuda.jit(device=True)
     def exp2(x):
         return _ex2(np.float32(x))
+
+    @intrinsic
+    def _fmax(typingctx, a, b):
+        def codegen(context, builder, signature, args):
+            asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [ir.FloatType(), ir.FloatType()]),
+                               "max.ftz.f32 $0, $1, $2;", "=f,f,f")
+            return builder.call(asm, [args[0], args[1]])
+        return types.float32(types.float32, types.float32), codegen
+
+    @cuda.jit(device=True)
+    def fmax32(a, b):
+        return _fmax(np.float32(a), np.float32(b))
 
     @cuda.jit(device=True)
     def to_f32(x, kind):
