@@ -17,27 +17,34 @@ smaller blocks (``THREADS``), and NumPy arrays are accepted as device arrays.
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 from numba import cuda
 
-from .cuda_decode import ML_PAD, build_decode_kernel
+from .cuda_decode import MAX_SPLITS, ML_PAD, build_decode_kernel, stage_shape
 from .cuda_launch import launcher
 from .cuda_prefill import build_prefill_kernel
 from .cuda_primitives import F32, SIMULATED, from_f32, kind_of, to_f32
 
-THREADS = 64 if SIMULATED else 128    # threads per block (prefill, write_kv)
+THREADS = 64 if SIMULATED else 128    # threads per block (write_kv)
+PREFILL_THREADS = 64 if SIMULATED else 128
 DECODE_THREADS = 64 if SIMULATED else 128
-SEGMENT = 32 if SIMULATED else 512     # decode: keys per block-table prefetch
+DECODE_STAGES = 2                      # decode: ring slots per warp (cp.async pipeline depth)
+DECODE_STAGE_BYTES = 512 if SIMULATED else 4096   # decode: K + V bytes per warp stage
+DECODE_TABLE = 8 if SIMULATED else 512  # decode: block-table entries a block keeps (chunk limit)
+DECODE_BLOCKS_PER_SM = 4               # decode: split-K aims at this many blocks per SM
+DECODE_MAX_REGISTERS = 128             # decode, <= 4 heads per block: 4 blocks of 128 per SM
+PREFILL_MAX_REGISTERS = 128            # prefill, half caches: 4 blocks of 128 threads per SM
 SPLIT_GRAIN = 16 if SIMULATED else 64  # decode: split lengths are multiples of this
-UNROLL = 1 if SIMULATED else 2         # decode: K loads (of 32 / lanes_per_token keys) per step
-DECODE_MAX_REGISTERS = None            # decode: register cap (None: the compiler's choice)
-DECODE_QREGS = 64                      # decode: registers for each lane's query slice
 LOG2E = 1.4426950408889634
 
 #: decode launches about this many blocks (split-K) when sequences are few;
-#: None = 4 per multiprocessor of the current device
+#: None = DECODE_BLOCKS_PER_SM per multiprocessor of the current device
 decode_target_blocks = 8 if SIMULATED else None
+
+#: the kernels the last calls launched, by operation (for the benchmark's resource report)
+last_kernels: dict = {}
 
 
 # --------------------------------------------------------------------------- helpers
@@ -68,23 +75,17 @@ def _words(arr):
     return view
 
 
-def heads_per_block(group):
-    """The largest divisor of the GQA group that is <= 8 (query heads sharing one block)."""
-    return max(h for h in range(1, min(group, 8) + 1) if group % h == 0)
+def heads_per_block(group, limit=8):
+    """The largest divisor of the GQA group that is <= limit (query heads sharing one block)."""
+    return max(h for h in range(1, min(group, limit) + 1) if group % h == 0)
 
 
-def lanes_per_token(row_vecs, hpb, dpv, qregs=64):
-    """Threads sharing one key row in the decode K pass (power of two dividing row_vecs).
-
-    At least 8 when the row allows (wide coalesced reads), more while the
-    query slice each lane keeps in registers (hpb * dims per lane) exceeds ``qregs``.
-    """
-    tg = 1
-    while tg < 8 and row_vecs % (2 * tg) == 0:
-        tg *= 2
-    while tg < 32 and row_vecs % (2 * tg) == 0 and hpb * (row_vecs // tg) * dpv > qregs:
-        tg *= 2
-    return tg
+def decode_heads_per_block(group):
+    """Decode keeps a query slice and accumulators per head in registers: at most 4 heads
+    per block when the group splits that way with 3 or 4 (each KV byte is then read by
+    group / hpb blocks, mostly from L2), else up to 8."""
+    hpb = heads_per_block(group, 4)
+    return hpb if hpb >= 3 or hpb == group else heads_per_block(group)
 
 
 def _check_row(head_dim, kind):
@@ -151,28 +152,35 @@ def paged_decode(query, k_cache, v_cache, block_tables, context_lens, scale, win
     kind_kv = kind_of(k_cache.dtype)
     _check_row(head_dim, kind_kv)
     group = num_heads // num_kv_heads
-    hpb = heads_per_block(group)
-    dpv = 4 if kind_kv == F32 else 8
-    row_vecs = head_dim // dpv
+    hpb = decode_heads_per_block(group)
     threads = DECODE_THREADS
-    tg = lanes_per_token(row_vecs, hpb, dpv, DECODE_QREGS)
     kernel = build_decode_kernel(threads, group, hpb, head_dim, kind_of(query.dtype), kind_kv,
-                                 kind_of(out.dtype), block_size, SEGMENT, tg, UNROLL,
-                                 DECODE_MAX_REGISTERS)
+                                 kind_of(out.dtype), block_size, DECODE_TABLE, DECODE_STAGES,
+                                 DECODE_STAGE_BYTES, DECODE_MAX_REGISTERS if hpb <= 4 else None)
+    last_kernels["decode"] = kernel
     head_blocks = num_kv_heads * (group // hpb)
+    _, keys_per_pass, passes = stage_shape(head_dim, k_cache.dtype.itemsize, DECODE_STAGE_BYTES)
+    kpw = keys_per_pass * passes                      # keys per warp stage; chunks align to it
     max_keys = block_tables.shape[1] * block_size
-    if window:
-        max_keys = min(max_keys, window)
-    target = decode_target_blocks or 4 * _num_sms()
-    splits = min(-(-target // (num_seqs * head_blocks)), max(1, -(-max_keys // SPLIT_GRAIN)))
-    splits = max(1, splits)
-    chunk = -(-max(1, -(-max_keys // splits)) // SPLIT_GRAIN) * SPLIT_GRAIN
+    if window:                                        # the window's start is rounded down
+        max_keys = min(max_keys, window + kpw - 1)
+    grain = SPLIT_GRAIN * kpw // math.gcd(SPLIT_GRAIN, kpw)
+    target = decode_target_blocks or DECODE_BLOCKS_PER_SM * _num_sms()
+    # whole waves: at most `target` blocks (rounding up would leave a second, thin wave)
+    splits = max(1, min(target // (num_seqs * head_blocks), -(-max_keys // grain), MAX_SPLITS))
+    chunk = -(-max(1, -(-max_keys // splits)) // grain) * grain
+    cap = DECODE_TABLE * block_size                   # the block keeps its chunk's table
+    chunk = min(chunk, cap - cap % kpw if cap >= kpw else cap)
     splits = max(1, -(-max_keys // chunk))
+    if splits > MAX_SPLITS:
+        raise NotImplementedError(f"cuda decode: {max_keys} keys need {splits} splits of at most "
+                                  f"{chunk} keys (> {MAX_SPLITS}); raise DECODE_TABLE")
     part_ml, part_acc, counters = _split_scratch(num_seqs, head_blocks, splits, hpb, head_dim)
     launcher(kernel)(
-        (splits, head_blocks, num_seqs), threads, stream, query, _words(k_cache), _words(v_cache), block_tables, context_lens, out,
-        part_ml, part_acc, counters, np.float32(scale * LOG2E), np.int32(window),
-        np.int32(num_kv_heads), np.int32(splits), np.int32(chunk))
+        (splits, head_blocks, num_seqs), threads, stream, query, _words(k_cache),
+        _words(v_cache), block_tables, context_lens, out, part_ml, part_acc, counters,
+        np.float32(scale * LOG2E), np.int32(window), np.int32(num_kv_heads), np.int32(splits),
+        np.int32(chunk))
 
 
 def paged_prefill(query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
@@ -184,17 +192,21 @@ def paged_prefill(query, k_cache, v_cache, block_tables, query_start_loc, contex
     _check_row(head_dim, kind_kv)
     group = num_heads // num_kv_heads
     hpb = heads_per_block(group)
-    kernel, tile_tokens = build_prefill_kernel(THREADS, group, hpb, head_dim,
+    kernel, tile_tokens = build_prefill_kernel(PREFILL_THREADS, group, hpb, head_dim,
                                                kind_of(query.dtype), kind_kv,
-                                               kind_of(out.dtype))
+                                               kind_of(out.dtype),
+                                               PREFILL_MAX_REGISTERS if kind_kv != F32 else None)
+    last_kernels["prefill"] = kernel
     num_seqs = context_lens.shape[0]
     max_tiles = -(-num_tokens // tile_tokens) + num_seqs
     if num_tokens == 0:
         return
+    head_blocks = num_kv_heads * (group // hpb)
     launcher(kernel)(
-        (max_tiles, num_kv_heads * (group // hpb)), THREADS, stream, query, _words(k_cache), _words(v_cache), block_tables, query_start_loc, context_lens,
-        out, np.float32(scale * LOG2E), np.int32(window), np.int32(num_kv_heads),
-        np.int32(block_size))
+        max_tiles * head_blocks, PREFILL_THREADS, stream, query,
+        _words(k_cache), _words(v_cache), block_tables, query_start_loc, context_lens, out,
+        np.float32(scale * LOG2E), np.int32(window), np.int32(num_kv_heads),
+        np.int32(block_size), np.int32(head_blocks), np.int32(max_tiles))
 
 
 def prefill_flops(query_lens, context_lens, num_heads, head_dim, window=0):

@@ -1,32 +1,43 @@
 """CUDA decode kernel: one query token per sequence, the whole GQA group per thread block.
 
-Grid ``(splits, num_kv_heads * head_chunks, num_seqs)``; block ``THREADS``
-threads (``NW`` warps). A block owns one sequence, one KV head (and ``HPB``
-of the query heads reading it: the whole group unless it is larger than 8)
-and one *split*: ``chunk`` consecutive keys. Long contexts are split over
-many blocks so that one sequence fills the GPU (split-K / flash-decoding).
+Grid ``(splits, num_kv_heads * head_chunks, num_seqs)``; block ``NW`` warps.
+A block owns one sequence, one KV head (and ``HPB`` of the query heads
+reading it: the whole group unless it is larger than 8) and one *split*:
+``chunk`` consecutive keys. Long contexts are split over many blocks so that
+one sequence fills the GPU (split-K / flash-decoding). The block-table
+entries of the chunk are read into shared memory once.
 
-The block walks its keys in segments of ``SEG``; a segment's block-table
-entries are prefetched into shared memory. Inside a segment every warp
-streams its own *steps* of ``ST`` keys with no block-wide barrier:
+Every warp streams its own *stages* of ``KPW`` keys (stage ``n`` of warp ``w``
+holds keys ``start + (n * NW + w) * KPW + [0, KPW)``) through a private ring
+of ``STAGES`` shared-memory slots filled with ``cp.async`` (16 bytes per
+copy, coalesced): while a stage is computed the next ones are in flight, and
+registers hold no loaded data. Warps meet only at the end. Chunks start at
+multiples of ``KPW`` (a sliding window's first key is rounded down and the
+keys before it masked), so when ``block_size`` is a multiple of ``KPW`` a
+stage lies in one page: one block-table lookup per stage and lane, then
+fixed strides (the address arithmetic otherwise dominates the loop). Per stage:
 
-* **K**: ``TG`` lanes share a key row; each loads ``VPL`` 16-byte vectors and
-  dots them with its slice of the ``HPB`` query rows (kept in registers,
-  pre-scaled by ``scale * log2(e)``); a shuffle reduction over the ``TG``
-  lanes gives the scores. Each K byte is read once for all ``HPB`` heads.
-* **V**: ``VL`` lanes share a value row (each owns ``VPLV`` 16-byte columns),
-  so a warp covers ``TPV`` keys per load; the V loads are issued together
-  with the K loads, before any arithmetic, to keep many bytes in flight.
-* **softmax**: a lane fetches its keys' scores with ``shfl`` and keeps a
-  private online-softmax state (max ``m``, sum ``l``, accumulators) over the
-  keys it has seen: ``acc = acc * 2^(m - m') + 2^(s - m') v``.
+* **scores**: ``TG`` lanes share a key row (``VPL`` 16-byte vectors each) and
+  dot it with their slice of the ``HPB`` query rows (registers, pre-scaled by
+  ``scale * log2(e)``); a warp pass covers ``TK = 32 / TG`` keys, a stage
+  ``P`` passes. The ``P * HPB`` partial dots of a lane are summed over the
+  ``TG`` lanes by a *reduce-scatter* (each shuffle level halves the values a
+  lane keeps), so each lane ends with whole scores of its own; they go to
+  shared memory.
+* **softmax**: the warp keeps one running max per head: every lane reads
+  the stage's scores, takes the max, rescales by ``2^(m - m')``; the lane
+  that owns a score writes its ``p = 2^(s - m')``.
+* **P V**: the same lane layout over V rows; a lane accumulates ``p v`` for its
+  ``VPL * DPV`` dims of all ``HPB`` heads, and ``sum p``.
 
-At the end the lanes' states are merged with shuffles, the warps' states in
-shared memory. With one split the block writes ``acc / l``; with several it
-writes ``(m, l, acc)`` to a scratch buffer and takes a ticket from a counter
-per (sequence, head block): the block with the last ticket merges all splits
-(``sum 2^(m_s - M) acc_s / sum 2^(m_s - M) l_s``) and resets the counter, so
-there is no second launch.
+At the end the ``TK`` key classes of a warp are summed with shuffles (the
+warp's max is common to its lanes), the warps merged in shared memory. With
+one split the block writes ``acc / l``; with several it writes ``(m, l, acc)``
+to a scratch buffer and takes a ticket from a counter per (sequence, head
+block): the block with the last ticket merges all splits
+(``sum 2^(m_s - M) acc_s / sum 2^(m_s - M) l_s``, the split weights computed
+once into shared memory, the partial rows read with 16-byte loads, several
+splits in flight) and resets the counter, so there is no second launch.
 
 Minus infinity is the finite ``NEG`` (fast-math).
 """
@@ -35,12 +46,16 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from numba import cuda, float32, int32, uint32
+from numba import cuda, float32, int32
 
-from .cuda_primitives import (F32, SIMULATED, exp2, from_f32, group_sum, ld4, shfl_idx, shfl_xor,
-                              to_f32, vmax, vmin, word_elem)
+from .cuda_primitives import (F32, exp2, fmax32, from_f32, ld4, register_cap, shfl_xor, to_f32,
+                              vmax, vmin, word_elem)
+from .cuda_shared import (cp_async16, cp_async_commit, cp_async_wait, lds4f, shared_vectors,
+                          syncwarp)
 
 NEG = np.float32(-1e30)
+MAX_SPLITS = 256     # split-K: at most this many splits (their weights live in shared memory)
+MERGE_UNROLL = 8     # split-K merge: partial rows loaded together
 ML_PAD = 32          # part_ml rows are padded to 128 bytes (see cuda.py: no stale L1 lines)
 
 
@@ -52,123 +67,122 @@ def _pow2_divisor(n, limit):
     return p
 
 
+def _log2(n):
+    return n.bit_length() - 1
+
+
+def stage_shape(head_dim, itemsize, stage_bytes):
+    """(TG lanes per key, TK keys per warp pass, P passes per stage) of a KV row layout."""
+    row_vecs = head_dim * itemsize // 16
+    tg = _pow2_divisor(row_vecs, 32)
+    tk = 32 // tg
+    passes = 1
+    while passes < 8 and 2 * passes * tk * 2 * head_dim * itemsize <= stage_bytes:
+        passes *= 2
+    return tg, tk, passes
+
+
+def _scatter_level(half, offset):
+    """One reduce-scatter level: keep half of the values, summed with the partner lane's."""
+    @cuda.jit(device=True, inline="always")
+    def level(part, lane, scratch):
+        upper = (lane & offset) != 0
+        for t in range(half):
+            low = part[t]
+            high = part[t + half]
+            mine = high if upper else low
+            part[t] = mine + shfl_xor(low if upper else high, offset, scratch)
+    return level
+
+
 @functools.lru_cache(maxsize=None)
 def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, block_size,
-                        segment, lanes_per_token, unroll, max_registers=None):
+                        table_len, stages, stage_bytes, max_registers=None):
     """Compile-time specialization of the decode kernel (all arguments are constants)."""
     EPW = 1 if kind_kv == F32 else 2            # elements per 32-bit word
     DPV = 4 * EPW                               # elements per 16-byte vector
     ROW_VECS = head_dim // DPV                  # vectors per key row
+    ROW_WORDS = 4 * ROW_VECS
     NW = threads // 32
-    TG = lanes_per_token                        # K: lanes per key
-    VPL = ROW_VECS // TG                        # K: vectors per lane
-    TK = 32 // TG                               # K: keys per warp load
-    VL = _pow2_divisor(ROW_VECS, 32)            # V: lanes per key
-    VPLV = ROW_VECS // VL                       # V: vectors per lane
-    TPV = 32 // VL                              # V: keys per warp load
-    U = unroll
-    ST = TK * U                                 # keys per warp step
-    VTL = ST // TPV                             # V: keys per lane per step
+    TG, TK, P = stage_shape(head_dim, 4 // EPW, stage_bytes)
+    VPL = ROW_VECS // TG                        # vectors per lane and row
+    DL = VPL * DPV                              # dims per lane
+    KPW = P * TK                                # keys per warp stage
+    HP2 = 1 << _log2(2 * hpb - 1)               # heads rounded up to a power of two
+    NV = P * HP2                                # partial dots per lane
+    LEVELS = _log2(TG)
+    SCAT = min(LEVELS, _log2(NV))               # reduce-scatter levels
+    NF = NV >> SCAT                             # whole scores per lane afterwards
+    SLOT = 2 * KPW * ROW_WORDS                  # words per warp stage: K rows, then V rows
+    RING = max(stages * NW * SLOT, NW * hpb * head_dim, 2 * MAX_SPLITS * hpb)
+    CPL = KPW * ROW_VECS // 32                  # copies per lane, tensor and stage
+    FAST = 32 % ROW_VECS == 0 and block_size % KPW == 0    # a stage never straddles pages
+    KSTEP = max(1, 32 // ROW_VECS)              # keys between a lane's copies (FAST)
     HCHUNKS = group // hpb
-    SEG = segment
-    TBL = SEG + 2
-    QN = hpb * VPL * DPV                        # query slice per lane
-    ACCN = hpb * VPLV * DPV                     # accumulators per lane
-    WKN = U * VPL * 4                           # K words in flight per lane
-    WVN = VTL * VPLV * 4                        # V words in flight per lane
-    SCN = U * hpb
-    WSTATE = NW * hpb * head_dim
-    # The simulator has no warp shuffles: there, partial dots and the lanes' final
-    # softmax states go through shared memory instead (two barriers per step).
-    SIM = SIMULATED
-    SIM_DOTS = SCN * threads if SIM else 1
-    LSTATE = hpb * (2 + VPLV * DPV)
-    SIM_STATE = LSTATE * threads if SIM else 1
     BS = block_size
-    ROW_WORDS = ROW_VECS * 4
     PAGE_WORDS = BS * ROW_WORDS
-    SVN = VTL * hpb
-
-    options = {} if SIM or max_registers is None else {"max_registers": max_registers}
-
-    @cuda.jit(device=True, inline="always")
-    def load_step(kw, vw, tbl_sh, b_first, seg0, seg_n, s0, blk_stride, head_off, lane, wk, wv):
-        """Issue this lane's 16-byte loads of one step: K rows, then V rows."""
-        for u in range(U):
-            t = s0 + u * TK + lane // TG
-            if t < seg_n:
-                j = seg0 + t
-                jb = j // BS
-                base = tbl_sh[jb - b_first] * blk_stride + head_off + (j - jb * BS) * ROW_WORDS
-                for v in range(VPL):
-                    w = ld4(kw, base + (lane % TG + v * TG) * 4)
-                    for x in range(4):
-                        wk[(u * VPL + v) * 4 + x] = w[x]
-        for m in range(VTL):
-            t = s0 + m * TPV + lane // VL
-            if t < seg_n:
-                j = seg0 + t
-                jb = j // BS
-                base = tbl_sh[jb - b_first] * blk_stride + head_off + (j - jb * BS) * ROW_WORDS
-                for v in range(VPLV):
-                    w = ld4(vw, base + (lane % VL + v * VL) * 4)
-                    for x in range(4):
-                        wv[(m * VPLV + v) * 4 + x] = w[x]
+    TBL = table_len + 1
+    SWN = -(-NW * KPW * HP2 // 4) * 4          # per-warp scores / probabilities, 16-byte rounded
+    MWN = NW * HP2
+    alloc_smem = shared_vectors(RING + 2 * SWN)
+    ACCN = DL * hpb
+    STAGES = stages
+    wait_ring = cp_async_wait[stages - 2]
+    wait_all = cp_async_wait[0]
+    noop = _scatter_level(0, 1)
+    L0, L1, L2, L3, L4 = [_scatter_level(NV >> (k + 1), TG >> (k + 1)) if k < SCAT else noop
+                          for k in range(5)]
 
     @cuda.jit(device=True, inline="always")
-    def compute_step(qr, wk, wv, acc, m_run, l_run, sc, sv, scratch, sim_dots, s0, seg_n,
-                     tid, lane):
-        """Scores of the step's keys, then the lane's online-softmax update with its V rows."""
-        for u in range(U):
+    def read_heads(buf, i, dst):
+        """dst[:HPB] = buf[i:i + HPB] (16-byte loads when a key's row is 4k floats)."""
+        if HP2 % 4 == 0:
+            for h in range(HP2 // 4):
+                t = lds4f(buf, i + 4 * h)
+                for x in range(4):
+                    dst[4 * h + x] = t[x]
+        else:
             for g in range(hpb):
-                dot = float32(0.0)
-                for v in range(VPL):
-                    for x in range(4):
-                        for e in range(EPW):
-                            dot += qr[(g * VPL + v) * DPV + x * EPW + e] * \
-                                word_elem(wk[(u * VPL + v) * 4 + x], e, kind_kv)
-                if SIM:
-                    sim_dots[(u * hpb + g) * threads + tid] = dot
-                else:
-                    sc[u * hpb + g] = group_sum(dot, TG, scratch)
-        if SIM:
-            cuda.syncthreads()
-        vt = lane // VL
-        # this lane's keys: s0 + m * TPV + vt (m < VTL); fetch their scores
-        for m in range(VTL):
-            u = (m * TPV) // TK                     # the K load that held these keys
-            src = ((m * TPV) % TK + vt) * TG         # a lane that has the score
-            for g in range(hpb):
-                if SIM:
-                    s = float32(0.0)
-                    for x in range(TG):
-                        s += sim_dots[(u * hpb + g) * threads + (tid - lane) + src + x]
-                else:
-                    s = shfl_idx(sc[u * hpb + g], src, scratch)
-                sv[m * hpb + g] = s if s0 + m * TPV + vt < seg_n else NEG
-        if SIM:
-            cuda.syncthreads()
-        # one rescale per step, then accumulate p * v
-        for g in range(hpb):
-            m_new = m_run[g]
-            for m in range(VTL):
-                m_new = vmax(m_new, sv[m * hpb + g])
-            alpha = exp2(m_run[g] - m_new)
-            m_run[g] = m_new
-            l_sum = l_run[g] * alpha
-            for k in range(VPLV * DPV):
-                acc[g * VPLV * DPV + k] *= alpha
-            for m in range(VTL):
-                p = exp2(sv[m * hpb + g] - m_new) if sv[m * hpb + g] > NEG else float32(0.0)
-                l_sum += p
-                for v in range(VPLV):
-                    for x in range(4):
-                        for e in range(EPW):
-                            k = (g * VPLV + v) * DPV + x * EPW + e
-                            acc[k] += p * word_elem(wv[(m * VPLV + v) * 4 + x], e, kind_kv)
-            l_run[g] = l_sum
+                dst[g] = buf[i + g]
 
-    @cuda.jit(fastmath=True, **options)
+    @cuda.jit(device=True, inline="always")
+    def issue(ring, kw, vw, tbl_sh, n, n_stages, start, end, b_first, blk_stride, head_off,
+              warp, lane):
+        """Start the copies of stage n of this warp into its ring slot; commit a group."""
+        if n < n_stages and FAST:
+            # the stage's keys share one page: one table lookup, then fixed strides
+            dst = ((n % STAGES) * NW + warp) * SLOT + lane * 4
+            key0 = start + (n * NW + warp) * KPW
+            j = key0 + lane // ROW_VECS
+            src = 0
+            if key0 < end:
+                jb = key0 // BS
+                src = tbl_sh[jb - b_first] * blk_stride + head_off \
+                    + (j - jb * BS) * ROW_WORDS + (lane % ROW_VECS) * 4
+            for c in range(CPL):
+                nbytes = 16 if j + c * KSTEP < end else 0
+                cp_async16(ring, dst + 128 * c, kw, src + c * KSTEP * ROW_WORDS, nbytes)
+                cp_async16(ring, dst + KPW * ROW_WORDS + 128 * c, vw,
+                           src + c * KSTEP * ROW_WORDS, nbytes)
+        elif n < n_stages:
+            dst = ((n % STAGES) * NW + warp) * SLOT
+            key0 = start + (n * NW + warp) * KPW
+            for c in range(CPL):
+                idx = lane + 32 * c
+                kk = idx // ROW_VECS
+                j = key0 + kk
+                src = 0
+                nbytes = 0
+                if j < end:
+                    jb = j // BS
+                    src = tbl_sh[jb - b_first] * blk_stride + head_off \
+                        + (j - jb * BS) * ROW_WORDS + (idx - kk * ROW_VECS) * 4
+                    nbytes = 16
+                cp_async16(ring, dst + idx * 4, kw, src, nbytes)
+                cp_async16(ring, dst + KPW * ROW_WORDS + idx * 4, vw, src, nbytes)
+        cp_async_commit()
+
+    @cuda.jit(fastmath=True, **register_cap(max_registers))
     def decode(q, kw, vw, block_tables, context_lens, out, part_ml, part_acc, counters,
                scale_log2, window, num_kv_heads, splits, chunk):
         tid = cuda.threadIdx.x
@@ -180,125 +194,157 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
         kvh = hb // HCHUNKS
         head0 = kvh * group + (hb % HCHUNKS) * hpb
 
+        smem = alloc_smem()
+        ring = smem[:RING]                                   # KV stages; later warp states
+        s_w = smem[RING:RING + SWN]                          # per warp: scores of a stage
+        p_w = smem[RING + SWN:]                              # per warp: probabilities
         tbl_sh = cuda.shared.array(TBL, int32)
-        w_acc = cuda.shared.array(WSTATE, float32)          # per-warp accumulators
+        m_w = cuda.shared.array(MWN, float32)           # per warp: running max per head
         w_ml = cuda.shared.array((NW, hpb, 2), float32)      # per-warp (max, sum)
         f_ml = cuda.shared.array((hpb, 2), float32)          # block (max, sum)
         scratch = cuda.shared.array(threads, float32)
         flag_sh = cuda.shared.array(1, int32)
-        sim_dots = cuda.shared.array(SIM_DOTS, float32)
-        sim_state = cuda.shared.array(SIM_STATE, float32)
 
         length = context_lens[i]
         lo = 0
         if window > 0:
             lo = vmax(0, length - window)
-        start = lo + split * chunk
+        start = lo - lo % KPW + split * chunk                # stages start at multiples of KPW
         end = vmin(length, start + chunk)
-
-        kl = lane % TG                                       # K: lane within the key's group
-        vl = lane % VL                                       # V: lane within the key's group
-        qr = cuda.local.array(QN, float32)
+        n_keys = vmax(0, end - start)
+        b_first = start // BS
+        if n_keys > 0:
+            for e in range(tid, (end - 1) // BS - b_first + 1, threads):
+                tbl_sh[e] = block_tables[i, b_first + e]
+        kl = lane % TG                                       # lane within its key's group
+        kslot = lane // TG                                   # which key of a pass
+        qr = cuda.local.array(ACCN, float32)
         for g in range(hpb):
             for v in range(VPL):
                 for e in range(DPV):
-                    d = (kl + v * TG) * DPV + e
-                    qr[(g * VPL + v) * DPV + e] = to_f32(q[i, head0 + g, d], kind_q) * scale_log2
+                    qr[g * DL + v * DPV + e] = \
+                        to_f32(q[i, head0 + g, (kl + v * TG) * DPV + e], kind_q) * scale_log2
         acc = cuda.local.array(ACCN, float32)
         for k in range(ACCN):
             acc[k] = 0.0
         m_run = cuda.local.array(hpb, float32)
         l_run = cuda.local.array(hpb, float32)
+        alpha = cuda.local.array(hpb, float32)
+        pg = cuda.local.array(HP2, float32)
+        sv = cuda.local.array(HP2, float32)
+        part = cuda.local.array(NV, float32)
+        sc = cuda.local.array(NF, float32)
         for g in range(hpb):
             m_run[g] = NEG
             l_run[g] = 0.0
         blk_stride = num_kv_heads * PAGE_WORDS
         head_off = kvh * PAGE_WORDS
-        wk_a = cuda.local.array(WKN, uint32)
-        wv_a = cuda.local.array(WVN, uint32)
-        wk_b = cuda.local.array(WKN, uint32)
-        wv_b = cuda.local.array(WVN, uint32)
-        sc = cuda.local.array(SCN, float32)
-        sv = cuda.local.array(SVN, float32)
-        for k in range(WKN):
-            wk_a[k] = 0
-            wk_b[k] = 0
-        for k in range(WVN):
-            wv_a[k] = 0
-            wv_b[k] = 0
+        n_stages = (n_keys + NW * KPW - 1) // (NW * KPW)
+        ibase = (kl >> (LEVELS - SCAT)) * NF                 # first score index this lane keeps
+        sw = warp * KPW * HP2
+        cuda.syncthreads()
 
-        for seg0 in range(start, end, SEG):
-            seg_n = vmin(SEG, end - seg0)
-            b_first = seg0 // BS
-            nb = (seg0 + seg_n - 1) // BS - b_first + 1
-            cuda.syncthreads()
-            for e in range(tid, nb, threads):
-                tbl_sh[e] = block_tables[i, b_first + e]
-            cuda.syncthreads()
-            # Steps of NW * ST keys (warp w takes the w-th ST of each), software-pipelined:
-            # the loads of step n + 1 are in flight while step n is computed.
-            steps = (seg_n + NW * ST - 1) // (NW * ST)
-            load_step(kw, vw, tbl_sh, b_first, seg0, seg_n, warp * ST, blk_stride, head_off,
-                      lane, wk_a, wv_a)
-            for n in range(0, steps, 2):
-                s0 = n * NW * ST + warp * ST
-                if n + 1 < steps:
-                    load_step(kw, vw, tbl_sh, b_first, seg0, seg_n, s0 + NW * ST, blk_stride,
-                              head_off, lane, wk_b, wv_b)
-                compute_step(qr, wk_a, wv_a, acc, m_run, l_run, sc, sv, scratch, sim_dots, s0,
-                             seg_n, tid, lane)
-                if n + 1 < steps:
-                    if n + 2 < steps:
-                        load_step(kw, vw, tbl_sh, b_first, seg0, seg_n, s0 + 2 * NW * ST,
-                                  blk_stride, head_off, lane, wk_a, wv_a)
-                    compute_step(qr, wk_b, wv_b, acc, m_run, l_run, sc, sv, scratch, sim_dots,
-                                 s0 + NW * ST, seg_n, tid, lane)
-
-        # ---- merge the TPV lane classes of each warp (lanes vl, vl + VL, ...)
-        if SIM:
+        for n in range(STAGES - 1):
+            issue(ring, kw, vw, tbl_sh, n, n_stages, start, end, b_first, blk_stride, head_off,
+                  warp, lane)
+        for n in range(n_stages):
+            wait_ring()                                      # stage n has landed (own copies)
+            syncwarp()                                       # ... all lanes' copies; slot free
+            issue(ring, kw, vw, tbl_sh, n + STAGES - 1, n_stages, start, end, b_first,
+                  blk_stride, head_off, warp, lane)
+            base = ((n % STAGES) * NW + warp) * SLOT
+            key0 = start + (n * NW + warp) * KPW
+            # ---- scores: partial dots, then reduce-scatter over the TG lanes of a key
+            for x in range(NV):
+                part[x] = 0.0
+            for p in range(P):
+                row = base + (p * TK + kslot) * ROW_WORDS
+                for v in range(VPL):
+                    w = ld4(ring, row + (kl + v * TG) * 4)
+                    for x in range(4):
+                        for e in range(EPW):
+                            kf = word_elem(w[x], e, kind_kv)
+                            for g in range(hpb):
+                                part[p * HP2 + g] += qr[g * DL + v * DPV + x * EPW + e] * kf
+            L0(part, lane, scratch)
+            L1(part, lane, scratch)
+            L2(part, lane, scratch)
+            L3(part, lane, scratch)
+            L4(part, lane, scratch)
+            off = TG >> (SCAT + 1)
+            while off > 0:                                   # fewer values than lanes
+                part[0] += shfl_xor(part[0], off, scratch)
+                off //= 2
+            for r in range(NF):
+                idx = ibase + r
+                kk = (idx // HP2) * TK + kslot
+                s = part[r] if key0 + kk < end and key0 + kk >= lo else NEG
+                sc[r] = s
+                if idx % HP2 < hpb:
+                    s_w[sw + kk * HP2 + idx % HP2] = s
+            syncwarp()
+            # ---- softmax: the warp's running max per head
             for g in range(hpb):
-                sim_state[tid * LSTATE + g * 2] = m_run[g]
-                sim_state[tid * LSTATE + g * 2 + 1] = l_run[g]
-            for k in range(ACCN):
-                sim_state[tid * LSTATE + 2 * hpb + k] = acc[k]
-            cuda.syncthreads()
-            for c in range(1, TPV if lane < VL else 1):      # lane vl merges vl + c * VL
-                other = (tid + c * VL) * LSTATE
+                pg[g] = m_run[g]
+            for kk in range(KPW):
+                read_heads(s_w, sw + kk * HP2, sv)
                 for g in range(hpb):
-                    m_o = sim_state[other + g * 2]
-                    m_new = vmax(m_run[g], m_o)
-                    a_me = exp2(m_run[g] - m_new)
-                    a_o = exp2(m_o - m_new)
-                    m_run[g] = m_new
-                    l_run[g] = l_run[g] * a_me + sim_state[other + g * 2 + 1] * a_o
-                    for k in range(VPLV * DPV):
-                        idx = g * VPLV * DPV + k
-                        acc[idx] = acc[idx] * a_me + sim_state[other + 2 * hpb + idx] * a_o
-        else:
-            off = VL
-            while off < 32:
+                    pg[g] = fmax32(pg[g], sv[g])
+            same = True
+            for g in range(hpb):
+                alpha[g] = exp2(m_run[g] - pg[g])
+                same = same and pg[g] == m_run[g]
+                m_run[g] = pg[g]
+                m_w[warp * HP2 + g] = pg[g]                  # the same value from every lane
+            for r in range(NF):
+                idx = ibase + r
+                g = idx % HP2
+                if g < hpb:
+                    s = sc[r]
+                    p_w[sw + ((idx // HP2) * TK + kslot) * HP2 + g] = \
+                        exp2(s - m_w[warp * HP2 + g]) if s > NEG else float32(0.0)
+            syncwarp()
+            # ---- O = O * alpha + P V (no rescale while no head's max moved: warp-uniform)
+            if not same:
                 for g in range(hpb):
-                    m_o = shfl_xor(m_run[g], off, scratch)
-                    l_o = shfl_xor(l_run[g], off, scratch)
-                    m_new = vmax(m_run[g], m_o)
-                    a_me = exp2(m_run[g] - m_new)
-                    a_o = exp2(m_o - m_new)
-                    m_run[g] = m_new
-                    l_run[g] = l_run[g] * a_me + l_o * a_o
-                    for k in range(VPLV * DPV):
-                        idx = g * VPLV * DPV + k
-                        acc[idx] = acc[idx] * a_me + shfl_xor(acc[idx], off, scratch) * a_o
-                off *= 2
-        # ---- merge the warps in shared memory
-        if lane < VL:
+                    l_run[g] *= alpha[g]
+                    for k in range(DL):
+                        acc[g * DL + k] *= alpha[g]
+            for p in range(P):
+                kk = p * TK + kslot
+                read_heads(p_w, sw + kk * HP2, pg)
+                for g in range(hpb):
+                    l_run[g] += pg[g]
+                row = base + KPW * ROW_WORDS + kk * ROW_WORDS
+                for v in range(VPL):
+                    w = ld4(ring, row + (kl + v * TG) * 4)
+                    for x in range(4):
+                        for e in range(EPW):
+                            vf = word_elem(w[x], e, kind_kv)
+                            for g in range(hpb):
+                                acc[g * DL + v * DPV + x * EPW + e] += pg[g] * vf
+
+        # ---- merge the TK key classes of each warp (same max: plain sums)
+        off = TG
+        while off < 32:
+            for g in range(hpb):
+                l_run[g] += shfl_xor(l_run[g], off, scratch)
+                for k in range(DL):
+                    acc[g * DL + k] += shfl_xor(acc[g * DL + k], off, scratch)
+            off *= 2
+        # ---- merge the warps in shared memory (the ring is free now)
+        wait_all()
+        cuda.syncthreads()
+        w_acc = ring
+        if lane < TG:
             for g in range(hpb):
                 if lane == 0:
                     w_ml[warp, g, 0] = m_run[g]
                     w_ml[warp, g, 1] = l_run[g]
-                for v in range(VPLV):
-                    for k in range(DPV):
-                        d = (vl + v * VL) * DPV + k
-                        w_acc[(warp * hpb + g) * head_dim + d] = acc[(g * VPLV + v) * DPV + k]
+                for v in range(VPL):
+                    for e in range(DPV):
+                        w_acc[(warp * hpb + g) * head_dim + (kl + v * TG) * DPV + e] = \
+                            acc[g * DL + v * DPV + e]
         cuda.syncthreads()
         if tid < hpb:
             m_max = NEG
@@ -337,20 +383,43 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
         if flag_sh[0] == 0:
             return
         cuda.threadfence()
-        for idx in range(tid, hpb * head_dim, threads):
-            g = idx // head_dim
-            d = idx - g * head_dim
+        wts = ring                                           # free: split weights, then sums
+        for e in range(tid, splits * hpb, threads):
+            wts[e] = part_ml[i, hb, 2 * e]
+            wts[MAX_SPLITS * hpb + e] = part_ml[i, hb, 2 * e + 1]
+        cuda.syncthreads()
+        if tid < hpb:
             m_max = NEG
             for sp in range(splits):
-                m_max = vmax(m_max, part_ml[i, hb, (sp * hpb + g) * 2])
-            num = float32(0.0)
+                m_max = vmax(m_max, wts[sp * hpb + tid])
             den = float32(0.0)
             for sp in range(splits):
-                w8 = exp2(part_ml[i, hb, (sp * hpb + g) * 2] - m_max)
-                num += w8 * part_acc[i, hb, sp, g, d]
-                den += w8 * part_ml[i, hb, (sp * hpb + g) * 2 + 1]
-            o = num / den if den > 0 else float32(0.0)
-            out[i, head0 + g, d] = from_f32(o, kind_o)
+                den += exp2(wts[sp * hpb + tid] - m_max) * wts[MAX_SPLITS * hpb + sp * hpb + tid]
+            f_ml[tid, 0] = m_max
+            f_ml[tid, 1] = float32(1.0) / den if den > 0 else float32(0.0)
+        cuda.syncthreads()
+        for e in range(tid, splits * hpb, threads):
+            g = e % hpb
+            wts[e] = exp2(wts[e] - f_ml[g, 0]) * f_ml[g, 1]
+        cuda.syncthreads()
+        # out = sum_s w_s acc_s: 16-byte loads, MERGE_UNROLL splits in flight per thread
+        row = hpb * head_dim
+        base = (i * cuda.gridDim.y + hb) * splits * row
+        for vi in range(tid, row // 4, threads):
+            g = (4 * vi) // head_dim
+            o4 = cuda.local.array(4, float32)
+            for x in range(4):
+                o4[x] = 0.0
+            for sp0 in range(0, splits, MERGE_UNROLL):
+                for u in range(MERGE_UNROLL):
+                    sp = sp0 + u
+                    if sp < splits:
+                        t = lds4f(part_acc, base + sp * row + 4 * vi)
+                        w8 = wts[sp * hpb + g]
+                        for x in range(4):
+                            o4[x] += w8 * t[x]
+            for x in range(4):
+                out[i, head0 + g, 4 * vi - g * head_dim + x] = from_f32(o4[x], kind_o)
         if tid == 0:
             counters[i * cuda.gridDim.y + hb] = 0
 
