@@ -1,4 +1,4 @@
-"""Benchmark: ``python -m gpu_kernels.bench`` (``--sweep`` also tries decode kernel variants).
+"""Benchmark: ``python -m gpu_kernels.bench`` (``--sweep`` also times decode and prefill variants).
 
 Without a GPU it compares the ``cpu`` backend with a NumPy gather + softmax
 decode, measures the per-call overhead of the dispatch layer (NumPy and
@@ -213,25 +213,9 @@ def bench_gpu(sweep):
     scale = 128 ** -0.5
 
     if sweep:
-        print("decode variants (threads, unroll, register cap, query registers): "
-              "µs at batch 64 x 8192 / 1 x 512")
-        variants = [(128, 1, None, 64), (128, 2, None, 64), (128, 1, 168, 64),
-                    (128, 2, None, 32), (128, 1, None, 32), (128, 2, 128, 32),
-                    (256, 1, None, 64), (64, 1, None, 64)]
-        for threads, unroll, regs, qregs in variants:
-            cuda_backend.DECODE_THREADS, cuda_backend.UNROLL = threads, unroll
-            cuda_backend.DECODE_MAX_REGISTERS, cuda_backend.DECODE_QREGS = regs, qregs
-            row = []
-            for seqs, ctx in [(64, 8192), (1, 512)]:
-                q, kc, vc, bt, lens = decode_case(torch, seqs, ctx)
-                out = torch.empty_like(q)
-                row.append(timer(lambda: gpu_kernels.paged_decode(q, kc, vc, bt, lens, scale,
-                                                                  out=out)))
-            print(f"  threads={threads:3d} U={unroll} regs={regs} qregs={qregs}: "
-                  f"{row[0]:8.1f} µs {row[1]:6.1f} µs", flush=True)
-        cuda_backend.DECODE_THREADS, cuda_backend.UNROLL = 128, 2
-        cuda_backend.DECODE_MAX_REGISTERS, cuda_backend.DECODE_QREGS = None, 64
-        print()
+        from gpu_kernels.bench_sweep import sweep_decode, sweep_prefill
+        sweep_decode(torch, timer, decode_case, scale)
+        sweep_prefill(torch, timer, decode_case, scale, fp32_peak)
 
     print("decode, 32 q heads / 8 KV heads, d=128, fp16, block 16, cold L2")
     print("| batch | context | KV MB | ours µs | ours TB/s | % of copy | SDPA µs | SDPA TB/s "
@@ -259,9 +243,13 @@ def bench_gpu(sweep):
             del q, kc, vc, bt, out
             torch.cuda.empty_cache()
 
+    from gpu_kernels.bench_sweep import resources
+    used = resources(cuda_backend.last_kernels["decode"], cuda_backend.DECODE_THREADS)
+    print(f"\ndecode kernel: {used}")
     print("\nprefill, 32 q heads / 8 KV heads, d=128, fp16, causal (useful FLOPs only)")
-    print("| sequences x prompt | ours ms | TFLOP/s | % of FP32 peak | SDPA (tensor cores) ms |")
-    print("|---|---|---|---|---|")
+    print("| sequences x prompt | ours ms | TFLOP/s | % of FP32 peak | SDPA (tensor cores) ms "
+          "| max err vs SDPA |")
+    print("|---|---|---|---|---|---|")
     for seqs, prompt in [(1, 4096), (4, 1024), (16, 512)]:
         q, kc, vc, bt, lens = decode_case(torch, seqs, prompt)
         q = torch.randn(seqs * prompt, 32, 128, dtype=torch.float16, device="cuda")
@@ -272,18 +260,23 @@ def bench_gpu(sweep):
         flops = cuda_backend.prefill_flops([prompt] * seqs, [prompt] * seqs, 32, 128)
         k4, v4 = contiguous(torch, kc, bt), contiguous(torch, vc, bt)
         q4 = q.reshape(seqs, prompt, 32, 128).transpose(1, 2)
-        peer = timer(lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True,
-                                                            enable_gqa=True), reps=5) / 1e3
+        sdpa = lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True,  # noqa
+                                                      enable_gqa=True)
+        peer = timer(sdpa, reps=5) / 1e3
+        ref = sdpa().transpose(1, 2).reshape(seqs * prompt, 32, 128)
+        err = (out.float() - ref.float()).abs().max().item()
         tf = flops / ms / 1e9
         print(f"| {seqs} x {prompt} | {ms:.2f} | {tf:.1f} | {100 * tf / fp32_peak:.0f}% | "
-              f"{peer:.3f} |")
+              f"{peer:.3f} | {err:.1e} |")
         del q, kc, vc, bt, out, k4, v4
         torch.cuda.empty_cache()
+    used = resources(cuda_backend.last_kernels["prefill"], cuda_backend.PREFILL_THREADS)
+    print(f"\nprefill kernel: {used}")
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweep", action="store_true", help="GPU: also time decode variants")
+    parser.add_argument("--sweep", action="store_true", help="GPU: also time kernel variants")
     args = parser.parse_args(argv)
     try:
         from numba import cuda

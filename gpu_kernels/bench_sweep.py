@@ -1,0 +1,93 @@
+"""Kernel-variant sweep for ``python -m gpu_kernels.bench --sweep`` (GPU only).
+
+Times decode and prefill variants (the tunables of ``gpu_kernels.cuda``) on
+the benchmark's shapes and prints each compiled kernel's registers per
+thread, local memory per thread and resident blocks per multiprocessor.
+"""
+from __future__ import annotations
+
+import gpu_kernels
+from gpu_kernels import cuda as cuda_backend
+from gpu_kernels.cuda_launch import launcher
+
+#: (threads, ring stages, stage bytes, register cap, blocks per SM aimed at)
+DECODE_VARIANTS = [(128, 2, 4096, 128, 4), (128, 2, 4096, None, 4), (256, 2, 2048, 128, 3)]
+DECODE_SHAPES = [(64, 8192), (16, 2048), (1, 512), (1, 8192)]
+#: (threads, register cap)
+PREFILL_VARIANTS = [(128, None), (128, 128), (64, None)]
+
+
+def resources(dispatcher, threads):
+    """'regs R, local L B, B blocks/SM' of the kernel a dispatcher last compiled."""
+    found = list(launcher(dispatcher)._kernels.values())
+    if not found:
+        return "resources unknown"
+    kernel, cukernel = found[-1]
+    parts = []
+    for name, fmt in (("regs_per_thread", "regs {}"), ("local_mem_per_thread", "local {} B")):
+        try:
+            parts.append(fmt.format(getattr(kernel, name)))
+        except Exception:                                   # noqa: BLE001 - best effort
+            pass
+    try:
+        blocks = cukernel.occupancy.max_active_blocks_per_multiprocessor(threads, 0)
+        parts.append(f"{blocks} blocks/SM ({blocks * threads // 32} warps)")
+    except Exception:                                       # noqa: BLE001
+        pass
+    return ", ".join(parts)
+
+
+def _set_decode(threads, stages, stage_bytes, regs, per_sm):
+    cuda_backend.DECODE_THREADS, cuda_backend.DECODE_STAGES = threads, stages
+    cuda_backend.DECODE_STAGE_BYTES, cuda_backend.DECODE_MAX_REGISTERS = stage_bytes, regs
+    cuda_backend.DECODE_BLOCKS_PER_SM = per_sm
+
+
+def sweep_decode(torch, timer, decode_case, scale):
+    defaults = (cuda_backend.DECODE_THREADS, cuda_backend.DECODE_STAGES,
+                cuda_backend.DECODE_STAGE_BYTES, cuda_backend.DECODE_MAX_REGISTERS,
+                cuda_backend.DECODE_BLOCKS_PER_SM)
+    times = {v: [] for v in DECODE_VARIANTS}
+    res = {}
+    for seqs, ctx in DECODE_SHAPES:
+        q, kc, vc, bt, lens = decode_case(torch, seqs, ctx)
+        out = torch.empty_like(q)
+        for v in DECODE_VARIANTS:
+            _set_decode(*v)
+            call = lambda: gpu_kernels.paged_decode(q, kc, vc, bt, lens, scale, out=out)  # noqa
+            times[v].append(timer(call))
+            if v not in res:
+                res[v] = resources(cuda_backend.last_kernels["decode"], v[0])
+        del q, kc, vc, bt, out
+        torch.cuda.empty_cache()
+    _set_decode(*defaults)
+    print("decode variants: µs at " + ", ".join(f"{s}x{c}" for s, c in DECODE_SHAPES))
+    for v in DECODE_VARIANTS:
+        kv = [2 * s * c * 8 * 128 * 2 for s, c in DECODE_SHAPES]
+        cells = " ".join(f"{t:8.1f}" for t in times[v])
+        print(f"  threads={v[0]} stages={v[1]} stage_bytes={v[2]} regs={v[3]} per_sm={v[4]}: "
+              f"{cells} | {kv[0] / times[v][0] / 1e6:.2f} TB/s | {res[v]}", flush=True)
+    print()
+
+
+def sweep_prefill(torch, timer, decode_case, scale, fp32_peak):
+    defaults = (cuda_backend.PREFILL_THREADS, cuda_backend.PREFILL_MAX_REGISTERS)
+    print("prefill variants: ms at 1x4096, 16x512 (TFLOP/s)")
+    cases = []
+    for seqs, prompt in [(1, 4096), (16, 512)]:
+        q, kc, vc, bt, lens = decode_case(torch, seqs, prompt)
+        q = torch.randn(seqs * prompt, 32, 128, dtype=torch.float16, device="cuda")
+        qsl = torch.arange(0, seqs + 1, dtype=torch.int32, device="cuda") * prompt
+        flops = cuda_backend.prefill_flops([prompt] * seqs, [prompt] * seqs, 32, 128)
+        cases.append((q, kc, vc, bt, qsl, lens, torch.empty_like(q), flops))
+    for threads, regs in PREFILL_VARIANTS:
+        cuda_backend.PREFILL_THREADS, cuda_backend.PREFILL_MAX_REGISTERS = threads, regs
+        cells = []
+        for q, kc, vc, bt, qsl, lens, out, flops in cases:
+            ms = timer(lambda: gpu_kernels.paged_prefill(q, kc, vc, bt, qsl, lens, scale,   # noqa
+                                                         out=out), reps=5) / 1e3
+            cells.append(f"{ms:.2f} ({flops / ms / 1e9:.1f})")
+        info = resources(cuda_backend.last_kernels["prefill"], threads)
+        print(f"  threads={threads} regs={regs}: {' '.join(cells)} | {info}", flush=True)
+    cuda_backend.PREFILL_THREADS, cuda_backend.PREFILL_MAX_REGISTERS = defaults
+    print()
