@@ -1,25 +1,23 @@
-"""Linear layers that multiply small batches on the checkpoint's own quantized blocks (CPU).
+"""Linear layers that multiply on the checkpoint's own quantized blocks (CPU).
 
 A GGUF checkpoint stores most linear weights quantized (SmolLM2: Q4_1, its
 embedding / tied LM head Q8_0); the loader dequantizes them to float32 for
-Paddle. At decode time a CPU step multiplies a handful of rows by every
-weight, which is bound by reading 4 bytes per weight from memory. With
-``quantization="auto"`` the engine also keeps the formats it can compute on
-(`engine.loader.gguf_blocks`: Q4_0, Q4_1, Q8_0) as int8 codes plus per-block
-scales, 1.25 bytes per weight, and steps of at most `MAX_ROWS` rows multiply
-on those (`gpu_kernels.cpu_block_matmul`). The weights are the same numbers
-either way (the blocks dequantize exactly to the float32 tensors); only the
-order of the floating-point sums differs. Prefill chunks and large batches
-keep using Paddle's float32 matmul.
+Paddle. On a CPU a decode step is bound by reading the weights from memory,
+4 bytes each in float32. With ``quantization="auto"`` the engine also keeps
+the formats it can compute on (`engine.loader.gguf_blocks`: Q4_0, Q4_1,
+Q8_0) as int8 codes plus per-block scales, 1.25 bytes per weight, and
+float32 inputs multiply on those (`gpu_kernels.cpu_block_matmul`: a fused
+dot kernel for one row, dequantized tiles through BLAS for more). The
+weights are the same numbers either way (the blocks dequantize exactly to
+the float32 tensors); only the order of the floating-point sums differs.
 
 `attach_blocks` gives a layer its blocks; the native ``Linear`` and the
-borrowed models' ``paddle.nn.Linear`` / LM heads then route small inputs
+borrowed models' ``paddle.nn.Linear`` / LM heads then route float32 inputs
 through `BlockWeight.matmul`.
 """
 
 from __future__ import annotations
 
-import math
 import types
 
 import paddle
@@ -29,11 +27,9 @@ from gpu_kernels.interop import host_view
 
 from .loader.gguf_blocks import BlockQuantized, concat_rows
 
-MAX_ROWS = 4  # above this a float32 GEMM (reads each weight once for all rows) is faster (measured)
-
 
 class BlockWeight:
-    """A ``[out, in]`` weight in blocks; ``matmul`` computes ``x @ W.T`` for small float32 CPU inputs."""
+    """A ``[out, in]`` weight in blocks; ``matmul`` computes ``x @ W.T`` for float32 CPU inputs."""
 
     def __init__(self, blocks: BlockQuantized):
         self.codes, self.scales, self.offsets = blocks.codes, blocks.scales, blocks.offsets
@@ -41,10 +37,8 @@ class BlockWeight:
         self.out_features, self.in_features = blocks.shape
 
     def accepts(self, x: paddle.Tensor) -> bool:
-        """Small float32 input (blocks are only kept for CPU models, so ``x`` is on the CPU)."""
-        shape = x.shape
-        rows = shape[0] if len(shape) == 2 else math.prod(shape[:-1])
-        return rows <= MAX_ROWS and x.dtype == paddle.float32
+        """Float32 input (blocks are only kept for CPU models, so ``x`` is on the CPU)."""
+        return x.dtype == paddle.float32
 
     def matmul(self, x: paddle.Tensor) -> paddle.Tensor:
         shape = list(x.shape[:-1]) + [self.out_features]
@@ -64,7 +58,7 @@ def fused_blocks(blocks: dict[str, BlockQuantized], names: list[str], rows=None)
 
 
 def _linear_forward(self, x):
-    """``paddle.nn.Linear.forward`` (``x @ W + b``, W ``[in, out]``) with small inputs on the blocks."""
+    """``paddle.nn.Linear.forward`` (``x @ W + b``, W ``[in, out]``) with float32 inputs on the blocks."""
     if self.block_weight.accepts(x):
         y = self.block_weight.matmul(x)
         return y if self.bias is None else y + self.bias

@@ -39,7 +39,8 @@ def build_model(impl: str, checkpoint, dtype: str, device: str, quantization: st
     """Instantiate the model for a resolved ``impl`` with the checkpoint's weights loaded.
 
     ``quantization="auto"``: on CPU in float32, linears whose weights the checkpoint
-    stores in a kept block format also get those blocks (``engine.block_linear``).
+    stores in a kept block format also get those blocks and multiply on them
+    (``engine.block_linear``).
     """
     logger.info("loading %s (%s) with model_impl=%s, dtype=%s, device=%s",
                 checkpoint.path, checkpoint.architecture, impl, dtype, device)
@@ -47,12 +48,9 @@ def build_model(impl: str, checkpoint, dtype: str, device: str, quantization: st
     if quantization == "auto" and device == "cpu" and dtype == "float32":
         blocks = checkpoint.quantized_blocks()
         if blocks:
-            from .block_linear import MAX_ROWS
-
             kinds = sorted({b.kind for b in blocks.values()})
-            logger.info("quantization=auto: %d weights kept in their GGUF blocks too (%s, %.0f MB); matmuls of "
-                        "up to %d rows run on them", len(blocks), ", ".join(kinds),
-                        sum(b.nbytes for b in blocks.values()) / 2**20, MAX_ROWS)
+            logger.info("quantization=auto: %d weights kept in their GGUF blocks too (%s, %.0f MB); CPU matmuls "
+                        "run on them", len(blocks), ", ".join(kinds), sum(b.nbytes for b in blocks.values()) / 2**20)
     if impl == "native":
         return build_native_model(checkpoint.architecture, checkpoint.config, checkpoint.weights(), dtype, blocks)
     if impl == "paddleformers":
