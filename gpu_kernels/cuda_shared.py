@@ -27,6 +27,9 @@ little register cost.
     elements, for the buffers these accesses touch (Numba aligns shared arrays
     to their element size only). Call it once per kernel and carve the
     buffers from the result at offsets that are multiples of 4.
+``dynamic_shared_vectors()``
+    the same for the block's dynamic shared memory (its size given at launch; over
+    48 KB the kernel must opt in, see ``cuda_launch``). Not in the simulator.
 
 Under ``NUMBA_ENABLE_CUDASIM=1`` the copies happen at once, commit and wait do
 nothing and ``syncwarp`` is a block barrier (the simulator has no warp
@@ -51,6 +54,15 @@ def shared_vectors(n):
         def alloc():
             return cuda.shared.array(n, float32, alignment=16)
     return alloc
+
+
+def dynamic_shared_vectors():
+    """See the module docstring."""
+    @cuda.jit(device=True, inline="always")
+    def alloc():
+        return cuda.shared.array(0, float32, alignment=16)
+    return alloc
+
 
 if SIMULATED:
     @cuda.jit(device=True)
