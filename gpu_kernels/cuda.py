@@ -28,14 +28,18 @@ from .cuda_prefill import build_prefill_kernel
 from .cuda_primitives import F32, SIMULATED, from_f32, kind_of, to_f32
 
 THREADS = 64 if SIMULATED else 128    # threads per block (write_kv)
-PREFILL_THREADS = 64 if SIMULATED else 128
+PREFILL_THREADS = 64 if SIMULATED else 256
 DECODE_THREADS = 64 if SIMULATED else 128
 DECODE_STAGES = 2                      # decode: ring slots per warp (cp.async pipeline depth)
 DECODE_STAGE_BYTES = 512 if SIMULATED else 4096   # decode: K + V bytes per warp stage
 DECODE_TABLE = 8 if SIMULATED else 512  # decode: block-table entries a block keeps (chunk limit)
 DECODE_BLOCKS_PER_SM = 4               # decode: split-K aims at this many blocks per SM
 DECODE_MAX_REGISTERS = 128             # decode, <= 4 heads per block: 4 blocks of 128 per SM
-PREFILL_MAX_REGISTERS = 128            # prefill, half caches: 4 blocks of 128 threads per SM
+PREFILL_MAX_REGISTERS = 128            # prefill, half caches: 2 blocks of 256 threads per SM
+#: prefill tile (query rows, keys, threads per row of scores) by head_dim, in dynamic shared
+#: memory (52-108 KB); absent: the static default of cuda_prefill.tile_shape, 8 threads per row
+PREFILL_TILES: dict = {} if SIMULATED else {64: (64, 64, 16), 128: (64, 64, 16),
+                                            256: (64, 32, 16)}
 SPLIT_GRAIN = 16 if SIMULATED else 64  # decode: split lengths are multiples of this
 LOG2E = 1.4426950408889634
 
@@ -192,17 +196,17 @@ def paged_prefill(query, k_cache, v_cache, block_tables, query_start_loc, contex
     _check_row(head_dim, kind_kv)
     group = num_heads // num_kv_heads
     hpb = heads_per_block(group)
-    kernel, tile_tokens = build_prefill_kernel(PREFILL_THREADS, group, hpb, head_dim,
-                                               kind_of(query.dtype), kind_kv,
-                                               kind_of(out.dtype),
-                                               PREFILL_MAX_REGISTERS if kind_kv != F32 else None)
+    rows, keys, key_threads = PREFILL_TILES.get(head_dim, (None, None, 8))
+    kernel, tile_tokens, shared = build_prefill_kernel(
+        PREFILL_THREADS, group, hpb, head_dim, kind_of(query.dtype), kind_kv, kind_of(out.dtype),
+        PREFILL_MAX_REGISTERS if kind_kv != F32 else None, rows, keys, key_threads)
     last_kernels["prefill"] = kernel
     num_seqs = context_lens.shape[0]
     max_tiles = -(-num_tokens // tile_tokens) + num_seqs
     if num_tokens == 0:
         return
     head_blocks = num_kv_heads * (group // hpb)
-    launcher(kernel)(
+    launcher(kernel, shared)(
         max_tiles * head_blocks, PREFILL_THREADS, stream, query,
         _words(k_cache), _words(v_cache), block_tables, query_start_loc, context_lens, out,
         np.float32(scale * LOG2E), np.int32(window), np.int32(num_kv_heads),

@@ -24,12 +24,19 @@ loaded. Per key tile of ``BK`` keys:
    ``P`` goes to shared memory transposed (``p_sh[key, row]``), the rescale
    factor of each row too;
 3. ``O = O * alpha + P V``: thread ``(rg2, dg)`` owns ``RB`` blocks of 4 rows x
-   ``TD4`` vectors of 4 dims (a 64-value register tile for d = 64..256),
-   reading one 16-byte vector of P and of V per 16 multiply-adds.
+   ``TD4`` vectors of 4 dims (16-64 accumulators), reading one 16-byte vector
+   of P per ``16 * TD4`` multiply-adds and one of V per ``16 * RB``.
 
 K and V tiles are fetched into registers one phase ahead (V during step 1,
 the next K during step 3) and converted to float32 when stored to shared
 memory, which holds one K or V tile at a time.
+
+Tile shape (``R``, ``BK``, ``KG``) and block size are parameters. The default
+shape keeps Q, K/V and P under Numba's 48 KB of static shared memory; larger
+tiles (the backend's choice on a GPU: 64 rows x 64 keys, 16 threads per row
+of scores, a 4 x 4 score tile per thread) live in dynamic shared memory, sized
+at launch (``cuda_launch``). Each 16-byte shared load of step 1 then feeds 8
+multiply-adds instead of 5.
 
 All arithmetic is float32 on CUDA cores (Numba has no tensor-core API).
 """
@@ -41,26 +48,38 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
-from .cuda_primitives import (F32, exp2, from_f32, group_max, group_sum, ld4, register_cap, to_f32,
-                              vmax, vmin, word_elem)
-from .cuda_shared import lds4f, shared_vectors, sts4f
+from .cuda_primitives import (F32, SIMULATED, exp2, from_f32, group_max, group_sum, ld4,
+                              register_cap, to_f32, vmax, vmin, word_elem)
+from .cuda_shared import dynamic_shared_vectors, lds4f, shared_vectors, sts4f
 
 NEG = np.float32(-1e30)
+STATIC_SHARED_LIMIT = 44 * 1024       # larger Q/K/V/P buffers go to dynamic shared memory
 
 
-def tile_shape(head_dim, hpb, threads):
-    """(rows R, keys BK) per tile: Q, one K/V tile and P fit in ~40 KB of shared memory."""
+def tile_shape(head_dim, hpb, rows=None, keys=None):
+    """(rows R, keys BK) per tile. Default: Q, one K/V tile and P fit in ~40 KB of shared
+    memory; a requested ``rows`` is rounded down to whole blocks of 4 rows and whole tokens."""
     unit = hpb * 4 // math.gcd(hpb, 4)              # rows come in blocks of 4 and whole tokens
-    rows = max(unit, min(64, 4096 // head_dim) // unit * unit)
-    keys = 32 if head_dim <= 128 else 16
-    return rows, keys
+    if rows is None:
+        rows = min(64, 4096 // head_dim)
+    if keys is None:
+        keys = 32 if head_dim <= 128 else 16
+    return max(unit, rows // unit * unit), keys
+
+
+def shared_bytes(head_dim, rows, keys):
+    """Bytes of the Q, K/V and P buffers (float32 rows padded by 4)."""
+    return 4 * (rows * (head_dim + 4) + keys * (head_dim + 4) + keys * (rows + 4))
 
 
 @functools.lru_cache(maxsize=None)
 def build_prefill_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o,
-                         max_registers=None):
-    """Compile-time specialization of the prefill kernel (all arguments are constants)."""
-    R, BK = tile_shape(head_dim, hpb, threads)
+                         max_registers=None, rows=None, keys=None, key_threads=8):
+    """Compile-time specialization of the prefill kernel (all arguments are constants).
+
+    Returns ``(kernel, tokens per query tile, dynamic shared bytes)``: buffers over
+    ``STATIC_SHARED_LIMIT`` bytes are dynamic shared memory, to be given at launch."""
+    R, BK = tile_shape(head_dim, hpb, rows, keys)
     BQ = R // hpb
     D = head_dim
     DP = D + 4                                   # padded row of q_sh / kv_sh
@@ -70,7 +89,7 @@ def build_prefill_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o,
     ROW_VECS = D // DPV
     HCHUNKS = group // hpb
     # step 1: S tile
-    KG = min(8, BK)
+    KG = min(key_threads, BK)
     TN = BK // KG
     RG = threads // KG
     TM = -(-R // RG)
@@ -88,7 +107,12 @@ def build_prefill_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o,
     QSN = R * DP
     KVN = BK * DP
     PSN = BK * PST
-    alloc_smem = shared_vectors(QSN + KVN + PSN)
+    dyn_bytes = 0
+    if not SIMULATED and shared_bytes(D, R, BK) > STATIC_SHARED_LIMIT:
+        dyn_bytes = shared_bytes(D, R, BK)
+        alloc_smem = dynamic_shared_vectors()
+    else:
+        alloc_smem = shared_vectors(QSN + KVN + PSN)
     QVN = TM * 4
     KVV = TN * 4
     PVN = RB * 4
@@ -304,4 +328,4 @@ def build_prefill_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o,
                             out[row0 + r // hpb, head0 + r % hpb, 4 * (dg + DG * c) + x] = \
                                 from_f32(acc[(b * 4 + y) * TD + c * 4 + x] * inv, kind_o)
 
-    return prefill, BQ
+    return prefill, BQ, dyn_bytes
