@@ -270,7 +270,9 @@ def bench_gpu(sweep):
               f"{peer:.3f} | {err:.1e} |")
         del q, kc, vc, bt, out, k4, v4
         torch.cuda.empty_cache()
-    used = resources(cuda_backend.last_kernels["prefill"], cuda_backend.PREFILL_THREADS)
+    from gpu_kernels.cuda_launch import launcher
+    kernel = cuda_backend.last_kernels["prefill"]
+    used = resources(kernel, cuda_backend.PREFILL_THREADS, launcher(kernel).shared)
     print(f"\nprefill kernel: {used}")
 
 

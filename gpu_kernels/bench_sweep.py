@@ -13,11 +13,13 @@ from gpu_kernels.cuda_launch import launcher
 #: (threads, ring stages, stage bytes, register cap, blocks per SM aimed at)
 DECODE_VARIANTS = [(128, 2, 4096, 128, 4), (128, 2, 4096, None, 4), (256, 2, 2048, 128, 3)]
 DECODE_SHAPES = [(64, 8192), (16, 2048), (1, 512), (1, 8192)]
-#: (threads, register cap)
-PREFILL_VARIANTS = [(128, None), (128, 128), (64, None)]
+#: (threads, register cap, (query rows, keys, threads per row of scores) or None = default)
+PREFILL_VARIANTS = [(128, 128, None), (256, 128, (64, 64, 16)), (256, 128, (64, 64, 8)),
+                    (128, 168, (64, 32, 8)), (128, None, (64, 64, 8)),
+                    (512, 128, (128, 64, 16))]
 
 
-def resources(dispatcher, threads):
+def resources(dispatcher, threads, shared=0):
     """'regs R, local L B, B blocks/SM' of the kernel a dispatcher last compiled."""
     found = list(launcher(dispatcher)._kernels.values())
     if not found:
@@ -30,7 +32,7 @@ def resources(dispatcher, threads):
         except Exception:                                   # noqa: BLE001 - best effort
             pass
     try:
-        blocks = cukernel.occupancy.max_active_blocks_per_multiprocessor(threads, 0)
+        blocks = cukernel.occupancy.max_active_blocks_per_multiprocessor(threads, shared)
         parts.append(f"{blocks} blocks/SM ({blocks * threads // 32} warps)")
     except Exception:                                       # noqa: BLE001
         pass
@@ -71,23 +73,48 @@ def sweep_decode(torch, timer, decode_case, scale):
 
 
 def sweep_prefill(torch, timer, decode_case, scale, fp32_peak):
-    defaults = (cuda_backend.PREFILL_THREADS, cuda_backend.PREFILL_MAX_REGISTERS)
-    print("prefill variants: ms at 1x4096, 16x512 (TFLOP/s)")
+    import torch.nn.functional as F
+
+    from gpu_kernels.bench import contiguous
+    from gpu_kernels.cuda_launch import launcher as get_launcher
+    defaults = (cuda_backend.PREFILL_THREADS, cuda_backend.PREFILL_MAX_REGISTERS,
+                dict(cuda_backend.PREFILL_TILES))
+    print("prefill variants: ms at 1x4096, 16x512 (TFLOP/s), max error vs SDPA")
     cases = []
     for seqs, prompt in [(1, 4096), (16, 512)]:
         q, kc, vc, bt, lens = decode_case(torch, seqs, prompt)
         q = torch.randn(seqs * prompt, 32, 128, dtype=torch.float16, device="cuda")
         qsl = torch.arange(0, seqs + 1, dtype=torch.int32, device="cuda") * prompt
         flops = cuda_backend.prefill_flops([prompt] * seqs, [prompt] * seqs, 32, 128)
-        cases.append((q, kc, vc, bt, qsl, lens, torch.empty_like(q), flops))
-    for threads, regs in PREFILL_VARIANTS:
+        q4 = q.reshape(seqs, prompt, 32, 128).transpose(1, 2)
+        ref = F.scaled_dot_product_attention(q4, contiguous(torch, kc, bt),
+                                             contiguous(torch, vc, bt), is_causal=True,
+                                             enable_gqa=True)
+        ref = ref.transpose(1, 2).reshape(seqs * prompt, 32, 128).float()
+        cases.append((q, kc, vc, bt, qsl, lens, torch.empty_like(q), flops, ref))
+    for threads, regs, tile in PREFILL_VARIANTS:
         cuda_backend.PREFILL_THREADS, cuda_backend.PREFILL_MAX_REGISTERS = threads, regs
-        cells = []
-        for q, kc, vc, bt, qsl, lens, out, flops in cases:
-            ms = timer(lambda: gpu_kernels.paged_prefill(q, kc, vc, bt, qsl, lens, scale,   # noqa
-                                                         out=out), reps=5) / 1e3
-            cells.append(f"{ms:.2f} ({flops / ms / 1e9:.1f})")
-        info = resources(cuda_backend.last_kernels["prefill"], threads)
-        print(f"  threads={threads} regs={regs}: {' '.join(cells)} | {info}", flush=True)
-    cuda_backend.PREFILL_THREADS, cuda_backend.PREFILL_MAX_REGISTERS = defaults
+        cuda_backend.PREFILL_TILES.clear()
+        if tile:
+            cuda_backend.PREFILL_TILES[128] = tile
+        cells, err = [], 0.0
+        try:
+            for q, kc, vc, bt, qsl, lens, out, flops, ref in cases:
+                call = lambda: gpu_kernels.paged_prefill(q, kc, vc, bt, qsl, lens, scale,  # noqa
+                                                         out=out)
+                out.fill_(float("nan"))
+                call()
+                torch.cuda.synchronize()
+                err = max(err, (out.float() - ref).abs().max().item())
+                ms = timer(call, reps=5) / 1e3
+                cells.append(f"{ms:.2f} ({flops / ms / 1e9:.1f})")
+            kernel = cuda_backend.last_kernels["prefill"]
+            info = resources(kernel, threads, get_launcher(kernel).shared)
+        except Exception as exc:                            # noqa: BLE001 - report, go on
+            info = f"FAILED: {type(exc).__name__}: {str(exc)[:300]}"
+        print(f"  threads={threads} regs={regs} tile={tile}: {' '.join(cells)} err {err:.1e} "
+              f"| {info}", flush=True)
+    cuda_backend.PREFILL_THREADS, cuda_backend.PREFILL_MAX_REGISTERS = defaults[:2]
+    cuda_backend.PREFILL_TILES.clear()
+    cuda_backend.PREFILL_TILES.update(defaults[2])
     print()
