@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sections", default="model_impl,concurrency,prefix",
                         help="comma-separated subset of: model_impl, concurrency, prefix")
     args = parser.parse_args(argv)
