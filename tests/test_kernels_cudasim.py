@@ -20,7 +20,7 @@ if not IN_SIMULATOR:
         env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
         proc = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-            env=env, capture_output=True, text=True, timeout=900,
+            env=env, capture_output=True, text=True, timeout=2700,
             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
         assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
