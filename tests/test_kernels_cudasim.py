@@ -111,3 +111,16 @@ else:
         for _ in range(2):          # the merge counters must be reset for the next call
             assert_close(run("decode", prob, None, "cuda"),
                          run("decode", prob, None, "reference"), "float32")
+
+    @pytest.mark.parametrize("threads, tile", [(64, (64, 64, 16)), (64, (16, 8, 4))])
+    def test_prefill_tile_shapes(monkeypatch, threads, tile):
+        """Other tile shapes and threads per score row (the GPU's are set per head_dim)."""
+        monkeypatch.setattr(cuda_backend, "PREFILL_THREADS", threads)
+        monkeypatch.setattr(cuda_backend, "PREFILL_TILES", {16: tile})
+        prob = make_problem(np.random.default_rng(5), context_lens=[70, 40, 9],
+                            query_lens=[70, 9, 1], num_kv_heads=2, group=4, head_dim=16,
+                            block_size=4, dtype="float16", query_dtype="float32")
+        prob.query = prob.query[:prob.query_start_loc[-1]]
+        for window in (None, 33):
+            assert_close(run("prefill", prob, window, "cuda"),
+                         run("prefill", prob, window, "reference"), "float32")
