@@ -96,6 +96,9 @@ def build_prefill_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o,
     # step 3: O tile
     C4 = D // 4
     DG = min(C4, 16)
+    if C4 % DG or D % 4:
+        raise NotImplementedError(f"cuda backend: prefill takes head_dim up to 64 (a multiple of 4) or a "
+                                  f"multiple of 64, e.g. 64, 128, 256; got {head_dim}")
     TD4 = C4 // DG
     RG2 = threads // DG
     RB = -(-(R // 4) // RG2)

@@ -124,3 +124,9 @@ else:
         for window in (None, 33):
             assert_close(run("prefill", prob, window, "cuda"),
                          run("prefill", prob, window, "reference"), "float32")
+
+    def test_prefill_refuses_head_dims_its_output_pass_does_not_cover():
+        prob = make_problem(np.random.default_rng(6), context_lens=[5], query_lens=[5], num_kv_heads=1,
+                            group=1, head_dim=96, block_size=4, dtype="float32", query_dtype="float32")
+        with pytest.raises(NotImplementedError, match="head_dim up to 64 .* got 96"):
+            run("prefill", prob, None, "cuda")
