@@ -3,7 +3,7 @@
 All run the same SmolLM2 weights (float32, CPU, one process, one run):
 
 * **native engine** — ``LLM(model_impl="native")``; with the default
-  ``quantization="auto"`` decode steps of a few rows multiply on the GGUF's
+  ``quantization="auto"`` CPU matmuls run on the GGUF's
   own Q4_1/Q8_0 blocks (``engine.block_linear``), as the PaddleFormers backend's do;
 * **native, float matmuls** — the same with ``quantization="none"``: every
   matmul on the dequantized float32 weights, like ``generate``;

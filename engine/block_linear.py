@@ -48,13 +48,11 @@ class BlockWeight:
         return out
 
 
-def fused_blocks(blocks: dict[str, BlockQuantized], names: list[str], rows=None) -> BlockQuantized | None:
-    """The blocks of several HF weights stacked along outputs (``rows``: a row re-ordering
-    applied to the stack), or None unless every one of them is kept in blocks."""
+def fused_blocks(blocks: dict[str, BlockQuantized], names: list[str]) -> BlockQuantized | None:
+    """The blocks of several HF weights stacked along outputs, or None unless every one of them is kept."""
     if not names or any(n not in blocks for n in names):
         return None
-    stacked = concat_rows([blocks[n] for n in names]) if len(names) > 1 else blocks[names[0]]
-    return stacked.map_rows(rows) if rows is not None else stacked
+    return concat_rows([blocks[n] for n in names]) if len(names) > 1 else blocks[names[0]]
 
 
 def _linear_forward(self, x):

@@ -20,7 +20,7 @@ class EngineConfig:
     memory the KV cache may use on the device (for CPU: of 4 GiB).
 
     ``quantization="auto"`` keeps a GGUF checkpoint's Q4_0/Q4_1/Q8_0 linear
-    weights in their blocks too and multiplies small CPU batches on them
+    weights in their blocks too and runs CPU matmuls on them
     (``engine.block_linear``: same weights, a quarter of the bytes to read);
     ``"none"`` runs every matmul on the dequantized float weights.
     """
@@ -89,7 +89,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--device", default="auto", choices=DEVICES)
     g.add_argument("--quantization", default="auto", choices=QUANTIZATION_MODES,
-                   help="auto: small CPU batches multiply on a GGUF's Q4_0/Q4_1/Q8_0 blocks; none: float weights only")
+                   help="auto: CPU matmuls run on a GGUF's Q4_0/Q4_1/Q8_0 blocks; none: float weights only")
     g.add_argument("--seed", type=int, default=0)
     return parser
 

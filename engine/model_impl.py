@@ -45,7 +45,7 @@ def build_model(impl: str, checkpoint, dtype: str, device: str, quantization: st
     logger.info("loading %s (%s) with model_impl=%s, dtype=%s, device=%s",
                 checkpoint.path, checkpoint.architecture, impl, dtype, device)
     blocks = {}
-    if quantization == "auto" and device == "cpu" and dtype == "float32":
+    if quantization == "auto" and device == "cpu" and dtype == "float32" and impl in ("native", "paddleformers"):
         blocks = checkpoint.quantized_blocks()
         if blocks:
             kinds = sorted({b.kind for b in blocks.values()})

@@ -80,7 +80,7 @@ class PaddleFormersModel:
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         head = self.model.lm_head
         if self.lm_head_blocks is not None and self.lm_head_blocks.accepts(hidden):
-            logits = self.lm_head_blocks.matmul(hidden)  # small batch on the quantized blocks
+            logits = self.lm_head_blocks.matmul(hidden)  # on the GGUF's quantized blocks
         else:
             logits = paddle.matmul(hidden, head.weight, transpose_y=True)  # LM head weight is [vocab, hidden]
         if getattr(head, "bias", None) is not None:

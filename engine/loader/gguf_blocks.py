@@ -24,8 +24,8 @@ the blocks (`combine_rows` when they take several weights).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
@@ -58,8 +58,7 @@ class BlockQuantized:
 
     def map_rows(self, fn: Callable[[np.ndarray], np.ndarray]) -> "BlockQuantized":
         """Apply a row operation (reorder, reshape along outputs) to codes, scales and offsets alike."""
-        return BlockQuantized(np.ascontiguousarray(fn(self.codes)), np.ascontiguousarray(fn(self.scales)),
-                              np.ascontiguousarray(fn(self.offsets)), self.kind)
+        return combine_rows([self], fn)
 
 
 def combine_rows(parts: list[BlockQuantized], fn: Callable[..., np.ndarray]) -> BlockQuantized:

@@ -28,7 +28,7 @@ def build_native_model(architecture: str, hf_config: dict, weights, dtype: str,
     """Construct the native model for ``architecture`` and load HF-named weights into it.
 
     ``blocks``: HF-named weights also kept quantized (``Checkpoint.quantized_blocks``),
-    which small float32 batches then multiply on (``engine.block_linear``).
+    which float32 CPU inputs then multiply on (``engine.block_linear``).
     """
     if architecture not in NATIVE_ARCHITECTURES:
         raise ValueError(

@@ -74,7 +74,7 @@ class Linear(nn.Layer):
         super().__init__()
         self.weight = self.create_parameter([in_features, out_features])
         self.bias = self.create_parameter([out_features], is_bias=True) if bias else None
-        self.block_weight = None  # the checkpoint's quantized blocks, for small batches (engine.block_linear)
+        self.block_weight = None  # the checkpoint's quantized blocks, for CPU float32 inputs (engine.block_linear)
 
     def forward(self, x):
         if self.block_weight is not None and self.block_weight.accepts(x):
