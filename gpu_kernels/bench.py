@@ -1,4 +1,4 @@
-"""Benchmark: ``python -m gpu_kernels.bench`` (``--sweep`` also times decode and prefill variants).
+"""Benchmark: ``python -m gpu_kernels.bench`` (GPU: ``--sweep`` variants, ``--only`` one table).
 
 Without a GPU it compares the ``cpu`` backend with a NumPy gather + softmax
 decode, measures the per-call overhead of the dispatch layer (NumPy and
@@ -196,27 +196,8 @@ def contiguous(torch, cache, tables):
     return pages.permute(0, 2, 1, 3, 4).reshape(s, h, nb * bs, d).contiguous()
 
 
-def bench_gpu(sweep):
-    import torch
-    import torch.nn.functional as F
-    from numba import cuda
-
+def bench_gpu_decode(torch, F, timer, bw, scale):
     from gpu_kernels import cuda as cuda_backend
-    dev = cuda.get_current_device()
-    sms, clock_khz = dev.MULTIPROCESSOR_COUNT, dev.CLOCK_RATE
-    fp32_peak = sms * 128 * 2 * clock_khz * 1e3 / 1e12
-    timer = GpuTimer(torch)
-    print(f"{torch.cuda.get_device_name()}: {sms} SMs, {clock_khz / 1e6:.2f} GHz, "
-          f"FP32 CUDA-core peak {fp32_peak:.1f} TFLOP/s")
-    bw = copy_bandwidth(torch, timer)
-    print(f"measured device copy bandwidth: {bw:.2f} TB/s (read + write)\n")
-    scale = 128 ** -0.5
-
-    if sweep:
-        from gpu_kernels.bench_sweep import sweep_decode, sweep_prefill
-        sweep_decode(torch, timer, decode_case, scale)
-        sweep_prefill(torch, timer, decode_case, scale, fp32_peak)
-
     print("decode, 32 q heads / 8 KV heads, d=128, fp16, block 16, cold L2")
     print("| batch | context | KV MB | ours µs | ours TB/s | % of copy | SDPA µs | SDPA TB/s "
           "| ours/SDPA speed | host µs/call | max err vs SDPA |")
@@ -246,6 +227,33 @@ def bench_gpu(sweep):
     from gpu_kernels.bench_sweep import resources
     used = resources(cuda_backend.last_kernels["decode"], cuda_backend.DECODE_THREADS)
     print(f"\ndecode kernel: {used}")
+
+
+def bench_gpu(sweep, only=None):
+    import torch
+    import torch.nn.functional as F
+    from numba import cuda
+
+    from gpu_kernels import cuda as cuda_backend
+    dev = cuda.get_current_device()
+    sms, clock_khz = dev.MULTIPROCESSOR_COUNT, dev.CLOCK_RATE
+    fp32_peak = sms * 128 * 2 * clock_khz * 1e3 / 1e12
+    timer = GpuTimer(torch)
+    print(f"{torch.cuda.get_device_name()}: {sms} SMs, {clock_khz / 1e6:.2f} GHz, "
+          f"FP32 CUDA-core peak {fp32_peak:.1f} TFLOP/s")
+    bw = copy_bandwidth(torch, timer)
+    print(f"measured device copy bandwidth: {bw:.2f} TB/s (read + write)\n")
+    scale = 128 ** -0.5
+
+    if sweep:
+        from gpu_kernels.bench_sweep import sweep_decode, sweep_prefill
+        sweep_decode(torch, timer, decode_case, scale)
+        sweep_prefill(torch, timer, decode_case, scale, fp32_peak)
+
+    if only != "prefill":
+        bench_gpu_decode(torch, F, timer, bw, scale)
+    if only == "decode":
+        return
     print("\nprefill, 32 q heads / 8 KV heads, d=128, fp16, causal (useful FLOPs only)")
     print("| sequences x prompt | ours ms | TFLOP/s | % of FP32 peak | SDPA (tensor cores) ms "
           "| max err vs SDPA |")
@@ -270,15 +278,17 @@ def bench_gpu(sweep):
               f"{peer:.3f} | {err:.1e} |")
         del q, kc, vc, bt, out, k4, v4
         torch.cuda.empty_cache()
+    from gpu_kernels.bench_sweep import resources
     from gpu_kernels.cuda_launch import launcher
     kernel = cuda_backend.last_kernels["prefill"]
-    used = resources(kernel, cuda_backend.PREFILL_THREADS, launcher(kernel).shared)
+    used = resources(kernel, cuda_backend.PREFILL_TILES[128][0], launcher(kernel).shared)
     print(f"\nprefill kernel: {used}")
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="GPU: also time kernel variants")
+    parser.add_argument("--only", choices=["decode", "prefill"], help="GPU: one table only")
     args = parser.parse_args(argv)
     try:
         from numba import cuda
@@ -288,7 +298,7 @@ def main(argv=None):
     except ImportError:
         gpu = False
     if gpu:
-        bench_gpu(args.sweep)
+        bench_gpu(args.sweep, args.only)
     else:
         bench_cpu()
         bench_cpu_prefill()

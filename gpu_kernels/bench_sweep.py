@@ -13,10 +13,9 @@ from gpu_kernels.cuda_launch import launcher
 #: (threads, ring stages, stage bytes, register cap, blocks per SM aimed at)
 DECODE_VARIANTS = [(128, 2, 4096, 128, 4), (128, 2, 4096, None, 4), (256, 2, 2048, 128, 3)]
 DECODE_SHAPES = [(64, 8192), (16, 2048), (1, 512), (1, 8192)]
-#: (threads, register cap, (query rows, keys, threads per row of scores) or None = default)
-PREFILL_VARIANTS = [(128, 128, None), (256, 128, (64, 64, 16)), (256, 128, (64, 64, 8)),
-                    (128, 168, (64, 32, 8)), (128, None, (64, 64, 8)),
-                    (512, 128, (128, 64, 16))]
+#: (register cap, (threads, query rows, keys) of the head_dim-128 prefill tile)
+PREFILL_VARIANTS = [(None, (256, 128, 64)), (128, (256, 64, 64)), (128, (512, 128, 64)),
+                    (None, (128, 64, 64)), (128, (256, 128, 32)), (None, (256, 64, 128))]
 
 
 def resources(dispatcher, threads, shared=0):
@@ -77,8 +76,7 @@ def sweep_prefill(torch, timer, decode_case, scale, fp32_peak):
 
     from gpu_kernels.bench import contiguous
     from gpu_kernels.cuda_launch import launcher as get_launcher
-    defaults = (cuda_backend.PREFILL_THREADS, cuda_backend.PREFILL_MAX_REGISTERS,
-                dict(cuda_backend.PREFILL_TILES))
+    defaults = (cuda_backend.PREFILL_MAX_REGISTERS, dict(cuda_backend.PREFILL_TILES))
     print("prefill variants: ms at 1x4096, 16x512 (TFLOP/s), max error vs SDPA")
     cases = []
     for seqs, prompt in [(1, 4096), (16, 512)]:
@@ -92,11 +90,10 @@ def sweep_prefill(torch, timer, decode_case, scale, fp32_peak):
                                              enable_gqa=True)
         ref = ref.transpose(1, 2).reshape(seqs * prompt, 32, 128).float()
         cases.append((q, kc, vc, bt, qsl, lens, torch.empty_like(q), flops, ref))
-    for threads, regs, tile in PREFILL_VARIANTS:
-        cuda_backend.PREFILL_THREADS, cuda_backend.PREFILL_MAX_REGISTERS = threads, regs
-        cuda_backend.PREFILL_TILES.clear()
-        if tile:
-            cuda_backend.PREFILL_TILES[128] = tile
+    for regs, tile in PREFILL_VARIANTS:
+        cuda_backend.PREFILL_MAX_REGISTERS = regs
+        cuda_backend.PREFILL_TILES[128] = tile
+        threads = tile[0]
         cells, err = [], 0.0
         try:
             for q, kc, vc, bt, qsl, lens, out, flops, ref in cases:
@@ -112,9 +109,9 @@ def sweep_prefill(torch, timer, decode_case, scale, fp32_peak):
             info = resources(kernel, threads, get_launcher(kernel).shared)
         except Exception as exc:                            # noqa: BLE001 - report, go on
             info = f"FAILED: {type(exc).__name__}: {str(exc)[:300]}"
-        print(f"  threads={threads} regs={regs} tile={tile}: {' '.join(cells)} err {err:.1e} "
+        print(f"  regs={regs} (threads, rows, keys)={tile}: {' '.join(cells)} err {err:.1e} "
               f"| {info}", flush=True)
-    cuda_backend.PREFILL_THREADS, cuda_backend.PREFILL_MAX_REGISTERS = defaults[:2]
+    cuda_backend.PREFILL_MAX_REGISTERS = defaults[0]
     cuda_backend.PREFILL_TILES.clear()
-    cuda_backend.PREFILL_TILES.update(defaults[2])
+    cuda_backend.PREFILL_TILES.update(defaults[1])
     print()

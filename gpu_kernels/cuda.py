@@ -24,22 +24,20 @@ from numba import cuda
 
 from .cuda_decode import MAX_SPLITS, ML_PAD, build_decode_kernel, stage_shape
 from .cuda_launch import launcher
-from .cuda_prefill import build_prefill_kernel
+from .cuda_prefill import PrefillTile, build_prefill_kernel, default_tile
 from .cuda_primitives import F32, SIMULATED, from_f32, kind_of, to_f32
 
 THREADS = 64 if SIMULATED else 128    # threads per block (write_kv)
-PREFILL_THREADS = 64 if SIMULATED else 256
 DECODE_THREADS = 64 if SIMULATED else 128
 DECODE_STAGES = 2                      # decode: ring slots per warp (cp.async pipeline depth)
 DECODE_STAGE_BYTES = 512 if SIMULATED else 4096   # decode: K + V bytes per warp stage
 DECODE_TABLE = 8 if SIMULATED else 512  # decode: block-table entries a block keeps (chunk limit)
 DECODE_BLOCKS_PER_SM = 4               # decode: split-K aims at this many blocks per SM
 DECODE_MAX_REGISTERS = 128             # decode, <= 4 heads per block: 4 blocks of 128 per SM
-PREFILL_MAX_REGISTERS = 128            # prefill, half caches: 2 blocks of 256 threads per SM
-#: prefill tile (query rows, keys, threads per row of scores) by head_dim, in dynamic shared
-#: memory (52-108 KB); absent: the static default of cuda_prefill.tile_shape, 8 threads per row
-PREFILL_TILES: dict = {} if SIMULATED else {64: (64, 64, 16), 128: (64, 64, 16),
-                                            256: (64, 32, 16)}
+PREFILL_MAX_REGISTERS = None           # prefill: no cap (shared memory allows 1-2 blocks per SM)
+#: prefill tile (threads, query rows, keys) by head_dim; absent: cuda_prefill.default_tile
+PREFILL_TILES: dict = {} if SIMULATED else {64: (256, 128, 64), 128: (256, 128, 64),
+                                            256: (256, 64, 64)}
 SPLIT_GRAIN = 16 if SIMULATED else 64  # decode: split lengths are multiples of this
 LOG2E = 1.4426950408889634
 
@@ -77,6 +75,11 @@ def _words(arr):
             _word_views.clear()
         _word_views[key] = view
     return view
+
+
+def _c_contiguous(arr):
+    """A NumPy array (simulator) or a Numba device array laid out in C order."""
+    return arr.flags.c_contiguous if isinstance(arr, np.ndarray) else arr.is_c_contiguous()
 
 
 def heads_per_block(group, limit=8):
@@ -196,10 +199,12 @@ def paged_prefill(query, k_cache, v_cache, block_tables, query_start_loc, contex
     _check_row(head_dim, kind_kv)
     group = num_heads // num_kv_heads
     hpb = heads_per_block(group)
-    rows, keys, key_threads = PREFILL_TILES.get(head_dim, (None, None, 8))
+    itemsize = k_cache.dtype.itemsize
+    shape = PREFILL_TILES.get(head_dim)
+    tile = PrefillTile(*shape, head_dim, itemsize) if shape else default_tile(head_dim, itemsize)
     kernel, tile_tokens, shared = build_prefill_kernel(
-        PREFILL_THREADS, group, hpb, head_dim, kind_of(query.dtype), kind_kv, kind_of(out.dtype),
-        PREFILL_MAX_REGISTERS if kind_kv != F32 else None, rows, keys, key_threads)
+        tile, group, hpb, kind_of(query.dtype), kind_kv, kind_of(out.dtype), block_size,
+        _c_contiguous(query), PREFILL_MAX_REGISTERS)
     last_kernels["prefill"] = kernel
     num_seqs = context_lens.shape[0]
     max_tiles = -(-num_tokens // tile_tokens) + num_seqs
@@ -207,10 +212,11 @@ def paged_prefill(query, k_cache, v_cache, block_tables, query_start_loc, contex
         return
     head_blocks = num_kv_heads * (group // hpb)
     launcher(kernel, shared)(
-        max_tiles * head_blocks, PREFILL_THREADS, stream, query,
+        max_tiles * head_blocks, tile.threads, stream, query,
+        _words(query) if _c_contiguous(query) else _words(k_cache),   # (unused then)
         _words(k_cache), _words(v_cache), block_tables, query_start_loc, context_lens, out,
         np.float32(scale * LOG2E), np.int32(window), np.int32(num_kv_heads),
-        np.int32(block_size), np.int32(head_blocks), np.int32(max_tiles))
+        np.int32(head_blocks), np.int32(max_tiles))
 
 
 def prefill_flops(query_lens, context_lens, num_heads, head_dim, window=0):

@@ -112,10 +112,10 @@ else:
             assert_close(run("decode", prob, None, "cuda"),
                          run("decode", prob, None, "reference"), "float32")
 
-    @pytest.mark.parametrize("threads, tile", [(64, (64, 64, 16)), (64, (16, 8, 4))])
-    def test_prefill_tile_shapes(monkeypatch, threads, tile):
-        """Other tile shapes and threads per score row (the GPU's are set per head_dim)."""
-        monkeypatch.setattr(cuda_backend, "PREFILL_THREADS", threads)
+    @pytest.mark.parametrize("tile", [(32, 16, 32), (64, 64, 32)])
+    def test_prefill_tile_shapes(monkeypatch, tile):
+        """Other tiles (threads, query rows, keys) than the simulator's (16, 32, 16): a row of
+        scores over 8 or 4 threads, 4 x 4 or 4 x 8 scores per thread."""
         monkeypatch.setattr(cuda_backend, "PREFILL_TILES", {16: tile})
         prob = make_problem(np.random.default_rng(5), context_lens=[70, 40, 9],
                             query_lens=[70, 9, 1], num_kv_heads=2, group=4, head_dim=16,
@@ -124,6 +124,27 @@ else:
         for window in (None, 33):
             assert_close(run("prefill", prob, window, "cuda"),
                          run("prefill", prob, window, "reference"), "float32")
+
+    def test_prefill_loads_the_query_element_by_element(monkeypatch):
+        """The load a strided query (a view into a fused QKV buffer) takes on a GPU; the
+        simulator only passes contiguous arrays, so the backend is told this one is not."""
+        monkeypatch.setattr(cuda_backend, "_c_contiguous", lambda arr: False)
+        prob = make_problem(np.random.default_rng(8), context_lens=[40, 9], query_lens=[40, 1],
+                            num_kv_heads=2, group=4, head_dim=16, block_size=4, dtype="float16",
+                            query_dtype="float16")
+        prob.query = prob.query[:prob.query_start_loc[-1]]
+        assert_close(run("prefill", prob, None, "cuda"), run("prefill", prob, None, "reference"),
+                     "float16")
+
+    @pytest.mark.parametrize("tile, message", [((64, 24, 32), "rows must be a power of two"),
+                                               ((64, 64, 8), "keys must be .* multiple of 4 x 4")])
+    def test_prefill_refuses_tiles_it_cannot_lay_out(monkeypatch, tile, message):
+        monkeypatch.setattr(cuda_backend, "PREFILL_TILES", {16: tile})
+        prob = make_problem(np.random.default_rng(6), context_lens=[5], query_lens=[5],
+                            num_kv_heads=1, group=1, head_dim=16, block_size=4, dtype="float32",
+                            query_dtype="float32")
+        with pytest.raises(NotImplementedError, match=message):
+            run("prefill", prob, None, "cuda")
 
     def test_prefill_refuses_head_dims_its_output_pass_does_not_cover():
         prob = make_problem(np.random.default_rng(6), context_lens=[5], query_lens=[5], num_kv_heads=1,
