@@ -229,31 +229,10 @@ def bench_gpu_decode(torch, F, timer, bw, scale):
     print(f"\ndecode kernel: {used}")
 
 
-def bench_gpu(sweep, only=None):
-    import torch
-    import torch.nn.functional as F
-    from numba import cuda
-
+def bench_gpu_prefill(torch, F, timer, scale, fp32_peak):
     from gpu_kernels import cuda as cuda_backend
-    dev = cuda.get_current_device()
-    sms, clock_khz = dev.MULTIPROCESSOR_COUNT, dev.CLOCK_RATE
-    fp32_peak = sms * 128 * 2 * clock_khz * 1e3 / 1e12
-    timer = GpuTimer(torch)
-    print(f"{torch.cuda.get_device_name()}: {sms} SMs, {clock_khz / 1e6:.2f} GHz, "
-          f"FP32 CUDA-core peak {fp32_peak:.1f} TFLOP/s")
-    bw = copy_bandwidth(torch, timer)
-    print(f"measured device copy bandwidth: {bw:.2f} TB/s (read + write)\n")
-    scale = 128 ** -0.5
-
-    if sweep:
-        from gpu_kernels.bench_sweep import sweep_decode, sweep_prefill
-        sweep_decode(torch, timer, decode_case, scale)
-        sweep_prefill(torch, timer, decode_case, scale, fp32_peak)
-
-    if only != "prefill":
-        bench_gpu_decode(torch, F, timer, bw, scale)
-    if only == "decode":
-        return
+    from gpu_kernels.bench_sweep import resources
+    from gpu_kernels.cuda_launch import launcher
     print("\nprefill, 32 q heads / 8 KV heads, d=128, fp16, causal (useful FLOPs only)")
     print("| sequences x prompt | ours ms | TFLOP/s | % of FP32 peak | SDPA (tensor cores) ms "
           "| max err vs SDPA |")
@@ -278,11 +257,35 @@ def bench_gpu(sweep, only=None):
               f"{peer:.3f} | {err:.1e} |")
         del q, kc, vc, bt, out, k4, v4
         torch.cuda.empty_cache()
-    from gpu_kernels.bench_sweep import resources
-    from gpu_kernels.cuda_launch import launcher
     kernel = cuda_backend.last_kernels["prefill"]
     used = resources(kernel, cuda_backend.PREFILL_TILES[128][0], launcher(kernel).shared)
     print(f"\nprefill kernel: {used}")
+
+
+def bench_gpu(sweep, only=None):
+    import torch
+    import torch.nn.functional as F
+    from numba import cuda
+
+    dev = cuda.get_current_device()
+    sms, clock_khz = dev.MULTIPROCESSOR_COUNT, dev.CLOCK_RATE
+    fp32_peak = sms * 128 * 2 * clock_khz * 1e3 / 1e12
+    timer = GpuTimer(torch)
+    print(f"{torch.cuda.get_device_name()}: {sms} SMs, {clock_khz / 1e6:.2f} GHz, "
+          f"FP32 CUDA-core peak {fp32_peak:.1f} TFLOP/s")
+    bw = copy_bandwidth(torch, timer)
+    print(f"measured device copy bandwidth: {bw:.2f} TB/s (read + write)\n")
+    scale = 128 ** -0.5
+
+    if sweep:
+        from gpu_kernels.bench_sweep import sweep_decode, sweep_prefill
+        sweep_decode(torch, timer, decode_case, scale)
+        sweep_prefill(torch, timer, decode_case, scale, fp32_peak)
+
+    if only != "prefill":
+        bench_gpu_decode(torch, F, timer, bw, scale)
+    if only != "decode":
+        bench_gpu_prefill(torch, F, timer, scale, fp32_peak)
 
 
 def main(argv=None):

@@ -199,12 +199,12 @@ def paged_prefill(query, k_cache, v_cache, block_tables, query_start_loc, contex
     _check_row(head_dim, kind_kv)
     group = num_heads // num_kv_heads
     hpb = heads_per_block(group)
-    itemsize = k_cache.dtype.itemsize
     shape = PREFILL_TILES.get(head_dim)
-    tile = PrefillTile(*shape, head_dim, itemsize) if shape else default_tile(head_dim, itemsize)
+    tile = PrefillTile(*shape, head_dim) if shape else default_tile(head_dim)
+    q_words = _c_contiguous(query)
     kernel, tile_tokens, shared = build_prefill_kernel(
         tile, group, hpb, kind_of(query.dtype), kind_kv, kind_of(out.dtype), block_size,
-        _c_contiguous(query), PREFILL_MAX_REGISTERS)
+        q_words, PREFILL_MAX_REGISTERS)
     last_kernels["prefill"] = kernel
     num_seqs = context_lens.shape[0]
     max_tiles = -(-num_tokens // tile_tokens) + num_seqs
@@ -213,7 +213,7 @@ def paged_prefill(query, k_cache, v_cache, block_tables, query_start_loc, contex
     head_blocks = num_kv_heads * (group // hpb)
     launcher(kernel, shared)(
         max_tiles * head_blocks, tile.threads, stream, query,
-        _words(query) if _c_contiguous(query) else _words(k_cache),   # (unused then)
+        _words(query) if q_words else _words(k_cache),   # (unused then)
         _words(k_cache), _words(v_cache), block_tables, query_start_loc, context_lens, out,
         np.float32(scale * LOG2E), np.int32(window), np.int32(num_kv_heads),
         np.int32(head_blocks), np.int32(max_tiles))

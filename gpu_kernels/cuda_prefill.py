@@ -76,7 +76,6 @@ class PrefillTile:
     rows: int          # R: query rows (tokens x heads) per tile
     keys: int          # BK: keys per key tile
     head_dim: int
-    kv_itemsize: int   # bytes per cache element (2 or 4)
 
     @property
     def key_threads(self):      # KG: threads sharing one row of scores
@@ -89,11 +88,6 @@ class PrefillTile:
     @property
     def out_row_groups(self):   # RG2: groups of 4 rows in P V
         return min(self.threads // self.out_dim_threads, self.rows // 4)
-
-    @property
-    def shared_bytes(self):
-        R, BK, D = self.rows, self.keys, self.head_dim
-        return 4 * ((R + 4) * D + BK * D + BK * (R + 4)) + BK * D * self.kv_itemsize
 
     def check(self):
         """Raise NotImplementedError naming what this shape cannot do."""
@@ -115,11 +109,11 @@ class PrefillTile:
                                       f"{self.out_row_groups} row groups")
 
 
-def default_tile(head_dim, kv_itemsize):
+def default_tile(head_dim):
     """The tile for head dims ``cuda.PREFILL_TILES`` does not name (the simulator's: small)."""
     if SIMULATED:                   # few threads: the simulator's barriers cost per thread
-        return PrefillTile(16, 32, 16, head_dim, kv_itemsize)
-    return PrefillTile(128, 64, 64, head_dim, kv_itemsize)
+        return PrefillTile(16, 32, 16, head_dim)
+    return PrefillTile(128, 64, 64, head_dim)
 
 
 @functools.lru_cache(maxsize=None)
@@ -145,9 +139,8 @@ def build_prefill_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_size, 
     BS = block_size
     PAGE_WORDS = BS * ROW_WORDS
     VPT = -(-BK * ROW_VECS // threads)           # staged vectors per thread and tile
-    # swizzles (XOR masks); each keeps 16-byte vectors whole
-    # staged tile: a key's 16-byte vectors swizzled (XOR) so that 8 consecutive keys spread over
-    # all banks
+    # staged tile: a key's 16-byte vectors XOR-swizzled, so that 8 consecutive keys spread
+    # over all banks
     SWZ = 7 if ROW_VECS % 8 == 0 else 3 if ROW_VECS % 4 == 0 else 1 if ROW_VECS % 2 == 0 else 0
     RP = R + 4                                   # padded rows of q_sh / p_sh
     DL = 8 if D % 8 == 0 else 4                  # Q load: a warp covers 4 rows x DL dims
@@ -176,7 +169,7 @@ def build_prefill_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_size, 
         dyn_bytes = 0
         alloc_smem = shared_vectors(QSN + KVN + PSN + RAWN)
     else:
-        dyn_bytes = tile.shared_bytes
+        dyn_bytes = 4 * (QSN + KVN + PSN + RAWN)
         alloc_smem = dynamic_shared_vectors()
     wait_all = cp_async_wait[0]
 
