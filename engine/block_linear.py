@@ -6,7 +6,7 @@ Paddle. On a CPU a decode step is bound by reading the weights from memory,
 4 bytes each in float32. With ``quantization="auto"`` the engine also keeps
 the formats it can compute on (`engine.loader.gguf_blocks`: Q4_0, Q4_1,
 Q8_0) as int8 codes plus per-block scales, 1.25 bytes per weight, and
-float32 inputs multiply on those (`gpu_kernels.cpu_block_matmul`: a fused
+float32 inputs multiply on those (`gpu_kernels.cpu.block_matmul`: a fused
 dot kernel for one row, dequantized tiles through BLAS for more). The
 weights are the same numbers either way (the blocks dequantize exactly to
 the float32 tensors); only the order of the floating-point sums differs.
@@ -22,7 +22,7 @@ import types
 
 import paddle
 
-from gpu_kernels.cpu_block_matmul import block_matmul
+from gpu_kernels.cpu.block_matmul import block_matmul
 from gpu_kernels.interop import host_view
 
 from .loader.gguf_blocks import BlockQuantized, concat_rows

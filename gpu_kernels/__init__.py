@@ -8,7 +8,7 @@ Three operations over a paged KV cache laid out as
 * :func:`paged_prefill` -- packed query chunks (chunked prefill, mixed with decodes).
 
 Backends: ``reference`` (NumPy, ``reference.py``), ``cpu`` (Numba ``njit``,
-``cpu.py``) and ``cuda`` (``numba.cuda``, ``cuda.py``); ``dispatch.py`` picks
+``cpu/``) and ``cuda`` (``numba.cuda``, ``cuda/``); ``dispatch.py`` picks
 one from where the arrays live, ``interop.py`` makes zero-copy views of
 NumPy / Paddle / torch / CuPy / Numba arrays.
 """

@@ -7,7 +7,7 @@ forces ``"reference"`` (NumPy, host arrays only), ``"cpu"`` or ``"cuda"``.
 Every argument may come from any supported framework (``interop.py``);
 ``out`` and the caches are written in place. Per-call cost on the CPU path
 is a few microseconds for views (cached for persistent buffers such as the
-KV caches) plus Numba's argument unboxing; ``python -m gpu_kernels.bench``
+KV caches) plus Numba's argument unboxing; ``python -m benchmarks.kernels``
 measures it.
 
 CUDA kernels are launched on the current stream of the framework that owns
@@ -20,7 +20,9 @@ import threading
 
 from numba import get_num_threads
 
-from . import cpu, cpu_prefill, interop, reference
+from . import interop, reference
+from .cpu import attention as cpu, prefill as cpu_prefill
+from .cpu.blas import single_threaded_blas
 
 BACKENDS = ("reference", "cpu", "cuda")
 _cpu_lock = threading.Lock()     # Numba's workqueue threading layer is not re-entrant
@@ -59,8 +61,8 @@ def _check_attention(query, k_cache, v_cache, block_tables, out):
 
 
 def _cuda_backend():
-    from . import cuda as cuda_backend   # imported on first use: needs numba.cuda
-    return cuda_backend
+    from .cuda import backend   # imported on first use: needs numba.cuda
+    return backend
 
 
 def write_kv(key, value, k_cache, v_cache, slot_mapping, *, backend=None):
@@ -135,7 +137,7 @@ def paged_prefill(query, k_cache, v_cache, block_tables, query_start_loc, contex
     if backend == "reference":
         reference.paged_prefill(q, kc, vc, bt, qsl, cl, scale, sliding_window=window, out=o)
         return out
-    cpu_prefill.single_threaded_blas()
+    single_threaded_blas()
     with _cpu_lock:
         cpu_prefill.paged_prefill(q, kc, vc, bt, qsl, cl, float(scale), window, o,
                                   cpu.min_parallel_work)

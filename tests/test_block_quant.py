@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from engine.block_linear import BlockWeight
 from engine.loader.gguf_blocks import KEPT_FORMATS, concat_rows, unpack
-from gpu_kernels import cpu_block_matmul
+from gpu_kernels.cpu import block_matmul as cpu_block_matmul
 
 
 def _quantized(rng, rows, cols, qtype):

@@ -6,7 +6,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gpu_kernels
-from gpu_kernels import cpu, interop
+from gpu_kernels import interop
+from gpu_kernels.cpu import attention as cpu
 from gpu_kernels.testing import assert_close, make_problem, np_dtype
 
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,

@@ -31,7 +31,7 @@ else:
     from hypothesis import strategies as st
 
     import gpu_kernels
-    from gpu_kernels import cuda as cuda_backend
+    from gpu_kernels.cuda import backend as cuda_backend
     from gpu_kernels.testing import assert_close, make_problem
 
     SETTINGS = settings(max_examples=12, deadline=None, derandomize=True,

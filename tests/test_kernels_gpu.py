@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import gpu_kernels  # noqa: E402
-from gpu_kernels import cuda as cuda_backend  # noqa: E402
+from gpu_kernels.cuda import backend as cuda_backend  # noqa: E402
 from gpu_kernels.testing import assert_close, make_problem  # noqa: E402
 
 SETTINGS = settings(max_examples=10, deadline=None, derandomize=True,

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
+from .gguf_names import hf_name, undo_rope_permutation
+
 BLOCK = 32
 KEPT_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 
@@ -97,8 +99,6 @@ def unpack(raw: np.ndarray, tensor_type: QT, shape: tuple[int, ...]) -> BlockQua
 def iter_gguf_blocks(f, config: dict) -> Iterator[tuple[str, BlockQuantized]]:
     """``(hf_name, blocks)`` for every 2-D tensor of GGUF file ``f`` in a kept format, rows
     ordered as the float loader orders them (llama.cpp's Q/K RoPE permutation undone)."""
-    from .gguf_weights import hf_name, undo_rope_permutation
-
     for tensor in f.tensors.values():
         blocks = unpack(tensor.raw(f.buf), tensor.tensor_type, tensor.shape)
         if blocks is not None:

@@ -1,7 +1,7 @@
 """Paged attention on the CPU with Numba (``njit(parallel=True, fastmath=True, cache=True)``).
 
 Arrays are NumPy arrays in the canonical host representation (``formats.py``:
-float32, int16 = float16 bits, uint16 = bfloat16 bits); ``cpu_formats.to_f32``
+float32, int16 = float16 bits, uint16 = bfloat16 bits); ``formats.to_f32``
 / ``from_f32`` convert elements, all arithmetic is float32. Layout and
 semantics are those of ``reference.py``.
 
@@ -44,10 +44,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .cpu_formats import from_f32, to_f32
+from .formats import from_f32, to_f32
 
 NEG = np.float32(-1e30)        # finite stand-in for -inf (fastmath assumes no infs)
-PREFILL_ROWS = 64              # query rows (tokens x group heads) per prefill work item
 MIN_SPLIT_TOKENS = 256         # don't split a decode's keys into pieces smaller than this
 
 #: Work (query rows x keys x head_dim, or elements for write_kv) below which a call
@@ -251,62 +250,3 @@ def paged_decode(query, k_cache, v_cache, block_tables, context_lens, scale, win
         for item in range(num_seqs * num_kv_heads):
             i, h = item // num_kv_heads, item % num_kv_heads
             store_rows(out, i, 1, h * group, group, part_l[i, h, 0], part_acc[i, h, 0])
-
-
-@njit(**_SEQ)
-def prefill_item(query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
-                 window, out, tile_start, tile, k, h):
-    """Query tile k (numbered sequence by sequence) against KV head h."""
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    group = num_heads // k_cache.shape[1]
-    i = np.searchsorted(tile_start, k, side="right") - 1
-    n = query_start_loc[i + 1] - query_start_loc[i]
-    length = context_lens[i]
-    t0 = (k - tile_start[i]) * tile                 # first token of the tile in the chunk
-    n_tok = min(tile, n - t0)
-    rows = n_tok * group
-    first_pos = length - n + t0
-    qf = np.empty((rows, head_dim), np.float32)
-    load_rows(query, query_start_loc[i] + t0, n_tok, h * group, group, scale, qf)
-    qpos = np.empty(rows, np.int64)
-    for r in range(rows):
-        qpos[r] = first_pos + r // group
-    m = np.full(rows, NEG, np.float32)
-    l = np.zeros(rows, np.float32)
-    acc = np.zeros((rows, head_dim), np.float32)
-    s = np.empty(k_cache.shape[2], np.float32)
-    lo = max(0, first_pos - window + 1) if window > 0 else 0
-    hi = first_pos + n_tok
-    if lo < hi:
-        attend_range(qf, qpos, k_cache, v_cache, block_tables[i], h, lo, hi,
-                     window, m, l, acc, s)
-    store_rows(out, query_start_loc[i] + t0, n_tok, h * group, group, l, acc)
-
-
-@njit(**_PAR)
-def paged_prefill(query, k_cache, v_cache, block_tables, query_start_loc, context_lens,
-                  scale, window, out, min_parallel_work):
-    """Packed query chunks, each the last tokens of its sequence (see module docstring)."""
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = k_cache.shape[1]
-    num_seqs = context_lens.shape[0]
-    tile = max(1, PREFILL_ROWS // (num_heads // num_kv_heads))
-    # tile_start[i]: index of sequence i's first query tile; tiles are numbered seq by seq
-    tile_start = np.zeros(num_seqs + 1, np.int64)
-    work = 0
-    for i in range(num_seqs):
-        n = query_start_loc[i + 1] - query_start_loc[i]
-        tile_start[i + 1] = tile_start[i] + (n + tile - 1) // tile
-        keys = min(context_lens[i], window) if window > 0 else context_lens[i]
-        work += n * keys
-    items = tile_start[num_seqs] * num_kv_heads
-    if work * num_heads * head_dim >= min_parallel_work:
-        for item in prange(items):
-            prefill_item(query, k_cache, v_cache, block_tables, query_start_loc, context_lens,
-                         scale, window, out, tile_start, tile, item // num_kv_heads,
-                         item % num_kv_heads)
-    else:
-        for item in range(items):
-            prefill_item(query, k_cache, v_cache, block_tables, query_start_loc, context_lens,
-                         scale, window, out, tile_start, tile, item // num_kv_heads,
-                         item % num_kv_heads)

@@ -14,7 +14,7 @@ input rows ``T``:
   with ``T``, which is why it only serves one row.
 * ``T > 1``, **tiled**: each thread dequantizes a tile of ``TILE`` weight rows
   to float32 (L2-resident) and multiplies it with all ``T`` rows through BLAS
-  (``np.dot``, single-threaded: `cpu_prefill.single_threaded_blas`), so every
+  (``np.dot``, single-threaded: `cpu.blas.single_threaded_blas`), so every
   weight is read and converted once per call whatever ``T`` is.
 """
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .cpu_prefill import single_threaded_blas
+from .blas import single_threaded_blas
 
 BLOCK = 32
 TILE = 64  # weight rows per dequantized tile: 64 x in_features float32 stays in L2

@@ -29,7 +29,7 @@ little register cost.
     buffers from the result at offsets that are multiples of 4.
 ``dynamic_shared_vectors()``
     the same for the block's dynamic shared memory (its size given at launch; over
-    48 KB the kernel must opt in, see ``cuda_launch``). Not in the simulator.
+    48 KB the kernel must opt in, see ``launch``). Not in the simulator.
 
 Under ``NUMBA_ENABLE_CUDASIM=1`` the copies happen at once, commit and wait do
 nothing and ``syncwarp`` is a block barrier (the simulator has no warp
@@ -40,7 +40,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32
 
-from .cuda_primitives import SIMULATED
+from .primitives import SIMULATED
 
 
 def shared_vectors(n):

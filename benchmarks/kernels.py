@@ -1,10 +1,9 @@
-"""Benchmark: ``python -m gpu_kernels.bench`` (GPU: ``--sweep`` variants, ``--only`` one table).
+"""Benchmark: ``python -m benchmarks.kernels`` (GPU: ``--sweep`` variants, ``--only`` one table).
 
 Without a GPU it compares the ``cpu`` backend with a NumPy gather + softmax
 decode, measures the per-call overhead of the dispatch layer (NumPy and
 Paddle arguments), and times CPU prefill: the tiled BLAS kernel
-(``cpu_prefill``), the previous row-by-row kernel (``cpu.paged_prefill``) and
-the NumPy reference, in GFLOP/s of causal (useful) FLOPs.
+(``cpu.prefill``) and the NumPy reference, in GFLOP/s of causal (useful) FLOPs.
 
 With a GPU (needs torch) it prints, for the ``cuda`` backend on torch tensors:
 
@@ -90,7 +89,7 @@ def bench_cpu():
 
     p = make_problem(rng, context_lens=[1], query_lens=[1], num_kv_heads=3, group=3, head_dim=64)
     out = np.zeros_like(p.query)
-    from gpu_kernels import cpu
+    from gpu_kernels.cpu import attention as cpu
     args = (p.query, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale, 0, out,
             numba.get_num_threads(), cpu.min_parallel_work)
     kernel = _host_time(lambda: cpu.paged_decode(*args), 2000)
@@ -113,13 +112,15 @@ def bench_cpu():
 
 
 def bench_cpu_prefill():
-    from gpu_kernels import cpu, cpu_prefill, interop, reference
+    from gpu_kernels import interop, reference
+    from gpu_kernels.cpu import attention as cpu, prefill as cpu_prefill
+    from gpu_kernels.cpu.blas import single_threaded_blas
     print("\nCPU prefill, query fp32, block size 16 (best of several calls; causal FLOPs only)")
     print("| sequences x prompt | heads q/kv | head_dim | cache | window | tiled ms | GFLOP/s "
-          "| row-by-row ms | GFLOP/s | NumPy reference ms | tiled / row-by-row |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| NumPy reference ms | tiled / reference |")
+    print("|---|---|---|---|---|---|---|---|---|")
     rng = np.random.default_rng(0)
-    cpu_prefill.single_threaded_blas()
+    single_threaded_blas()
     for seqs, prompt, heads, kv_heads, head_dim, dtype, window in [
             (1, 1400, 9, 3, 64, "float32", 0), (4, 512, 9, 3, 64, "float32", 0),
             (1, 2048, 32, 8, 128, "float16", 0), (1, 2048, 8, 4, 256, "bfloat16", 512)]:
@@ -134,13 +135,12 @@ def bench_cpu_prefill():
         flops = 4 * head_dim * heads * seqs * sum(seen)
         best = lambda fn, reps: min(_host_time(fn, 1) for _ in range(reps)) / 1e3  # noqa
         tiled = best(lambda: cpu_prefill.paged_prefill(*args), 5)
-        rows = best(lambda: cpu.paged_prefill(*args), 3)
         ref = best(lambda: reference.paged_prefill(
             p.query, p.k_cache, p.v_cache, p.block_tables, p.query_start_loc, p.context_lens,
             p.scale, sliding_window=window, out=out), 1)
         print(f"| {seqs} x {prompt} | {heads}/{kv_heads} | {head_dim} | {dtype} | "
-              f"{window or '-'} | {tiled:.1f} | {flops / tiled / 1e6:.1f} | {rows:.1f} | "
-              f"{flops / rows / 1e6:.1f} | {ref:.0f} | {rows / tiled:.1f}x |")
+              f"{window or '-'} | {tiled:.1f} | {flops / tiled / 1e6:.1f} | {ref:.0f} | "
+              f"{ref / tiled:.1f}x |")
 
 
 # --------------------------------------------------------------------------- GPU
@@ -196,8 +196,29 @@ def contiguous(torch, cache, tables):
     return pages.permute(0, 2, 1, 3, 4).reshape(s, h, nb * bs, d).contiguous()
 
 
+def resources(dispatcher, threads, shared=0):
+    """'regs R, local L B, B blocks/SM' of the kernel a dispatcher last compiled."""
+    from gpu_kernels.cuda.launch import launcher
+    found = list(launcher(dispatcher)._kernels.values())
+    if not found:
+        return "resources unknown"
+    kernel, cukernel = found[-1]
+    parts = []
+    for name, fmt in (("regs_per_thread", "regs {}"), ("local_mem_per_thread", "local {} B")):
+        try:
+            parts.append(fmt.format(getattr(kernel, name)))
+        except Exception:                                   # noqa: BLE001 - best effort
+            pass
+    try:
+        blocks = cukernel.occupancy.max_active_blocks_per_multiprocessor(threads, shared)
+        parts.append(f"{blocks} blocks/SM ({blocks * threads // 32} warps)")
+    except Exception:                                       # noqa: BLE001
+        pass
+    return ", ".join(parts)
+
+
 def bench_gpu_decode(torch, F, timer, bw, scale):
-    from gpu_kernels import cuda as cuda_backend
+    from gpu_kernels.cuda import backend as cuda_backend
     print("decode, 32 q heads / 8 KV heads, d=128, fp16, block 16, cold L2")
     print("| batch | context | KV MB | ours µs | ours TB/s | % of copy | SDPA µs | SDPA TB/s "
           "| ours/SDPA speed | host µs/call | max err vs SDPA |")
@@ -224,15 +245,13 @@ def bench_gpu_decode(torch, F, timer, bw, scale):
             del q, kc, vc, bt, out
             torch.cuda.empty_cache()
 
-    from gpu_kernels.bench_sweep import resources
     used = resources(cuda_backend.last_kernels["decode"], cuda_backend.DECODE_THREADS)
     print(f"\ndecode kernel: {used}")
 
 
 def bench_gpu_prefill(torch, F, timer, scale, fp32_peak):
-    from gpu_kernels import cuda as cuda_backend
-    from gpu_kernels.bench_sweep import resources
-    from gpu_kernels.cuda_launch import launcher
+    from gpu_kernels.cuda import backend as cuda_backend
+    from gpu_kernels.cuda.launch import launcher
     print("\nprefill, 32 q heads / 8 KV heads, d=128, fp16, causal (useful FLOPs only)")
     print("| sequences x prompt | ours ms | TFLOP/s | % of FP32 peak | SDPA (tensor cores) ms "
           "| max err vs SDPA |")
@@ -278,7 +297,7 @@ def bench_gpu(sweep, only=None):
     scale = 128 ** -0.5
 
     if sweep:
-        from gpu_kernels.bench_sweep import sweep_decode, sweep_prefill
+        from .kernel_sweep import sweep_decode, sweep_prefill
         sweep_decode(torch, timer, decode_case, scale)
         sweep_prefill(torch, timer, decode_case, scale, fp32_peak)
 

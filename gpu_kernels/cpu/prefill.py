@@ -1,6 +1,6 @@
 """Chunked prefill on the CPU as tiled matrix products (Numba + BLAS ``np.dot``).
 
-Same contract as ``cpu.paged_prefill`` (packed chunks, each the last tokens
+Same contract as ``reference.paged_prefill`` (packed chunks, each the last tokens
 of its sequence, bottom-right-aligned causal mask, optional sliding window,
 GQA, fp32/fp16/bf16 caches, softmax in float32), organised for long chunks.
 
@@ -47,15 +47,11 @@ the items (and with Paddle) for the same cores. NumPy's BLAS is not touched.
 """
 from __future__ import annotations
 
-import ctypes
-import glob
-import os
-
 import numpy as np
 from numba import njit, prange
 
-from .cpu import NEG, attend_range, load_rows, store_rows
-from .cpu_formats import _u32_as_f32, to_f32
+from .attention import NEG, attend_range, load_rows, store_rows
+from .formats import _u32_as_f32, to_f32
 
 TILE_ROWS = 192          # query rows (tokens x group heads) per item of a long chunk
 KV_TILE = 256            # keys per gathered K/V tile
@@ -63,30 +59,6 @@ MIN_TILED_TOKENS = 8     # chunks shorter than this take the row-by-row path
 
 _PAR = dict(parallel=True, fastmath=True, cache=True, nogil=True)
 _SEQ = dict(fastmath=True, cache=True, nogil=True)
-
-
-_blas_configured = False
-
-
-def single_threaded_blas():
-    """Set SciPy's bundled OpenBLAS (the one Numba's ``np.dot`` calls) to one thread, once."""
-    global _blas_configured
-    if _blas_configured:
-        return
-    _blas_configured = True
-    try:
-        import scipy
-    except ImportError:
-        return
-    libs = os.path.join(os.path.dirname(os.path.dirname(scipy.__file__)), "scipy.libs")
-    for path in glob.glob(os.path.join(libs, "*openblas*")):
-        lib = ctypes.CDLL(path)
-        for name in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
-                     "openblas_set_num_threads64_", "openblas_set_num_threads"):
-            fn = getattr(lib, name, None)
-            if fn is not None:
-                fn(1)
-                break
 
 
 @njit(**_SEQ)

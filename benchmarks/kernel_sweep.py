@@ -1,14 +1,15 @@
-"""Kernel-variant sweep for ``python -m gpu_kernels.bench --sweep`` (GPU only).
+"""Kernel-variant sweep for ``python -m benchmarks.kernels --sweep`` (GPU only).
 
-Times decode and prefill variants (the tunables of ``gpu_kernels.cuda``) on
+Times decode and prefill variants (the tunables of ``gpu_kernels.cuda.backend``) on
 the benchmark's shapes and prints each compiled kernel's registers per
 thread, local memory per thread and resident blocks per multiprocessor.
 """
 from __future__ import annotations
 
 import gpu_kernels
-from gpu_kernels import cuda as cuda_backend
-from gpu_kernels.cuda_launch import launcher
+from gpu_kernels.cuda import backend as cuda_backend
+
+from .kernels import contiguous, resources
 
 #: (threads, ring stages, stage bytes, register cap, blocks per SM aimed at)
 DECODE_VARIANTS = [(128, 2, 4096, 128, 4), (128, 2, 4096, None, 4), (256, 2, 2048, 128, 3)]
@@ -16,26 +17,6 @@ DECODE_SHAPES = [(64, 8192), (16, 2048), (1, 512), (1, 8192)]
 #: (register cap, (threads, query rows, keys) of the head_dim-128 prefill tile)
 PREFILL_VARIANTS = [(None, (256, 128, 64)), (128, (256, 64, 64)), (128, (512, 128, 64)),
                     (None, (128, 64, 64)), (128, (256, 128, 32)), (None, (256, 64, 128))]
-
-
-def resources(dispatcher, threads, shared=0):
-    """'regs R, local L B, B blocks/SM' of the kernel a dispatcher last compiled."""
-    found = list(launcher(dispatcher)._kernels.values())
-    if not found:
-        return "resources unknown"
-    kernel, cukernel = found[-1]
-    parts = []
-    for name, fmt in (("regs_per_thread", "regs {}"), ("local_mem_per_thread", "local {} B")):
-        try:
-            parts.append(fmt.format(getattr(kernel, name)))
-        except Exception:                                   # noqa: BLE001 - best effort
-            pass
-    try:
-        blocks = cukernel.occupancy.max_active_blocks_per_multiprocessor(threads, shared)
-        parts.append(f"{blocks} blocks/SM ({blocks * threads // 32} warps)")
-    except Exception:                                       # noqa: BLE001
-        pass
-    return ", ".join(parts)
 
 
 def _set_decode(threads, stages, stage_bytes, regs, per_sm):
@@ -74,8 +55,7 @@ def sweep_decode(torch, timer, decode_case, scale):
 def sweep_prefill(torch, timer, decode_case, scale, fp32_peak):
     import torch.nn.functional as F
 
-    from gpu_kernels.bench import contiguous
-    from gpu_kernels.cuda_launch import launcher as get_launcher
+    from gpu_kernels.cuda.launch import launcher as get_launcher
     defaults = (cuda_backend.PREFILL_MAX_REGISTERS, dict(cuda_backend.PREFILL_TILES))
     print("prefill variants: ms at 1x4096, 16x512 (TFLOP/s), max error vs SDPA")
     cases = []

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cuda_primitives import SIMULATED
+from .primitives import SIMULATED
 
 try:                                     # numba-cuda >= 0.2x launches through cuda.core
     from cuda.core import LaunchConfig

@@ -1,10 +1,10 @@
-"""``python -m engine.bench``: engine throughput and latency, each beside its peer, in one run.
+"""``python -m benchmarks.engine``: engine throughput and latency, each beside its peer, in one run.
 
 Sections (all on the same SmolLM2 weights, float32):
 
 1. **model_impl** — single-stream decode and 16-stream aggregate tok/s of the
    native engine, the PaddleFormers backend and PaddleFormers' own
-   ``LlamaForCausalLM.generate`` (see ``engine.bench_fallback``);
+   ``LlamaForCausalLM.generate`` (see ``benchmarks.fallback``);
 2. **concurrency** — aggregate tok/s of the native engine with 1, 4 and 16
    concurrent requests (continuous batching), and the 16 : 1 ratio;
 3. **prefix caching** — TTFT of a second chat turn that shares a ~1,000-token
@@ -20,9 +20,9 @@ import argparse
 import platform
 import time
 
-from . import bench_fallback
-from .llm import LLM
-from .sampling_params import SamplingParams
+from engine import LLM, SamplingParams
+
+from . import fallback as bench_fallback
 
 TOPICS = bench_fallback.TOPICS
 
@@ -65,7 +65,7 @@ def second_turn_ttft(model: str, enable_prefix_caching: bool, repeats: int = 3) 
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.engine", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)

@@ -22,10 +22,10 @@ import math
 import numpy as np
 from numba import cuda
 
-from .cuda_decode import MAX_SPLITS, ML_PAD, build_decode_kernel, stage_shape
-from .cuda_launch import launcher
-from .cuda_prefill import PrefillTile, build_prefill_kernel, default_tile
-from .cuda_primitives import F32, SIMULATED, from_f32, kind_of, to_f32
+from .decode import MAX_SPLITS, ML_PAD, build_decode_kernel, stage_shape
+from .launch import launcher
+from .prefill import PrefillTile, build_prefill_kernel, default_tile
+from .primitives import F32, SIMULATED, from_f32, kind_of, to_f32
 
 THREADS = 64 if SIMULATED else 128    # threads per block (write_kv)
 DECODE_THREADS = 64 if SIMULATED else 128
@@ -35,7 +35,7 @@ DECODE_TABLE = 8 if SIMULATED else 512  # decode: block-table entries a block ke
 DECODE_BLOCKS_PER_SM = 4               # decode: split-K aims at this many blocks per SM
 DECODE_MAX_REGISTERS = 128             # decode, <= 4 heads per block: 4 blocks of 128 per SM
 PREFILL_MAX_REGISTERS = None           # prefill: no cap (shared memory allows 1-2 blocks per SM)
-#: prefill tile (threads, query rows, keys) by head_dim; absent: cuda_prefill.default_tile
+#: prefill tile (threads, query rows, keys) by head_dim; absent: prefill.default_tile
 PREFILL_TILES: dict = {} if SIMULATED else {64: (256, 128, 64), 128: (256, 128, 64),
                                             256: (256, 64, 64)}
 SPLIT_GRAIN = 16 if SIMULATED else 64  # decode: split lengths are multiples of this
@@ -153,7 +153,7 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping, *, stream=0):
 
 def paged_decode(query, k_cache, v_cache, block_tables, context_lens, scale, window, out, *,
                  stream=0):
-    """One query per sequence; see cuda_decode.py."""
+    """One query per sequence; see decode.py."""
     num_seqs, num_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     kind_kv = kind_of(k_cache.dtype)
@@ -192,7 +192,7 @@ def paged_decode(query, k_cache, v_cache, block_tables, context_lens, scale, win
 
 def paged_prefill(query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
                   window, out, *, stream=0):
-    """Packed query chunks (mixed with decodes); see cuda_prefill.py."""
+    """Packed query chunks (mixed with decodes); see prefill.py."""
     num_tokens, num_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     kind_kv = kind_of(k_cache.dtype)

@@ -52,7 +52,7 @@ class EngineRunner:
     """An ``LLM`` driven with token-id prompts, greedy, ignoring EOS."""
 
     def __init__(self, llm):
-        from .sampling_params import SamplingParams
+        from engine import SamplingParams
 
         self.llm = llm
         self.params = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
@@ -75,8 +75,8 @@ class PaddleFormersGenerate:
     """PaddleFormers' own model and ``generate`` on the checkpoint's weights (the baseline)."""
 
     def __init__(self, checkpoint):
-        from .fallback.hf_config import paddleformers_class, paddleformers_config
-        from .fallback.weights import load_hf_weights
+        from engine.fallback.hf_config import paddleformers_class, paddleformers_config
+        from engine.fallback.weights import load_hf_weights
 
         cls = paddleformers_class(checkpoint.architecture)
         config = paddleformers_config(cls, checkpoint.config, "cpu", "sdpa")
@@ -113,8 +113,8 @@ class PaddleFormersGenerate:
 def run(model: str = "smollm2-135m-instruct", tokens: int = 64, streams: int = 16, repeats: int = 3,
         log=print) -> tuple[list[Result], bool]:
     """Measure them all; returns the results and whether their single-stream greedy outputs agree."""
-    from .llm import LLM
-    from .loader import load_checkpoint
+    from engine import LLM
+    from engine.loader import load_checkpoint
 
     checkpoint = load_checkpoint(model)
     log(f"loading {model}: native engine, PaddleFormers backend, PaddleFormers generate ...")
@@ -188,7 +188,7 @@ def table(results: list[Result], agree: bool, tokens: int, streams: int) -> str:
 def main(argv=None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m engine.bench_fallback", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.fallback", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--streams", type=int, default=16)

@@ -48,15 +48,15 @@ import functools
 import numpy as np
 from numba import cuda, float32, int32
 
-from .cuda_primitives import (F32, exp2, fmax32, from_f32, ld4, register_cap, shfl_xor, to_f32,
+from .primitives import (F32, exp2, fmax32, from_f32, ld4, register_cap, shfl_xor, to_f32,
                               vmax, vmin, word_elem)
-from .cuda_shared import (cp_async16, cp_async_commit, cp_async_wait, lds4f, shared_vectors,
+from .shared_memory import (cp_async16, cp_async_commit, cp_async_wait, lds4f, shared_vectors,
                           syncwarp)
 
 NEG = np.float32(-1e30)
 MAX_SPLITS = 256     # split-K: at most this many splits (their weights live in shared memory)
 MERGE_UNROLL = 8     # split-K merge: partial rows loaded together
-ML_PAD = 32          # part_ml rows are padded to 128 bytes (see cuda.py: no stale L1 lines)
+ML_PAD = 32          # part_ml rows are padded to 128 bytes (see backend.py: no stale L1 lines)
 
 
 def _pow2_divisor(n, limit):

@@ -45,7 +45,7 @@ which leaves ~88% of their instructions FFMA.
 
 Tile shape (threads, ``R``, ``BK``) is a parameter, per head_dim on a GPU
 (``cuda.PREFILL_TILES``); all buffers are one block of dynamic shared memory
-sized at launch (``cuda_launch``). The block size of the cache is a
+sized at launch (``launch``). The block size of the cache is a
 compile-time constant. All arithmetic is float32 on CUDA cores (Numba has no
 tensor-core API).
 """
@@ -57,9 +57,9 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
-from .cuda_primitives import (F32, SIMULATED, exp2, fmax32, from_f32, group_max, group_sum, ld4,
+from .primitives import (F32, SIMULATED, exp2, fmax32, from_f32, group_max, group_sum, ld4,
                               register_cap, to_f32, vmax, vmin, word_elem)
-from .cuda_shared import (cp_async16, cp_async_commit, cp_async_wait, dynamic_shared_vectors,
+from .shared_memory import (cp_async16, cp_async_commit, cp_async_wait, dynamic_shared_vectors,
                           lds4f, shared_vectors, sts4f)
 
 NEG = np.float32(-1e30)

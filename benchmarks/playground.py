@@ -1,4 +1,4 @@
-"""``python -m playground.bench``: does the live UI slow generation down?
+"""``python -m benchmarks.playground``: does the live UI slow generation down?
 
 Runs the same greedy workload (``--requests`` concurrent streams of
 ``--max-tokens`` tokens each) with and without the playground's live-panel
@@ -18,9 +18,9 @@ import time
 
 from engine import LLM, SamplingParams, add_engine_args, config_from_args
 
-from . import render
-from .logprobs import token_records
-from .monitor import EngineMonitor
+from playground import render
+from playground.logprobs import token_records
+from playground.monitor import EngineMonitor
 
 PROMPTS = ["Tell me about the ocean.", "Describe a forest at night.", "Explain how a bicycle works.",
            "Write about a city in the rain.", "Describe the moon.", "Tell me about trains.",
@@ -92,7 +92,7 @@ class UILoop:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m playground.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.playground", description=__doc__.splitlines()[0])
     add_engine_args(parser)
     parser.add_argument("--requests", type=int, default=4, help="concurrent streams")
     parser.add_argument("--max-tokens", type=int, default=64)

@@ -1,0 +1,7 @@
+"""The ``cpu`` backend: Numba ``njit`` kernels on host arrays.
+
+``attention`` (write_kv, decode, the row-by-row prefill pieces), ``prefill``
+(chunked prefill tiled through BLAS), ``formats`` (half/bfloat16 element
+conversions inside ``njit`` code), ``block_matmul`` (float32 rows times
+GGUF-quantized weight blocks) and ``blas`` (one BLAS thread per work item).
+"""
