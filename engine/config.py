@@ -9,6 +9,7 @@ MODEL_IMPLS = ("auto", "native", "paddleformers", "paddlefleet")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "gpu")
 QUANTIZATION_MODES = ("auto", "none")
+CPU_DECODE_PATHS = ("fused", "paddle")
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
@@ -23,6 +24,13 @@ class EngineConfig:
     weights in their blocks too and runs CPU matmuls on them
     (``engine.block_linear``: same weights, a quarter of the bytes to read);
     ``"none"`` runs every matmul on the dequantized float weights.
+
+    ``cpu_decode="fused"`` runs decode-only steps of a native float32 model on
+    the CPU as one Numba kernel over the same weights and KV cache
+    (``engine.fused_decode``); ``"paddle"`` runs them through the Paddle layers.
+    Prefill always runs the Paddle layers; where the fused step does not apply
+    (GPU, other dtypes, borrowed models) the engine falls back and says so in
+    ``snapshot().decode_path``.
     """
 
     model: str = DEFAULT_MODEL
@@ -36,6 +44,7 @@ class EngineConfig:
     max_model_len: int | None = None
     device: str = "auto"
     quantization: str = "auto"
+    cpu_decode: str = "fused"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -43,6 +52,7 @@ class EngineConfig:
         _choice("dtype", self.dtype, DTYPES)
         _choice("device", self.device, DEVICES)
         _choice("quantization", self.quantization, QUANTIZATION_MODES)
+        _choice("cpu_decode", self.cpu_decode, CPU_DECODE_PATHS)
         _positive_int("block_size", self.block_size)
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -90,6 +100,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto", choices=DEVICES)
     g.add_argument("--quantization", default="auto", choices=QUANTIZATION_MODES,
                    help="auto: CPU matmuls run on a GGUF's Q4_0/Q4_1/Q8_0 blocks; none: float weights only")
+    g.add_argument("--cpu-decode", default="fused", choices=CPU_DECODE_PATHS,
+                   help="fused: CPU decode steps as one Numba kernel; paddle: through the Paddle layers")
     g.add_argument("--seed", type=int, default=0)
     return parser
 

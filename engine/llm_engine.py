@@ -63,7 +63,7 @@ class LLMEngine:
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} holds {num_blocks} blocks; need at least 2")
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, config.cpu_decode, self.device)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(lambda t: self.tokenizer.decode([t], skip_special_tokens=False))
         model_limit = checkpoint.config.get("max_position_embeddings") or num_blocks * config.block_size
@@ -228,7 +228,8 @@ class LLMEngine:
     def snapshot(self):
         live = list(self.scheduler.running) + list(self.scheduler.waiting)
         return take_snapshot(step=self.step_count, model=self.model_name, model_impl=self.model_impl,
-                             device=self.device, kv_cache=self.kv_cache, requests=live, last_step=self.last_step)
+                             device=self.device, kv_cache=self.kv_cache, requests=live, last_step=self.last_step,
+                             decode_path=self.runner.decode_path)
 
     def subscribe(self, callback):
         self._listeners.append(callback)

@@ -14,14 +14,17 @@ kv_caches) -> hidden`` and ``compute_logits(hidden)`` plus a ``kv_layout()``
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
 import paddle
 
 from .attention import AttentionMetadata
+from .fused_decode import FusedDecode, fused_decode_support
 from .scheduler import SchedulerOutput
 
+logger = logging.getLogger("engine")
 _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -40,7 +43,8 @@ class StepLogits:
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, kv_dtype: str):
+    def __init__(self, model, num_blocks: int, block_size: int, kv_dtype: str,
+                 cpu_decode: str = "paddle", device: str = "cpu"):
         self.model = model
         self.block_size = block_size
         num_layers, num_kv_heads, head_dim = model.kv_layout()
@@ -48,6 +52,14 @@ class ModelRunner:
         self.kv_caches = [
             (paddle.zeros(shape, dtype=kv_dtype), paddle.zeros(shape, dtype=kv_dtype)) for _ in range(num_layers)
         ]
+        self.fused_decode, self.decode_path = None, "paddle"
+        if cpu_decode == "fused":
+            reason = fused_decode_support(model, kv_dtype, device)
+            if reason is None:
+                self.fused_decode, self.decode_path = FusedDecode(model, self.kv_caches), "fused"
+            else:
+                self.decode_path = f"paddle ({reason})"
+            logger.info("cpu_decode=fused: decode steps run %s", self.decode_path)
 
     def build_metadata(self, batch: SchedulerOutput, block_tables: dict[str, list[int]]):
         """Pack the batch: input ids, metadata, and the row index of each scheduled chunk's start."""
@@ -83,7 +95,10 @@ class ModelRunner:
     @paddle.no_grad()
     def execute(self, batch: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepLogits:
         input_ids, meta, starts = self.build_metadata(batch, block_tables)
-        hidden = self.model.forward(input_ids, meta.positions, meta, self.kv_caches)
+        if self.fused_decode is not None and meta.decode_only:
+            hidden = self.fused_decode.forward(input_ids, meta)
+        else:
+            hidden = self.model.forward(input_ids, meta.positions, meta, self.kv_caches)
 
         rows, sample_ids, prompt_spans = [], [], []
         for s, start in zip(batch.scheduled, starts):

@@ -1,0 +1,126 @@
+"""The fused CPU decode step: the native model's decode layers as one Numba call.
+
+``cpu_decode="fused"`` (``EngineConfig``) runs steps in which every scheduled
+sequence has exactly one new token through ``gpu_kernels.cpu.decode_step``
+instead of the Paddle layers. The kernel reads the very memory the Paddle model
+holds -- zero-copy views of its parameters, of the block-quantized weights
+(``engine.block_linear``) and of the runner's KV-cache tensors -- so both paths
+compute with the same weights and share one cache. Q4_0 / Q4_1 weights are read
+as nibbles (half the bytes of their int8 codes), packed once at start-up.
+
+Paddle stays the model definition, the prefill path and the reference: prefill
+and mixed steps always run the Paddle layers, and ``cpu_decode="paddle"`` runs
+every step there. `fused_decode_support` says why the fast path does not apply
+to a model (GPU, half-precision, borrowed implementations).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+from numba import types
+from numba.typed import List
+
+from gpu_kernels.cpu import decode_step as kernel
+from gpu_kernels.interop import host_view
+
+from .attention import AttentionMetadata
+from .models.llama import Linear, LlamaForCausalLM
+
+_F1, _F2 = types.float32[::1], types.float32[:, ::1]
+
+
+def fused_decode_support(model, kv_dtype: str, device: str) -> str | None:
+    """None when the fused step can run ``model``, else the reason it cannot."""
+    if device != "cpu":
+        return f"device is {device} (the fused decode step is a CPU kernel)"
+    if not isinstance(model, LlamaForCausalLM):
+        return f"{type(model).__name__} is not the native decoder"
+    if kv_dtype != "float32" or model.embed_tokens.weight.dtype != paddle.float32:
+        return f"dtype is {kv_dtype} (the fused decode step computes in float32)"
+    return None
+
+
+def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
+    """int8 codes 0..15 [out, blocks, 32] -> uint8 [out, blocks, 16], code j low, code j + 16 high."""
+    c = codes.view(np.uint8)
+    return np.ascontiguousarray(c[..., :16] | (c[..., 16:] << 4))
+
+
+class FusedDecode:
+    """Runs decode-only steps of a native model on its paged KV cache in one kernel call."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_caches):
+        cfg = model.cfg
+        self.cfg = cfg
+        self._keep = []  # tensors and arrays whose memory the kernel reads
+        formats, self.float_w, self.codes, self.nibbles = [], List.empty_list(_F2), List(), List()
+        self.scales, self.offsets = List.empty_list(_F2), List.empty_list(_F2)
+        placeholder_f2 = np.zeros((1, 1), np.float32)
+        placeholder_i8 = np.zeros((1, 1, 1), np.int8)
+        placeholder_u8 = np.zeros((1, 1, 1), np.uint8)
+        norms, qk_norms, bias = List.empty_list(_F1), List.empty_list(_F1), List.empty_list(_F1)
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            norms.append(self._view(layer.input_layernorm.weight))
+            norms.append(self._view(layer.post_attention_layernorm.weight))
+            if cfg.qk_norm:
+                qk_norms.append(self._view(attn.q_norm.weight))
+                qk_norms.append(self._view(attn.k_norm.weight))
+            if attn.qkv_proj.bias is not None:
+                bias.append(self._view(attn.qkv_proj.bias))
+            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                fmt, w, c, n, s, o = self._linear(linear, placeholder_f2, placeholder_i8, placeholder_u8)
+                formats.append(fmt)
+                for lst, a in ((self.float_w, w), (self.codes, c), (self.nibbles, n), (self.scales, s),
+                               (self.offsets, o)):
+                    lst.append(a)
+        self.formats = np.asarray(formats, np.int64)
+        self.norms, self.qk_norms, self.qkv_bias = norms, qk_norms, bias
+        self.embed = self._view(model.embed_tokens.weight)
+        self.final_norm = self._view(model.norm.weight)
+        self.cos, self.sin = self._view(model.rope.cos), self._view(model.rope.sin)
+        self.k_caches, self.v_caches = List(), List()
+        for k, v in kv_caches:
+            self.k_caches.append(self._view(k))
+            self.v_caches.append(self._view(v))
+        self.scale = np.float32(cfg.head_dim ** -0.5)
+
+    def _view(self, tensor: paddle.Tensor) -> np.ndarray:
+        self._keep.append(tensor)
+        return host_view(tensor)
+
+    def _linear(self, linear: Linear, f2, i8, u8):
+        blocks = linear.block_weight
+        if blocks is None:
+            return kernel.FLOAT, self._view(linear.weight), i8, u8, f2, f2
+        if blocks.kind in ("Q4_0", "Q4_1"):
+            codes, offsets = blocks.codes, blocks.offsets
+            if blocks.kind == "Q4_0":  # codes q - 8: d * (q - 8) = d * q + (-8 d), exactly
+                codes, offsets = codes + np.int8(8), offsets - 8 * blocks.scales
+            return kernel.NIBBLE, f2, i8, _pack_nibbles(codes), blocks.scales, offsets
+        return kernel.INT8, f2, blocks.codes, u8, blocks.scales, blocks.offsets
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights one step reads (block formats as stored for the kernel)."""
+        total = 0
+        for k, fmt in enumerate(self.formats):
+            arrays = {kernel.FLOAT: (self.float_w[k],), kernel.INT8: (self.codes[k],),
+                      kernel.NIBBLE: (self.nibbles[k],)}[fmt]
+            total += sum(a.nbytes for a in arrays)
+            if fmt != kernel.FLOAT:
+                total += self.scales[k].nbytes + self.offsets[k].nbytes
+        return total
+
+    def forward(self, input_ids: paddle.Tensor, meta: AttentionMetadata) -> paddle.Tensor:
+        """Hidden states [num_seqs, hidden] after the final norm; the step's K/V land in the cache."""
+        out = np.empty((meta.num_tokens, self.cfg.hidden_size), np.float32)
+        kernel.decode_step(
+            host_view(input_ids), host_view(meta.positions), host_view(meta.slot_mapping),
+            host_view(meta.block_tables), host_view(meta.context_lens),
+            self.embed, self.norms, self.qk_norms, self.qkv_bias, self.final_norm, self.cos, self.sin,
+            self.formats, self.float_w, self.codes, self.nibbles, self.scales, self.offsets,
+            self.k_caches, self.v_caches, self.cfg.num_heads, self.cfg.num_kv_heads,
+            np.float32(self.cfg.rms_norm_eps), self.scale, out)
+        return paddle.to_tensor(out)
