@@ -22,6 +22,7 @@ from numba import types
 from numba.typed import List
 
 from gpu_kernels.cpu import decode_step as kernel
+from gpu_kernels.cpu.blas import single_threaded_blas
 from gpu_kernels.interop import host_view
 
 from .attention import AttentionMetadata
@@ -53,6 +54,7 @@ class FusedDecode:
     def __init__(self, model: LlamaForCausalLM, kv_caches):
         cfg = model.cfg
         self.cfg = cfg
+        single_threaded_blas()  # the kernel's work items already use every core
         self._keep = []  # tensors and arrays whose memory the kernel reads
         formats, self.float_w, self.codes, self.nibbles = [], List.empty_list(_F2), List(), List()
         self.scales, self.offsets = List.empty_list(_F2), List.empty_list(_F2)
@@ -85,6 +87,7 @@ class FusedDecode:
             self.k_caches.append(self._view(k))
             self.v_caches.append(self._view(v))
         self.scale = np.float32(cfg.head_dim ** -0.5)
+        self.parallel = True
 
     def _view(self, tensor: paddle.Tensor) -> np.ndarray:
         self._keep.append(tensor)
@@ -122,5 +125,5 @@ class FusedDecode:
             self.embed, self.norms, self.qk_norms, self.qkv_bias, self.final_norm, self.cos, self.sin,
             self.formats, self.float_w, self.codes, self.nibbles, self.scales, self.offsets,
             self.k_caches, self.v_caches, self.cfg.num_heads, self.cfg.num_kv_heads,
-            np.float32(self.cfg.rms_norm_eps), self.scale, out)
+            np.float32(self.cfg.rms_norm_eps), self.scale, self.parallel, out)
         return paddle.to_tensor(out)

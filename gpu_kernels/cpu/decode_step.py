@@ -33,66 +33,90 @@ from .attention import decode_item, store_rows
 FLOAT, INT8, NIBBLE = 0, 1, 2
 QKV, O_PROJ, GATE_UP, DOWN = 0, 1, 2, 3
 BLOCK = 32
-ROWS = 16  # output rows per work item of a block-format linear
-COLS = 64  # output columns per work item of a float linear
+ROWS = 16  # output rows per work item of a one-token block-format linear
+TILE = 64  # weight rows dequantized per work item for several tokens (64 x in float32 stays in L2)
 
 _PAR = dict(parallel=True, fastmath=True, cache=True, nogil=True, boundscheck=False)
 _SEQ = dict(fastmath=True, cache=True, nogil=True, boundscheck=False)
 
 
-@njit(**_PAR)
 def _block_linear(x, codes, nibbles, scales, offsets, nibble, out):
-    """out[t, o] = sum_i x[t, i] * W[o, i] for a block-format W (int8 codes or nibbles)."""
-    num_tokens = x.shape[0]
+    """out[0, o] = sum_i x[0, i] * W[o, i] for one token and a block-format W (int8 codes or nibbles):
+    ``sum_b scale * (codes . x_b) + offset * sum(x_b)`` with 32 partial sums per row.
+    Nibbles are widened through int32 (AVX2 converts int32 to float32, not int64).
+    """
     num_out, num_blocks = scales.shape
+    half = BLOCK // 2
+    low, four = np.int32(15), np.int32(4)
+    x3 = x[0].reshape((num_blocks, BLOCK))
+    block_sums = np.empty(num_blocks, np.float32)
+    for b in range(num_blocks):
+        block_sums[b] = x3[b].sum()
     for item in prange((num_out + ROWS - 1) // ROWS):
-        w = np.empty(BLOCK, np.float32)
-        acc = np.empty((num_tokens, BLOCK), np.float32)
+        acc = np.empty(BLOCK, np.float32)
         for o in range(item * ROWS, min(num_out, item * ROWS + ROWS)):
             acc[:] = 0
+            shift = np.float32(0.0)
             for b in range(num_blocks):
-                s, m = scales[o, b], offsets[o, b]
+                s = scales[o, b]
                 if nibble:
-                    for j in range(BLOCK // 2):
-                        p = nibbles[o, b, j]
-                        w[j] = s * np.float32(p & 15) + m
-                        w[j + BLOCK // 2] = s * np.float32(p >> 4) + m
+                    for j in range(half):
+                        p = np.int32(nibbles[o, b, j])
+                        acc[j] += s * (np.float32(p & low) * x3[b, j])
+                        acc[j + half] += s * (np.float32(p >> four) * x3[b, j + half])
                 else:
                     for j in range(BLOCK):
-                        w[j] = s * np.float32(codes[o, b, j]) + m
+                        acc[j] += s * (np.float32(codes[o, b, j]) * x3[b, j])
+                shift += offsets[o, b] * block_sums[b]
+            out[0, o] = acc.sum() + shift
+
+
+def _block_linear_tiled(x, codes, nibbles, scales, offsets, nibble, out):
+    """The same product for several tokens: each work item dequantizes ``TILE`` weight rows
+    to float32 (cache-resident) and multiplies them with every token through BLAS."""
+    num_out, num_blocks = scales.shape
+    half = BLOCK // 2
+    low, four = np.int32(15), np.int32(4)
+    xt = np.ascontiguousarray(x.T)
+    for item in prange((num_out + TILE - 1) // TILE):
+        lo = item * TILE
+        hi = min(num_out, lo + TILE)
+        w = np.empty((hi - lo, num_blocks * BLOCK), np.float32)
+        for o in range(lo, hi):
+            for b in range(num_blocks):
+                s, m = scales[o, b], offsets[o, b]
                 base = b * BLOCK
-                for t in range(num_tokens):
+                if nibble:
+                    for j in range(half):
+                        p = np.int32(nibbles[o, b, j])
+                        w[o - lo, base + j] = s * np.float32(p & low) + m
+                        w[o - lo, base + j + half] = s * np.float32(p >> four) + m
+                else:
                     for j in range(BLOCK):
-                        acc[t, j] += w[j] * x[t, base + j]
-            for t in range(num_tokens):
-                out[t, o] = acc[t].sum()
+                        w[o - lo, base + j] = s * np.float32(codes[o, b, j]) + m
+        y = np.dot(w, xt)
+        for o in range(lo, hi):
+            for t in range(x.shape[0]):
+                out[t, o] = y[o - lo, t]
 
 
-@njit(**_PAR)
 def _float_linear(x, w, out):
-    """out = x @ w for a float32 ``[in, out]`` weight, output columns split over the cores."""
-    num_tokens = x.shape[0]
-    num_in, num_out = w.shape
-    for item in prange((num_out + COLS - 1) // COLS):
-        lo = item * COLS
-        hi = min(num_out, lo + COLS)
-        acc = np.zeros((num_tokens, hi - lo), np.float32)
-        for i in range(num_in):
-            for t in range(num_tokens):
-                xv = x[t, i]
-                for o in range(lo, hi):
-                    acc[t, o - lo] += xv * w[i, o]
-        for t in range(num_tokens):
-            for o in range(lo, hi):
-                out[t, o] = acc[t, o - lo]
+    """out = x @ w for a float32 ``[in, out]`` weight (BLAS)."""
+    out[:] = np.dot(x, w)
 
 
-@njit(**_SEQ)
-def _linear(k, x, formats, float_w, codes, nibbles, scales, offsets, out):
-    if formats[k] == FLOAT:
-        _float_linear(x, float_w[k], out)
-    else:
-        _block_linear(x, codes[k], nibbles[k], scales[k], offsets[k], formats[k] == NIBBLE, out)
+def _attention(q, k_cache, v_cache, block_tables, context_lens, scale, out):
+    """Paged decode attention: every (sequence, KV head) is one work item (no key split)."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    part_m = np.empty((num_seqs, num_kv_heads, 1, group), np.float32)
+    part_l = np.empty((num_seqs, num_kv_heads, 1, group), np.float32)
+    part_acc = np.empty((num_seqs, num_kv_heads, 1, group, head_dim), np.float32)
+    for item in prange(num_seqs * num_kv_heads):
+        i, h = item // num_kv_heads, item % num_kv_heads
+        decode_item(q, k_cache, v_cache, block_tables, context_lens, scale, 0, i, h, 0, part_m, part_l, part_acc)
+        store_rows(out, i, 1, h * group, group, part_l[i, h, 0], part_acc[i, h, 0])
 
 
 @njit(**_SEQ)
@@ -119,26 +143,33 @@ def _rope(heads, cos, sin):
             heads[h, d + half] = x2 * cos[d + half] + x1 * sin[d + half]
 
 
-@njit(**_PAR)
-def _attention(q, k_cache, v_cache, block_tables, context_lens, scale, out):
-    """Paged decode attention: every (sequence, KV head) is one work item (no key split)."""
-    num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
-    group = num_heads // num_kv_heads
-    part_m = np.empty((num_seqs, num_kv_heads, 1, group), np.float32)
-    part_l = np.empty((num_seqs, num_kv_heads, 1, group), np.float32)
-    part_acc = np.empty((num_seqs, num_kv_heads, 1, group, head_dim), np.float32)
-    for item in prange(num_seqs * num_kv_heads):
-        i, h = item // num_kv_heads, item % num_kv_heads
-        decode_item(q, k_cache, v_cache, block_tables, context_lens, scale, 0, i, h, 0, part_m, part_l, part_acc)
-        store_rows(out, i, 1, h * group, group, part_l[i, h, 0], part_acc[i, h, 0])
+# each kernel twice: threads split its work (parallel) or the calling thread runs it all (serial)
+_block_linear_par, _block_linear_seq = njit(**_PAR)(_block_linear), njit(**_SEQ)(_block_linear)
+_tiled_par, _tiled_seq = njit(**_PAR)(_block_linear_tiled), njit(**_SEQ)(_block_linear_tiled)
+_float_linear_jit = njit(**_SEQ)(_float_linear)
+_attention_par, _attention_seq = njit(**_PAR)(_attention), njit(**_SEQ)(_attention)
+
+
+@njit(**_SEQ)
+def _linear(k, x, formats, float_w, codes, nibbles, scales, offsets, out, parallel):
+    if formats[k] == FLOAT:
+        _float_linear_jit(x, float_w[k], out)
+    elif x.shape[0] > 1:
+        if parallel:
+            _tiled_par(x, codes[k], nibbles[k], scales[k], offsets[k], formats[k] == NIBBLE, out)
+        else:
+            _tiled_seq(x, codes[k], nibbles[k], scales[k], offsets[k], formats[k] == NIBBLE, out)
+    elif parallel:
+        _block_linear_par(x, codes[k], nibbles[k], scales[k], offsets[k], formats[k] == NIBBLE, out)
+    else:
+        _block_linear_seq(x, codes[k], nibbles[k], scales[k], offsets[k], formats[k] == NIBBLE, out)
 
 
 @njit(**_SEQ)
 def decode_step(token_ids, positions, slots, block_tables, context_lens,
                 embed, norms, qk_norms, qkv_bias, final_norm, cos_table, sin_table,
                 formats, float_w, codes, nibbles, scales, offsets,
-                k_caches, v_caches, num_heads, num_kv_heads, eps, scale, out):
+                k_caches, v_caches, num_heads, num_kv_heads, eps, scale, parallel, out):
     """Hidden states after the final norm for ``T`` decoding sequences, written to ``out`` [T, hidden].
 
     token_ids, positions, slots: [T] (new token, its position, its KV-cache slot);
@@ -166,7 +197,7 @@ def decode_step(token_ids, positions, slots, block_tables, context_lens,
     for layer in range(num_layers):
         lin = 4 * layer
         _rms_norm(x, norms[2 * layer], eps, h)
-        _linear(lin + QKV, h, formats, float_w, codes, nibbles, scales, offsets, qkv)
+        _linear(lin + QKV, h, formats, float_w, codes, nibbles, scales, offsets, qkv, parallel)
         if len(qkv_bias) > 0:
             bias = qkv_bias[layer]
             for t in range(num_tokens):
@@ -188,16 +219,19 @@ def decode_step(token_ids, positions, slots, block_tables, context_lens,
             blk, off = slot // block_size, slot % block_size
             k_cache[blk, :, off, :] = k
             v_cache[blk, :, off, :] = v
-        _attention(attn.copy(), k_cache, v_cache, block_tables, context_lens, scale, attn)
+        if parallel:
+            _attention_par(attn.copy(), k_cache, v_cache, block_tables, context_lens, scale, attn)
+        else:
+            _attention_seq(attn.copy(), k_cache, v_cache, block_tables, context_lens, scale, attn)
         _linear(lin + O_PROJ, attn.reshape((num_tokens, q_size)), formats, float_w, codes, nibbles,
-                scales, offsets, proj)
+                scales, offsets, proj, parallel)
         x += proj
         _rms_norm(x, norms[2 * layer + 1], eps, h)
-        _linear(lin + GATE_UP, h, formats, float_w, codes, nibbles, scales, offsets, gate_up)
+        _linear(lin + GATE_UP, h, formats, float_w, codes, nibbles, scales, offsets, gate_up, parallel)
         for t in range(num_tokens):
             for i in range(inter):
                 g = gate_up[t, i]
                 act[t, i] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[t, inter + i]
-        _linear(lin + DOWN, act, formats, float_w, codes, nibbles, scales, offsets, proj)
+        _linear(lin + DOWN, act, formats, float_w, codes, nibbles, scales, offsets, proj, parallel)
         x += proj
     _rms_norm(x, final_norm, eps, out)
