@@ -34,11 +34,11 @@ _F1, _F2 = types.float32[::1], types.float32[:, ::1]
 def fused_decode_support(model, kv_dtype: str, device: str) -> str | None:
     """None when the fused step can run ``model``, else the reason it cannot."""
     if device != "cpu":
-        return f"device is {device} (the fused decode step is a CPU kernel)"
+        return f"device is {device}; the fused decode step is a CPU kernel"
     if not isinstance(model, LlamaForCausalLM):
         return f"{type(model).__name__} is not the native decoder"
     if kv_dtype != "float32" or model.embed_tokens.weight.dtype != paddle.float32:
-        return f"dtype is {kv_dtype} (the fused decode step computes in float32)"
+        return f"dtype is {kv_dtype}; the fused decode step computes in float32"
     return None
 
 

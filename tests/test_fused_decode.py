@@ -1,0 +1,97 @@
+"""The fused CPU decode step against the Paddle layers it replaces, token for token."""
+
+import contextlib
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+from numba.typed import List
+
+from engine import LLM, SamplingParams
+from engine.block_linear import BlockWeight
+from engine.config import EngineConfig
+from engine.fused_decode import FusedDecode
+from engine.loader.gguf_blocks import unpack
+from gpu_kernels.cpu import decode_step as kernel
+from tiny_models import make_tiny_model, tiny_prompts
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=1)
+
+
+def assert_same_decoding(reference, fused):
+    for ref, out in zip(reference, fused):
+        ref_ids, ids = ref.outputs[0].token_ids, out.outputs[0].token_ids
+        assert ids == ref_ids
+        for tok, lp_ref, lp in zip(ids, ref.outputs[0].logprobs, out.outputs[0].logprobs):
+            assert abs(lp[tok].logprob - lp_ref[tok].logprob) <= 1e-4
+
+
+@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_fused_decode_matches_paddle_layers_on_tiny_models(tmp_path, architecture):
+    model = make_tiny_model(str(tmp_path), architecture, seed=5)
+    prompts = tiny_prompts(4)  # one batch of four decoding sequences, then single ones as they finish
+    outputs = {}
+    for path in ("paddle", "fused"):
+        llm = LLM(model=model, cpu_decode=path, block_size=4)
+        assert llm.snapshot().decode_path == path
+        outputs[path] = llm.generate(prompts, GREEDY) + llm.generate(prompts[:1], GREEDY)
+        llm.shutdown()
+    assert_same_decoding(outputs["paddle"], outputs["fused"])
+
+
+@contextlib.contextmanager
+def paddle_decode(llm):
+    """Run the same engine's decode steps through the Paddle layers for a while."""
+    runner = llm.engine.runner
+    fused, runner.fused_decode = runner.fused_decode, None
+    try:
+        yield
+    finally:
+        runner.fused_decode = fused
+
+
+def test_fused_decode_matches_paddle_layers_on_smollm2(smollm2_llm):
+    assert smollm2_llm.snapshot().decode_path == "fused"
+    prompts = ["Tell me a story about a dragon.", "What is the capital of France?"]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1)
+    fused = smollm2_llm.generate(prompts, params) + smollm2_llm.generate(prompts[:1], params)
+    with paddle_decode(smollm2_llm):
+        reference = smollm2_llm.generate(prompts, params) + smollm2_llm.generate(prompts[:1], params)
+    assert_same_decoding(reference, fused)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q8_0])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_block_linears_compute_with_the_checkpoint_weights(qtype, tokens):
+    rng = np.random.default_rng(int(qtype) + tokens)
+    out_features, in_features = 70, 96
+    raw = gguf.quants.quantize(rng.standard_normal((out_features, in_features)).astype(np.float32), qtype)
+    blocks = unpack(raw, qtype, (out_features, in_features))
+
+    class Layer:  # what FusedDecode reads from a native Linear
+        block_weight = BlockWeight(blocks)
+    f2, i8, u8 = np.zeros((1, 1), np.float32), np.zeros((1, 1, 1), np.int8), np.zeros((1, 1, 1), np.uint8)
+    fmt, _, codes, nibbles, scales, offsets = FusedDecode._linear(FusedDecode.__new__(FusedDecode), Layer, f2, i8, u8)
+    assert fmt == (kernel.INT8 if qtype == QT.Q8_0 else kernel.NIBBLE)
+
+    x = rng.standard_normal((tokens, in_features)).astype(np.float32)
+    out = np.empty((tokens, out_features), np.float32)
+    formats = np.array([fmt])
+    for parallel in (False, True):
+        out[:] = np.nan
+        kernel._linear(0, x, formats, List([f2]), List([codes]), List([nibbles]), List([scales]), List([offsets]),
+                       out, parallel)
+        np.testing.assert_allclose(out, x @ blocks.dequantize().T, rtol=1e-5, atol=1e-4)
+
+
+def test_fused_decode_falls_back_and_says_why(tmp_path):
+    llm = LLM(model=make_tiny_model(str(tmp_path)), dtype="bfloat16")
+    assert llm.snapshot().decode_path == "paddle (dtype is bfloat16; the fused decode step computes in float32)"
+    assert llm.engine.runner.fused_decode is None
+    llm.shutdown()
+
+
+def test_cpu_decode_setting_is_validated():
+    with pytest.raises(ValueError, match="cpu_decode must be one of fused, paddle; got 'numba'"):
+        EngineConfig(cpu_decode="numba")
