@@ -1,30 +1,42 @@
 """``python -m benchmarks.engine``: engine throughput and latency, each beside its peer, in one run.
 
-Sections (all on the same SmolLM2 weights, float32):
+Sections (all on the same SmolLM2 GGUF, float32 activations, CPU):
 
-1. **model_impl** — single-stream decode and 16-stream aggregate tok/s of the
-   native engine, the PaddleFormers backend and PaddleFormers' own
-   ``LlamaForCausalLM.generate`` (see ``benchmarks.fallback``);
-2. **concurrency** — aggregate tok/s of the native engine with 1, 4 and 16
+1. **peer** (``--peer llama.cpp``) -- prefill of ~1,000 tokens of real text,
+   single-stream decode and 16-stream aggregate decode of the engine
+   (``cpu_decode="fused"``, the default, and ``"paddle"``) beside llama.cpp on
+   the same file, token ids and thread count (`benchmarks.llama_cpp`);
+2. **model_impl** -- the native engine, the PaddleFormers backend and
+   PaddleFormers' own ``generate``, each engine row with quantized and with
+   float matmuls (`benchmarks.fallback`);
+3. **concurrency** -- aggregate tok/s of the native engine with 1, 4 and 16
    concurrent requests (continuous batching), and the 16 : 1 ratio;
-3. **prefix caching** — TTFT of a second chat turn that shares a ~1,000-token
-   prefix with the first, with prefix caching on vs off.
+4. **prefix** -- TTFT of a new message on a long shared chat prefix, with
+   prefix caching on vs off (the prefix and new-token counts are printed).
 
-Numbers depend on the machine (and on anything else running on it): compare
-the columns of one run, not runs on different machines.
+Every run also writes its numbers as JSON (``--json``: date, machine,
+versions). Numbers depend on the machine and on whatever else runs on it:
+compare the columns of one run, not runs on different machines.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import os
 import platform
+import statistics
+import subprocess
 import time
 
 from engine import LLM, SamplingParams
 
 from . import fallback as bench_fallback
+from . import llama_cpp as peer
 
 TOPICS = bench_fallback.TOPICS
+PEERS = ("llama.cpp",)
 
 
 def concurrency(llm: LLM, tokens: int, levels=(1, 4, 16), repeats: int = 2) -> dict[int, float]:
@@ -49,19 +61,128 @@ def long_conversation(words: int = 700) -> list[dict]:
             {"role": "user", "content": "Which topic comes first?"}]
 
 
-def second_turn_ttft(model: str, enable_prefix_caching: bool, repeats: int = 3) -> tuple[float, int, int]:
-    """TTFT (s) of turn two, prompt length and cached tokens; turn one shares the long prefix."""
+NEW_MESSAGES = ("And which comes last?", "How many notes mention the sea?", "Is a clock among them?",
+                "Name three topics.", "Which topic is most frequent?")
+
+
+def new_message_ttft(model: str, enable_prefix_caching: bool, repeats: int = 3) -> dict:
+    """TTFT of a *new* user message after a first turn on a long shared prefix.
+
+    Turn one (system notes + a question) is answered first, so with prefix
+    caching its blocks are cached; each measured turn appends a different new
+    message, so only the shared prefix can come from the cache.
+    """
     llm = LLM(model=model, enable_prefix_caching=enable_prefix_caching, max_num_batched_tokens=2048)
     conv = long_conversation()
-    one = SamplingParams(max_tokens=1, temperature=0)
     first = llm.chat(conv, SamplingParams(max_tokens=8, temperature=0))[0]
-    conv = conv + [{"role": "assistant", "content": first.outputs[0].text}, {"role": "user", "content": "And last?"}]
+    conv = conv + [{"role": "assistant", "content": first.outputs[0].text}]
     best, out = float("inf"), None
-    for _ in range(repeats):
-        out = llm.chat(conv, one)[0]
-        best = min(best, out.metrics.ttft)
+    for i in range(repeats):
+        o = llm.chat(conv + [{"role": "user", "content": NEW_MESSAGES[i % len(NEW_MESSAGES)]}],
+                     SamplingParams(max_tokens=1, temperature=0))[0]
+        if o.metrics.ttft < best:
+            best, out = o.metrics.ttft, o
     llm.shutdown()
-    return best, len(out.prompt_token_ids), out.num_cached_tokens
+    return {"ttft_s": best, "prompt_tokens": len(out.prompt_token_ids), "cached_tokens": out.num_cached_tokens,
+            "new_tokens": len(out.prompt_token_ids) - out.num_cached_tokens}
+
+
+def prefill_text(tokenizer, n: int) -> list[int]:
+    """``n`` token ids of real English text (the project's architecture notes)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "ARCHITECTURE.md")
+    with open(path, encoding="utf-8") as f:
+        ids = tokenizer.encode(f.read(), add_special_tokens=False)
+    return ids[:n]
+
+
+def engine_side(model: str, cpu_decode: str, text: list[int], prompt: list[int], tokens: int,
+                streams: int, repeats: int) -> dict:
+    """Prefill, single-stream and ``streams``-stream decode of the engine (fresh ``LLM``)."""
+    llm = LLM(model=model, cpu_decode=cpu_decode, enable_prefix_caching=False, max_num_batched_tokens=2048)
+    runner = bench_fallback.EngineRunner(llm)
+    runner.generate([prompt], 2)  # warm up: kernels compiled
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        runner.generate([text], 1)
+        best = min(best, time.perf_counter() - t0)
+    gaps, out = [], []
+    for _ in range(repeats):
+        g, out = runner.token_intervals(prompt, tokens)
+        gaps += g
+    multi = concurrency(llm, tokens, levels=(streams,), repeats=repeats)[streams]
+    path = llm.snapshot().decode_path
+    llm.shutdown()
+    return {"prefill_tok_s": len(text) / best, "decode_tok_s": 1.0 / statistics.median(gaps),
+            "multi_tok_s": multi, "decode_path": path, "tokens": out}
+
+
+def peer_section(model: str, tokens: int, streams: int, repeats: int, prefill_tokens: int) -> dict:
+    from engine.loader import load_checkpoint
+
+    checkpoint = load_checkpoint(model)
+    text = prefill_text(checkpoint.tokenizer, prefill_tokens)
+    prompt = checkpoint.tokenizer.encode(bench_fallback.STORY, add_special_tokens=True)
+    threads = peer.threads()
+    rows = {}
+    version = peer.available()
+    if version is None:
+        print(f"llama.cpp column skipped: llama_cpp is not installed; install it with {peer.INSTALL}")
+    else:
+        lc = peer.LlamaCppPeer(checkpoint.path, threads)
+        lc.decode(prompt, 2)  # warm up
+        decode, lc_tokens = lc.decode_tok_s(prompt, tokens, repeats)
+        rows[f"llama.cpp {version}"] = {"prefill_tok_s": lc.prefill_tok_s(text, repeats), "decode_tok_s": decode,
+                                        "multi_tok_s": None, "tokens": lc_tokens}
+        lc.close()
+    for path in ("fused", "paddle"):
+        rows[f"engine, cpu_decode={path}"] = engine_side(model, path, text, prompt, tokens, streams, repeats)
+
+    print(f"peer — {os.path.basename(checkpoint.path)}, {threads} threads, greedy; prefill: {len(text)} tokens "
+          f"of real text, decode: {tokens} tokens")
+    print(f"{'':<30}{'prefill tok/s':>15}{'decode tok/s':>15}{f'{streams} streams tok/s':>18}")
+    for name, r in rows.items():
+        multi = f"{r['multi_tok_s']:.1f}" if r["multi_tok_s"] else "-"
+        print(f"{name:<30}{r['prefill_tok_s']:>15.1f}{r['decode_tok_s']:>15.1f}{multi:>18}")
+    lc_row = next((r for n, r in rows.items() if n.startswith("llama.cpp")), None)
+    if lc_row:
+        ours = rows["engine, cpu_decode=fused"]
+        print(f"engine (fused) vs llama.cpp: prefill {ours['prefill_tok_s'] / lc_row['prefill_tok_s']:.2f}x "
+              f"(target >= 1.0), decode {ours['decode_tok_s'] / lc_row['decode_tok_s']:.2f}x (target >= 1.0), "
+              f"{streams} streams vs llama.cpp single {ours['multi_tok_s'] / lc_row['decode_tok_s']:.2f}x "
+              f"(target >= 3)")
+        same = next((i for i, (a, b) in enumerate(zip(ours["tokens"], lc_row["tokens"])) if a != b),
+                    min(len(ours["tokens"]), len(lc_row["tokens"])))
+        print(f"greedy tokens identical to llama.cpp's for the first {same} of {tokens}")
+    for r in rows.values():
+        r.pop("tokens")
+    return {"threads": threads, "prefill_tokens": len(text), "decode_tokens": tokens, "streams": streams,
+            "rows": rows}
+
+
+def environment() -> dict:
+    """Date, machine and versions, stored with the numbers."""
+    import numba
+    import numpy
+    import paddle
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except OSError:
+        commit = ""
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": {"cpu": cpu, "cpus": os.cpu_count(), "threads": peer.threads(),
+                        "load_average": os.getloadavg()},
+            "versions": {"python": platform.python_version(), "paddle": paddle.__version__,
+                         "numba": numba.__version__, "numpy": numpy.__version__,
+                         "llama_cpp": peer.available(), "commit": commit}}
 
 
 def main(argv=None) -> int:
@@ -69,16 +190,29 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--peer", choices=PEERS, default=None, help="run the peer section against this engine")
+    parser.add_argument("--prefill-tokens", type=int, default=1000)
     parser.add_argument("--sections", default="model_impl,concurrency,prefix",
-                        help="comma-separated subset of: model_impl, concurrency, prefix")
+                        help="comma-separated subset of: peer, model_impl, concurrency, prefix")
+    parser.add_argument("--json", default="benchmark-engine.json", help="where to write the results")
     args = parser.parse_args(argv)
     sections = set(args.sections.split(","))
-    print(f"machine: {platform.processor() or platform.machine()}, {__import__('os').cpu_count()} CPUs, "
-          f"Python {platform.python_version()}")
+    if args.peer:
+        sections.add("peer")
+    env = environment()
+    results = {"environment": env, "model": args.model}
+    print(f"{env['date']}  {env['machine']['cpu']}, {env['machine']['cpus']} CPUs, load "
+          f"{env['machine']['load_average'][0]:.1f}; Python {env['versions']['python']}, "
+          f"Paddle {env['versions']['paddle']}, commit {env['versions']['commit']}\n")
+
+    if "peer" in sections:
+        results["peer"] = peer_section(args.model, args.tokens, 16, args.repeats, args.prefill_tokens)
+        print()
 
     if "model_impl" in sections:
-        results, agree = bench_fallback.run(args.model, args.tokens, 16, args.repeats)
-        print(bench_fallback.table(results, agree, args.tokens, 16) + "\n")
+        rows, agree = bench_fallback.run(args.model, args.tokens, 16, args.repeats)
+        print(bench_fallback.table(rows, agree, args.tokens, 16) + "\n")
+        results["model_impl"] = {"rows": [r.__dict__ for r in rows], "outputs_agree": agree}
 
     if "concurrency" in sections:
         llm = LLM(model=args.model)
@@ -88,14 +222,21 @@ def main(argv=None) -> int:
         for n, tps in agg.items():
             print(f"  {n:>2} concurrent requests: {tps:8.1f} tok/s aggregate")
         print(f"  16 streams vs 1 stream: {agg[16] / agg[1]:.2f}x (target >= 5x)\n")
+        results["concurrency"] = {str(n): v for n, v in agg.items()}
 
     if "prefix" in sections:
-        on = second_turn_ttft(args.model, True)
-        off = second_turn_ttft(args.model, False)
-        print(f"prefix caching — second chat turn, {on[1]} prompt tokens")
-        print(f"  cache on : TTFT {on[0] * 1000:8.1f} ms ({on[2]} tokens from the prefix cache)")
-        print(f"  cache off: TTFT {off[0] * 1000:8.1f} ms ({off[2]} tokens from the prefix cache)")
-        print(f"  on / off : {on[0] / off[0]:.3f} (target <= 0.2)")
+        on = new_message_ttft(args.model, True)
+        off = new_message_ttft(args.model, False)
+        print(f"prefix caching — a new message on a shared chat prefix ({on['prompt_tokens']} prompt tokens)")
+        for label, r in (("cache on ", on), ("cache off", off)):
+            print(f"  {label}: TTFT {r['ttft_s'] * 1000:8.1f} ms ({r['cached_tokens']} shared-prefix tokens from "
+                  f"the cache, {r['new_tokens']} new tokens computed)")
+        print(f"  on / off : {on['ttft_s'] / off['ttft_s']:.3f} (target <= 0.2)")
+        results["prefix"] = {"on": on, "off": off}
+
+    with open(args.json, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"\nresults written to {args.json}")
     return 0
 
 
