@@ -7,9 +7,12 @@
 
 Q/K/V are one fused projection and gate/up another, so a layer runs two
 matmuls where HF runs five. Weights are stored Paddle-style, ``[in, out]``.
-Small batches on CPU may multiply on the checkpoint's quantized blocks
-(``engine.block_linear``). Attention goes through ``engine.attention.paged_attention`` (the paged KV
-cache) or, without metadata, ``dense_causal_attention`` (the reference).
+On the CPU, float32 inputs multiply on the checkpoint's quantized blocks when
+the loader kept them (``engine.block_linear``). Attention goes through
+``engine.attention.paged_attention`` (the paged KV cache) or, without metadata,
+``dense_causal_attention`` (the reference). Decode-only CPU steps can also run
+as one fused kernel over these same parameters (``engine.fused_decode``); this
+module stays the definition that path is tested against.
 """
 
 from __future__ import annotations
@@ -66,8 +69,8 @@ class Linear(nn.Layer):
     """``y = x @ W (+ b)`` with ``W`` stored ``[in, out]``.
 
     Same parameters as ``paddle.nn.Linear``, but its forward calls ``paddle.matmul``
-    directly: ``nn.Linear`` reads a global flag on every call, which costs tens of
-    microseconds — noticeable when a decode step makes 120 such calls.
+    directly: ``nn.Linear`` reads a global flag on every call, and a decode step
+    makes four such calls per layer.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):

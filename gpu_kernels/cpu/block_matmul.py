@@ -69,7 +69,7 @@ def _tiled(x, codes, scales, offsets, out):
                 out[t, o] = y[o - lo, t]
 
 
-# Threads pay off only for large weights: a parallel launch costs tens of µs, and far more when
+# Threads pay off only for large weights: a parallel launch has a fixed cost, far larger when
 # another process holds a core (every thread of the region must get scheduled).
 _dot_parallel = njit(parallel=True, fastmath=True, boundscheck=False, cache=True)(_dot_rows)
 _dot_serial = njit(fastmath=True, boundscheck=False, cache=True)(_dot_rows)
