@@ -215,6 +215,7 @@ def main(argv=None) -> int:
     prompts = read_prompts(args.prompts) if args.prompts else DEFAULT_PROMPTS
     if args.reference == "transformers":
         report = compare_with_transformers(args.model, prompts, max_tokens=args.max_tokens, device=args.device)
+        print("independent check: HF transformers reads the same GGUF with its own loader and kernels")
     else:
         report = compare_models(args.model, impls, prompts, max_tokens=args.max_tokens, device=args.device)
     print(report.table())
