@@ -40,7 +40,7 @@ PREFILL_MAX_REGISTERS = None           # prefill: no cap (shared memory allows 1
 #: prefill tile (threads, query rows, keys) by head_dim; absent: prefill.default_tile
 PREFILL_TILES: dict = {} if SIMULATED else {64: (256, 128, 64), 128: (256, 128, 64),
                                             256: (256, 64, 64)}
-#: tensor-core prefill tile (warps, 16-row tiles per warp, keys) by head_dim; absent:
+#: tensor-core prefill tile (warps, 16-row tiles per warp, keys[, register cap]) by head_dim; absent:
 #: prefill_mma.default_mma_tile
 PREFILL_MMA_TILES: dict = {}
 #: prefill of float16/bfloat16 queries on float16/bfloat16 caches: "auto" (tensor cores where
@@ -212,7 +212,7 @@ def paged_prefill(query, k_cache, v_cache, block_tables, query_start_loc, contex
     q_words = _c_contiguous(query)
     if _use_mma_prefill(kind_q, kind_kv, head_dim):
         shape = PREFILL_MMA_TILES.get(head_dim)
-        tile = MmaTile(*shape, head_dim) if shape else default_mma_tile(head_dim)
+        tile = MmaTile(*shape[:3], head_dim, *shape[3:]) if shape else default_mma_tile(head_dim)
         kernel, tile_tokens, shared = build_prefill_mma_kernel(
             tile, group, hpb, kind_q, kind_kv, kind_of(out.dtype), block_size, q_words,
             prefill_mma_mode == "auto" and mma.mma_supported(), mma.LTO)

@@ -100,10 +100,11 @@ __device__ __forceinline__ void qk_tile(float* s, const u32* smem, int q_word, i
       for (int c = 0; c < 4; ++c) s[(m * NT + n) * 4 + c] = acc[m][n][c];
 }
 
-// o += P V: P is the warp's probabilities in the S layout (float, rounded to KIND here), V the
-// tile at word v_word.
+// o = o * alpha + P V: alpha[2 m + h] rescales row g + 8 h of m-tile m; P is the warp's
+// probabilities in the S layout (float, rounded to KIND here), V the tile at word v_word.
 template <int KIND, int MT, int NT, int D>
-__device__ __forceinline__ void pv_tile(float* o, const float* p, const u32* smem, int v_word) {
+__device__ __forceinline__ void pv_tile(float* o, const float* alpha, const float* p,
+                                        const u32* smem, int v_word) {
   constexpr int STR = D + 8;
   constexpr int DT = D / 8;
   const int lane = threadIdx.x & 31;
@@ -114,7 +115,7 @@ __device__ __forceinline__ void pv_tile(float* o, const float* p, const u32* sme
 #pragma unroll
     for (int n = 0; n < DT; ++n)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) acc[m][n][c] = o[(m * DT + n) * 4 + c];
+      for (int c = 0; c < 4; ++c) acc[m][n][c] = o[(m * DT + n) * 4 + c] * alpha[2 * m + c / 2];
 #pragma unroll
   for (int kk = 0; kk < NT / 2; ++kk) {
     u32 a[MT][4];      // the accumulator layout of two key tiles is the A layout of 16 keys

@@ -8,8 +8,9 @@ contract (layouts in ``mma.cu``'s header):
     words from ``q_word``) times the tile's ``8 nt`` keys (from ``k_word``), in the
     ``mma.m16n8k16`` accumulator layout: lane ``4 g + t`` holds rows ``g, g + 8`` x keys
     ``2 t, 2 t + 1`` of each 16 x 8 tile.
-``pv(o, p, smem, v_word, scratch)``
-    ``o`` (float32 ``mt * head_dim / 8 * 4``, the same layout over head dims) += ``p`` (in
+``pv(o, alpha, p, smem, v_word, scratch)``
+    ``o`` (float32 ``mt * head_dim / 8 * 4``, the same layout over head dims) = ``o`` times
+    ``alpha`` (per row: ``alpha[2 m + h]`` for row ``g + 8 h`` of m-tile ``m``) + ``p`` (in
     ``s``'s layout, rounded to the cache's half format) times the V tile at ``v_word``.
 
 ``use_mma``: tensor cores -- ``mma.cu`` (inline-PTX ``ldmatrix`` + ``mma.sync``) linked into
@@ -76,8 +77,9 @@ def _linked_source(kind, mt, nt, head_dim):
         f'\nextern "C" __device__ int {qk_name}(int* ret, float* s, const u32* smem, int q_word,'
         f' int k_word) {{\n  qk_tile<{kind}, {mt}, {nt}, {head_dim}>(s, smem, q_word, k_word);'
         f'\n  *ret = 0;\n  return 0;\n}}\n'
-        f'extern "C" __device__ int {pv_name}(int* ret, float* o, const float* p, const u32* smem,'
-        f' int v_word) {{\n  pv_tile<{kind}, {mt}, {nt}, {head_dim}>(o, p, smem, v_word);'
+        f'extern "C" __device__ int {pv_name}(int* ret, float* o, const float* alpha, const float* p,'
+        f' const u32* smem, int v_word) {{\n  pv_tile<{kind}, {mt}, {nt}, {head_dim}>(o, alpha, p,'
+        f' smem, v_word);'
         f'\n  *ret = 0;\n  return 0;\n}}\n')
     folder = os.path.join(tempfile.gettempdir(), f"gpu_kernels_mma_{os.getuid()}")
     os.makedirs(folder, exist_ok=True)
@@ -109,15 +111,16 @@ def _mma_ops(kind, mt, nt, head_dim):
     f32p, u32p = types.CPointer(types.float32), types.CPointer(types.uint32)
     qk_c = cuda.declare_device(qk_name, types.int32(f32p, u32p, types.int32, types.int32),
                                link=[path])
-    pv_c = cuda.declare_device(pv_name, types.int32(f32p, f32p, u32p, types.int32), link=[path])
+    pv_c = cuda.declare_device(pv_name, types.int32(f32p, f32p, f32p, u32p, types.int32),
+                               link=[path])
 
     @cuda.jit(device=True, inline="always")
     def qk(s, smem, q_word, k_word, scratch):
         qk_c(data_ptr(s), data_ptr(smem), q_word, k_word)
 
     @cuda.jit(device=True, inline="always")
-    def pv(o, p, smem, v_word, scratch):
-        pv_c(data_ptr(o), data_ptr(p), data_ptr(smem), v_word)
+    def pv(o, alpha, p, smem, v_word, scratch):
+        pv_c(data_ptr(o), data_ptr(alpha), data_ptr(p), data_ptr(smem), v_word)
 
     return qk, pv
 
@@ -146,10 +149,14 @@ def _numba_ops(kind, mt, nt, head_dim):
                     s[(m * nt + n) * 4 + c] = acc
 
     @cuda.jit(device=True, inline="always")
-    def pv(o, p, smem, v_word, scratch):
+    def pv(o, alpha, p, smem, v_word, scratch):
         lane = cuda.threadIdx.x % 32
         g = lane // 4
         t = lane % 4
+        for m in range(mt):
+            for n in range(DT):
+                for c in range(4):
+                    o[(m * DT + n) * 4 + c] *= alpha[2 * m + c // 2]
         for m in range(mt):
             for key in range(8 * nt):
                 src = 4 * g + (key % 8) // 2        # the lane holding (row g, key)

@@ -32,8 +32,8 @@ import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from .mma import mma_ops
-from .primitives import (F32, SIMULATED, exp2, fmax32, from_f32, pack2, shfl_xor, to_f32,
-                         vmax, vmin)
+from .primitives import (F32, SIMULATED, exp2, fmax32, from_f32, pack2, register_cap, shfl_xor,
+                         to_f32, vmax, vmin)
 from .shared_memory import (cp_async16, cp_async_commit, cp_async_wait, dynamic_shared_vectors,
                             shared_vectors)
 
@@ -42,11 +42,12 @@ NEG = np.float32(-1e30)
 
 @dataclass(frozen=True)
 class MmaTile:
-    """Warps per block, 16-row tiles per warp, keys per key tile, head_dim."""
+    """Warps per block, 16-row tiles per warp, keys per key tile, head_dim, register cap."""
     warps: int
     mt: int
     keys: int
     head_dim: int
+    max_registers: int = None
 
     @property
     def threads(self):
@@ -104,7 +105,7 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
     SKIP = not SIMULATED                    # warps skip invisible tiles (the simulator's
     #                                         shuffles are block barriers: all threads must call)
     qk, pv = mma_ops(kind_kv, MT, NT, D, use_mma)
-    SN, ON = MT * NT * 4, MT * DT * 4
+    SN, ON, MN = MT * NT * 4, MT * DT * 4, MT * 2
     words = tile.shared_words()
     if SIMULATED:
         dyn_bytes = 0
@@ -113,7 +114,7 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
         dyn_bytes = 4 * words
         alloc_smem = dynamic_shared_vectors(uint32)
     wait_prev = cp_async_wait[1]
-    jit_options = {"fastmath": True}
+    jit_options = {"fastmath": True, **register_cap(tile.max_registers)}
     if use_mma and lto:
         jit_options["lto"] = True
 
@@ -214,9 +215,10 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
         w_first_pos = first_pos + w_first_tok
         w_last_pos = first_pos + w_last_tok
 
-        m_run = cuda.local.array(MT * 2, float32)
-        l_run = cuda.local.array(MT * 2, float32)
-        for x in range(MT * 2):
+        m_run = cuda.local.array(MN, float32)
+        l_run = cuda.local.array(MN, float32)
+        a_run = cuda.local.array(MN, float32)
+        for x in range(MN):
             m_run[x] = NEG
             l_run[x] = 0.0
         o = cuda.local.array(ON, float32)
@@ -275,11 +277,9 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
                                 s[(m * NT + nn) * 4 + 2 * h + e] = p
                                 total += p
                         l_run[m * 2 + h] = l_run[m * 2 + h] * alpha + total
-                        for nd in range(DT):
-                            o[(m * DT + nd) * 4 + 2 * h] *= alpha
-                            o[(m * DT + nd) * 4 + 2 * h + 1] *= alpha
-                # ---- O += P V
-                pv(o, s, smem, koff + TILE_WORDS, scratch)
+                        a_run[m * 2 + h] = alpha
+                # ---- O = O * alpha + P V
+                pv(o, a_run, s, smem, koff + TILE_WORDS, scratch)
             cuda.syncthreads()                         # the buffer is refilled next iteration
 
         # ---- normalize and store: a row's sum is spread over its 4 lanes
