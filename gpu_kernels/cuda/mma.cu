@@ -110,12 +110,24 @@ __device__ __forceinline__ void pv_tile(float* o, const float* alpha, const floa
   const int lane = threadIdx.x & 31;
   const u32 va = shared_address(smem) + 4 * v_word + ((lane & 15) * STR + (lane >> 4) * 8) * 2;
   float acc[MT][DT][4];
+  bool same = true;     // no row of the warp has a new maximum: no rescale
+#pragma unroll
+  for (int x = 0; x < 2 * MT; ++x) same = same && alpha[x] == 1.f;
+  same = __all_sync(0xffffffffu, same);
 #pragma unroll
   for (int m = 0; m < MT; ++m)
 #pragma unroll
     for (int n = 0; n < DT; ++n)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) acc[m][n][c] = o[(m * DT + n) * 4 + c] * alpha[2 * m + c / 2];
+      for (int c = 0; c < 4; ++c) acc[m][n][c] = o[(m * DT + n) * 4 + c];
+  if (!same) {
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int n = 0; n < DT; ++n)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[m][n][c] *= alpha[2 * m + c / 2];
+  }
 #pragma unroll
   for (int kk = 0; kk < NT / 2; ++kk) {
     u32 a[MT][4];      // the accumulator layout of two key tiles is the A layout of 16 keys

@@ -15,8 +15,9 @@ differs is the arithmetic, laid out as in FlashAttention-2:
   ``g, g + 8`` x columns ``2 t, 2 t + 1`` of each 16 x 8 tile);
 * mask and online softmax here, in Numba, on that layout: a row's 4 lanes share its max by
   two shuffles; each lane keeps a partial row sum (added up once at the end); scores are
-  scaled in float32 (``scale * log2(e)``), probabilities rounded to the half format for
-  ``P V``;
+  scaled in float32 (``scale * log2(e)``, fused into the exponent's argument), probabilities
+  rounded to the half format for ``P V``, which also rescales ``O`` (skipped while no row of
+  the warp has a new maximum);
 * K and V tiles are double-buffered: the copy of tile ``j + 1`` (``cp.async``, paged through
   the block table) is in flight while tile ``j`` is computed; a warp skips a key tile that
   none of its rows can see (causal future, before the window).
@@ -244,36 +245,46 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
             if live:
                 # ---- S = Q K^T
                 qk(s, smem, wrow0 * SW, koff, scratch)
-                # ---- mask, online softmax (P replaces S), rescale O
+                # ---- mask, online softmax (P replaces S); scores stay unscaled until exp2
                 interior = nk == BK and kt0 + BK <= w_first_pos + 1 and \
                     (window <= 0 or kt0 > w_last_pos - window)
                 for m in range(MT):
                     for h in range(2):
-                        r = wrow0 + m * 16 + g + 8 * h
-                        tok = r // hpb
-                        row_ok = r < RV and tok < n_tok
-                        pos = first_pos + tok
                         mx = NEG
-                        for nn in range(NT):
-                            for e in range(2):
-                                x = s[(m * NT + nn) * 4 + 2 * h + e] * scale_log2
-                                if not interior:
-                                    j = kt0 + nn * 8 + 2 * t + e
-                                    if not (row_ok and j < kt0 + nk and j <= pos
-                                            and (window <= 0 or j > pos - window)):
+                        if interior:
+                            for nn in range(NT):
+                                for e in range(2):
+                                    mx = fmax32(mx, s[(m * NT + nn) * 4 + 2 * h + e])
+                        else:
+                            # this lane's keys 8 nn + e + 2 t are visible iff in [klo, khi)
+                            r = wrow0 + m * 16 + g + 8 * h
+                            tok = r // hpb
+                            pos = first_pos + tok
+                            khi = vmin(nk, pos - kt0 + 1) - 2 * t
+                            if r >= RV or tok >= n_tok:
+                                khi = -BK
+                            klo = -2 * t
+                            if window > 0:
+                                klo = pos - window + 1 - kt0 - 2 * t
+                            for nn in range(NT):
+                                for e in range(2):
+                                    x = s[(m * NT + nn) * 4 + 2 * h + e]
+                                    if nn * 8 + e < klo or nn * 8 + e >= khi:
                                         x = NEG
-                                s[(m * NT + nn) * 4 + 2 * h + e] = x
-                                mx = fmax32(mx, x)
+                                    s[(m * NT + nn) * 4 + 2 * h + e] = x
+                                    mx = fmax32(mx, x)
                         mx = fmax32(mx, shfl_xor(mx, 1, scratch))
                         mx = fmax32(mx, shfl_xor(mx, 2, scratch))
-                        m_new = fmax32(m_run[m * 2 + h], mx)
+                        # masked scores are NEG: exp2 makes them 0 once the row has a visible
+                        # key; before that (m_new still ~NEG) they count 1, and the first
+                        # visible key's alpha = 0 wipes them
+                        m_new = fmax32(m_run[m * 2 + h], mx * scale_log2)
                         alpha = exp2(m_run[m * 2 + h] - m_new)
                         m_run[m * 2 + h] = m_new
                         total = float32(0.0)
                         for nn in range(NT):
                             for e in range(2):
-                                x = s[(m * NT + nn) * 4 + 2 * h + e]
-                                p = exp2(x - m_new) if x > NEG else float32(0.0)
+                                p = exp2(s[(m * NT + nn) * 4 + 2 * h + e] * scale_log2 - m_new)
                                 s[(m * NT + nn) * 4 + 2 * h + e] = p
                                 total += p
                         l_run[m * 2 + h] = l_run[m * 2 + h] * alpha + total
