@@ -27,6 +27,7 @@ Shared memory: ``(R + 4 BK) (D + 8) * 2`` bytes, dynamic (sized at launch).
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,7 +101,10 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
     PAGE_WORDS = BS * ROW_WORDS
     TILE_WORDS = BK * SW
     K_OFF = R * SW                          # buffer b: K at K_OFF + 2 b TILE_WORDS, V after it
-    VPT = -(-BK * ROW_VECS // threads)
+    TPK = math.gcd(threads // BK, ROW_VECS) if threads >= BK else 1   # threads per key
+    KEYS_PER_PASS = threads // TPK
+    PASSES = -(-BK // KEYS_PER_PASS)
+    CPT = ROW_VECS // TPK                   # 16-byte vectors per thread and key
     QVPT = -(-R * ROW_VECS // threads)
     QASYNC = q_words and kind_q == kind_kv
     SKIP = not SIMULATED                    # warps skip invisible tiles (the simulator's
@@ -120,25 +124,27 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
         jit_options["lto"] = True
 
     @cuda.jit(device=True, inline="always")
-    def fetch(kw, vw, smem, block_tables, i, kt0, nk, kvh, num_kv_heads, tid, b):
-        """Start copying K and V of keys kt0 .. kt0 + nk - 1 (zeros past them) to buffer b."""
+    def fetch(kw, vw, smem, block_tables, i, kt0, nk, hi, kvh, num_kv_heads, tid, b):
+        """Start copying K and V of keys kt0 .. kt0 + nk - 1 (zeros past them) to buffer b.
+
+        ``TPK`` threads share a key (one block-table lookup each), ``CPT`` 16-byte vectors
+        apiece, a warp's vectors of a key contiguous; past the last key the copy reads the
+        last visible key (a valid address) and writes zeros."""
         koff = K_OFF + 2 * b * TILE_WORDS
-        for u in range(VPT):
-            vi = tid + threads * u
-            if vi < BK * ROW_VECS:
-                key = vi // ROW_VECS
-                w = vi - key * ROW_VECS
-                dst = key * SW + w * 4
-                if key < nk:
-                    j = kt0 + key
-                    jb = j // BS
-                    src = (block_tables[i, jb] * num_kv_heads + kvh) * PAGE_WORDS \
-                        + (j - jb * BS) * ROW_WORDS + w * 4
-                    cp_async16(smem, koff + dst, kw, src, 16)
-                    cp_async16(smem, koff + TILE_WORDS + dst, vw, src, 16)
-                else:
-                    cp_async16(smem, koff + dst, kw, 0, 0)
-                    cp_async16(smem, koff + TILE_WORDS + dst, vw, 0, 0)
+        lane_w = (tid % TPK) * 4
+        for u in range(PASSES):
+            key = tid // TPK + KEYS_PER_PASS * u
+            if key < BK:
+                j = vmin(kt0 + key, hi - 1)
+                jb = j // BS
+                src = (block_tables[i, jb] * num_kv_heads + kvh) * PAGE_WORDS \
+                    + (j - jb * BS) * ROW_WORDS + lane_w
+                nbytes = 16 if key < nk else 0
+                dst = koff + key * SW + lane_w
+                for c in range(CPT):
+                    cp_async16(smem, dst + 4 * TPK * c, kw, src + 4 * TPK * c, nbytes)
+                    cp_async16(smem, dst + TILE_WORDS + 4 * TPK * c, vw, src + 4 * TPK * c,
+                               nbytes)
 
     @cuda.jit(**jit_options)
     def prefill(q, qw, kw, vw, block_tables, query_start_loc, context_lens, out,
@@ -181,7 +187,8 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
         n_tiles = (hi - lo + BK - 1) // BK
         num_heads = q.shape[1]
 
-        fetch(kw, vw, smem, block_tables, i, lo, vmin(BK, hi - lo), kvh, num_kv_heads, tid, 0)
+        fetch(kw, vw, smem, block_tables, i, lo, vmin(BK, hi - lo), hi, kvh, num_kv_heads, tid,
+              0)
         if QASYNC:
             for u in range(QVPT):
                 vi = tid + threads * u
@@ -231,7 +238,7 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
             kt0 = lo + it * BK
             b = it % 2
             if it + 1 < n_tiles:
-                fetch(kw, vw, smem, block_tables, i, kt0 + BK, vmin(BK, hi - kt0 - BK), kvh,
+                fetch(kw, vw, smem, block_tables, i, kt0 + BK, vmin(BK, hi - kt0 - BK), hi, kvh,
                       num_kv_heads, tid, 1 - b)
             cp_async_commit()
             wait_prev()
