@@ -40,7 +40,8 @@ PREFILL_MAX_REGISTERS = None           # prefill: no cap (shared memory allows 1
 #: prefill tile (threads, query rows, keys) by head_dim; absent: prefill.default_tile
 PREFILL_TILES: dict = {} if SIMULATED else {64: (256, 128, 64), 128: (256, 128, 64),
                                             256: (256, 64, 64)}
-#: tensor-core prefill tile (warps, 16-row tiles per warp, keys[, register cap]) by head_dim; absent:
+#: tensor-core prefill tile (warps, 16-row tiles per warp, keys[, stages[, register cap]]) by
+#: head_dim; absent:
 #: prefill_mma.default_mma_tile
 PREFILL_MMA_TILES: dict = {}
 #: prefill of float16/bfloat16 queries on float16/bfloat16 caches: "auto" (tensor cores where

@@ -18,11 +18,12 @@ differs is the arithmetic, laid out as in FlashAttention-2:
   scaled in float32 (``scale * log2(e)``, fused into the exponent's argument), probabilities
   rounded to the half format for ``P V``, which also rescales ``O`` (skipped while no row of
   the warp has a new maximum);
-* K and V tiles are double-buffered: the copy of tile ``j + 1`` (``cp.async``, paged through
-  the block table) is in flight while tile ``j`` is computed; a warp skips a key tile that
-  none of its rows can see (causal future, before the window).
+* K and V tiles go through ``stages`` shared buffers: the copies of the next ``stages - 1``
+  tiles (``cp.async``, paged through the block table) are in flight while tile ``j`` is
+  computed, one barrier per tile; a warp skips a key tile that none of its rows can see
+  (causal future, before the window).
 
-Shared memory: ``(R + 4 BK) (D + 8) * 2`` bytes, dynamic (sized at launch).
+Shared memory: ``(R + 2 stages BK) (D + 8) * 2`` bytes, dynamic (sized at launch).
 """
 from __future__ import annotations
 
@@ -44,11 +45,13 @@ NEG = np.float32(-1e30)
 
 @dataclass(frozen=True)
 class MmaTile:
-    """Warps per block, 16-row tiles per warp, keys per key tile, head_dim, register cap."""
+    """Warps per block, 16-row tiles per warp, keys per key tile, head_dim, K/V buffers,
+    register cap."""
     warps: int
     mt: int
     keys: int
     head_dim: int
+    stages: int = 2             # K/V tile buffers (copies in flight: stages - 1)
     max_registers: int = None
 
     @property
@@ -60,9 +63,11 @@ class MmaTile:
         return 16 * self.mt * self.warps
 
     def shared_words(self):
-        return (self.rows + 4 * self.keys) * (self.head_dim + 8) // 2
+        return (self.rows + 2 * self.stages * self.keys) * (self.head_dim + 8) // 2
 
     def check(self):
+        if not 2 <= self.stages <= 4:
+            raise NotImplementedError(f"tensor-core prefill: 2 to 4 stages, got {self.stages}")
         if self.head_dim % 16 or self.keys % 16 or self.keys < 16:
             raise NotImplementedError(f"tensor-core prefill: head_dim ({self.head_dim}) and keys "
                                       f"per tile ({self.keys}) must be multiples of 16")
@@ -118,7 +123,8 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
     else:
         dyn_bytes = 4 * words
         alloc_smem = dynamic_shared_vectors(uint32)
-    wait_prev = cp_async_wait[1]
+    STAGES = tile.stages
+    wait_tile = cp_async_wait[STAGES - 2]
     jit_options = {"fastmath": True, **register_cap(tile.max_registers)}
     if use_mma and lto:
         jit_options["lto"] = True
@@ -200,7 +206,12 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
                         cp_async16(smem, r * SW + w * 4, qw, src, 16)
                     else:
                         cp_async16(smem, r * SW + w * 4, qw, 0, 0)
-        cp_async_commit()
+        cp_async_commit()                              # group 0: Q and key tile 0
+        for st in range(1, STAGES - 1):                # groups 1 .. STAGES - 2: tiles ahead
+            if st < n_tiles:
+                fetch(kw, vw, smem, block_tables, i, lo + st * BK, vmin(BK, hi - lo - st * BK),
+                      hi, kvh, num_kv_heads, tid, st)
+            cp_async_commit()
         if not QASYNC:
             for idx in range(tid, R * ROW_WORDS, threads):
                 r = idx // ROW_WORDS
@@ -236,13 +247,14 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
 
         for it in range(n_tiles):
             kt0 = lo + it * BK
-            b = it % 2
-            if it + 1 < n_tiles:
-                fetch(kw, vw, smem, block_tables, i, kt0 + BK, vmin(BK, hi - kt0 - BK), hi, kvh,
-                      num_kv_heads, tid, 1 - b)
+            b = it % STAGES
+            wait_tile()                                # tile it has landed (this thread's part)
+            cuda.syncthreads()                         # ... and everyone's; all are done with
+            nxt = it + STAGES - 1                      # the buffer that tile nxt refills
+            if nxt < n_tiles:
+                fetch(kw, vw, smem, block_tables, i, lo + nxt * BK,
+                      vmin(BK, hi - lo - nxt * BK), hi, kvh, num_kv_heads, tid, nxt % STAGES)
             cp_async_commit()
-            wait_prev()
-            cuda.syncthreads()
             nk = vmin(BK, hi - kt0)
             koff = K_OFF + 2 * b * TILE_WORDS
             live = True
@@ -298,7 +310,6 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
                         a_run[m * 2 + h] = alpha
                 # ---- O = O * alpha + P V
                 pv(o, a_run, s, smem, koff + TILE_WORDS, scratch)
-            cuda.syncthreads()                         # the buffer is refilled next iteration
 
         # ---- normalize and store: a row's sum is spread over its 4 lanes
         for m in range(MT):
