@@ -240,7 +240,7 @@ def paged_prefill(query, k_cache, v_cache, block_tables, query_start_loc, contex
 def _use_mma_prefill(kind_q, kind_kv, head_dim):
     """Half queries on half caches, head_dim a multiple of 16 (at most 256), unless turned off."""
     if prefill_mma_mode not in ("auto", "numba", "off"):
-        raise ValueError(f"cuda backend: prefill_mma must be 'auto', 'numba' or 'off', got "
+        raise ValueError(f"cuda backend: prefill_mma_mode must be 'auto', 'numba' or 'off', got "
                          f"{prefill_mma_mode!r}")
     return (prefill_mma_mode != "off" and kind_q != F32 and kind_kv != F32 and head_dim % 16 == 0
             and head_dim <= 256)

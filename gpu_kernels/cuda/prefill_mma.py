@@ -76,9 +76,7 @@ class MmaTile:
 def default_mma_tile(head_dim):
     if SIMULATED:
         return MmaTile(1, 1, 16, head_dim)
-    if head_dim > 128:
-        return MmaTile(4, 1, 32, head_dim)
-    return MmaTile(4, 1, 64, head_dim)
+    return MmaTile(4, 2 if head_dim <= 128 else 1, 32, head_dim)
 
 
 @functools.lru_cache(maxsize=None)
