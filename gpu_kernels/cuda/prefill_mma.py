@@ -235,6 +235,7 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
         m_run = cuda.local.array(MN, float32)
         l_run = cuda.local.array(MN, float32)
         a_run = cuda.local.array(MN, float32)
+        m_tile = cuda.local.array(MN, float32)
         for x in range(MN):
             m_run[x] = NEG
             l_run[x] = 0.0
@@ -262,50 +263,59 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
             if live:
                 # ---- S = Q K^T
                 qk(s, smem, wrow0 * SW, koff, scratch)
-                # ---- mask, online softmax (P replaces S); scores stay unscaled until exp2
+                # ---- mask, online softmax (P replaces S); scores stay unscaled until exp2.
+                # Each phase is one loop over the thread's MT * 2 rows with no branch inside,
+                # so that the rows' dependency chains (max, shuffles, exp2) interleave.
                 interior = nk == BK and kt0 + BK <= w_first_pos + 1 and \
                     (window <= 0 or kt0 > w_last_pos - window)
-                for m in range(MT):
-                    for h in range(2):
+                if interior:
+                    for mh in range(MN):
                         mx = NEG
-                        if interior:
-                            for nn in range(NT):
-                                for e in range(2):
-                                    mx = fmax32(mx, s[(m * NT + nn) * 4 + 2 * h + e])
-                        else:
-                            # this lane's keys 8 nn + e + 2 t are visible iff in [klo, khi)
-                            r = wrow0 + m * 16 + g + 8 * h
-                            tok = r // hpb
-                            pos = first_pos + tok
-                            khi = vmin(nk, pos - kt0 + 1) - 2 * t
-                            if r >= RV or tok >= n_tok:
-                                khi = -BK
-                            klo = -2 * t
-                            if window > 0:
-                                klo = pos - window + 1 - kt0 - 2 * t
-                            for nn in range(NT):
-                                for e in range(2):
-                                    x = s[(m * NT + nn) * 4 + 2 * h + e]
-                                    if nn * 8 + e < klo or nn * 8 + e >= khi:
-                                        x = NEG
-                                    s[(m * NT + nn) * 4 + 2 * h + e] = x
-                                    mx = fmax32(mx, x)
-                        mx = fmax32(mx, shfl_xor(mx, 1, scratch))
-                        mx = fmax32(mx, shfl_xor(mx, 2, scratch))
-                        # masked scores are NEG: exp2 makes them 0 once the row has a visible
-                        # key; before that (m_new still ~NEG) they count 1, and the first
-                        # visible key's alpha = 0 wipes them
-                        m_new = fmax32(m_run[m * 2 + h], mx * scale_log2)
-                        alpha = exp2(m_run[m * 2 + h] - m_new)
-                        m_run[m * 2 + h] = m_new
-                        total = float32(0.0)
                         for nn in range(NT):
                             for e in range(2):
-                                p = exp2(s[(m * NT + nn) * 4 + 2 * h + e] * scale_log2 - m_new)
-                                s[(m * NT + nn) * 4 + 2 * h + e] = p
-                                total += p
-                        l_run[m * 2 + h] = l_run[m * 2 + h] * alpha + total
-                        a_run[m * 2 + h] = alpha
+                                mx = fmax32(mx, s[((mh // 2) * NT + nn) * 4 + 2 * (mh % 2) + e])
+                        m_tile[mh] = mx
+                else:
+                    for mh in range(MN):
+                        # this lane's keys 8 nn + e + 2 t are visible iff in [klo, khi)
+                        r = wrow0 + (mh // 2) * 16 + g + 8 * (mh % 2)
+                        tok = r // hpb
+                        pos = first_pos + tok
+                        khi = vmin(nk, pos - kt0 + 1) - 2 * t
+                        if r >= RV or tok >= n_tok:
+                            khi = -BK
+                        klo = -2 * t
+                        if window > 0:
+                            klo = pos - window + 1 - kt0 - 2 * t
+                        mx = NEG
+                        for nn in range(NT):
+                            for e in range(2):
+                                x = s[((mh // 2) * NT + nn) * 4 + 2 * (mh % 2) + e]
+                                if nn * 8 + e < klo or nn * 8 + e >= khi:
+                                    x = NEG
+                                s[((mh // 2) * NT + nn) * 4 + 2 * (mh % 2) + e] = x
+                                mx = fmax32(mx, x)
+                        m_tile[mh] = mx
+                for mh in range(MN):
+                    m_tile[mh] = fmax32(m_tile[mh], shfl_xor(m_tile[mh], 1, scratch))
+                for mh in range(MN):
+                    m_tile[mh] = fmax32(m_tile[mh], shfl_xor(m_tile[mh], 2, scratch))
+                for mh in range(MN):
+                    # masked scores are NEG: exp2 makes them 0 once the row has a visible
+                    # key; before that (m_new still ~NEG) they count 1, and the first
+                    # visible key's alpha = 0 wipes them
+                    m_new = fmax32(m_run[mh], m_tile[mh] * scale_log2)
+                    alpha = exp2(m_run[mh] - m_new)
+                    m_run[mh] = m_new
+                    total = float32(0.0)
+                    for nn in range(NT):
+                        for e in range(2):
+                            p = exp2(s[((mh // 2) * NT + nn) * 4 + 2 * (mh % 2) + e]
+                                     * scale_log2 - m_new)
+                            s[((mh // 2) * NT + nn) * 4 + 2 * (mh % 2) + e] = p
+                            total += p
+                    l_run[mh] = l_run[mh] * alpha + total
+                    a_run[mh] = alpha
                 # ---- O = O * alpha + P V
                 pv(o, a_run, s, smem, koff + TILE_WORDS, scratch)
 
