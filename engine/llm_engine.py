@@ -120,6 +120,8 @@ class LLMEngine:
         detok = self.tokenizer.stream_decoder(params.skip_special_tokens)
         eos = frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids
         req = Request(request_id, [int(t) for t in ids], params, eos_token_ids=eos)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]  # the first prompt token has nothing before it (a 1-token prompt: all)
         self.requests[request_id] = req
         self._rngs[request_id], self._detok[request_id], self._sent[request_id] = rng, detok, 0
         self.scheduler.add_request(req)
