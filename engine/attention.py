@@ -9,7 +9,9 @@ each layer then
    table (``paged_decode`` when every sequence has one new token, else
    ``paged_prefill`` with bottom-right-aligned causal masks per chunk).
 
-Both run in ``gpu_kernels`` (Numba), which reads Paddle tensors zero-copy.
+Both run in ``gpu_kernels`` (Numba), which reads Paddle tensors zero-copy,
+on the engine's ``attention_backend`` (``meta.backend``; ``None`` follows the
+tensors: CUDA kernels for GPU tensors, Numba CPU kernels else).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class AttentionMetadata:
     query_start_loc: paddle.Tensor  # int32 [num_seqs + 1]: cumulative query counts
     decode_only: bool               # every sequence has exactly one new token
     num_tokens: int
+    backend: str | None = None      # gpu_kernels backend ("cpu", "cuda", "reference"); None: by tensor
 
 
 KVCache = tuple[paddle.Tensor, paddle.Tensor]  # ([num_blocks, kv_heads, block_size, head_dim]) × 2
@@ -52,14 +55,16 @@ def paged_attention(
     k_cache, v_cache = kv_cache
     if k.dtype != k_cache.dtype:
         k, v = k.astype(k_cache.dtype), v.astype(k_cache.dtype)
-    gpu_kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    backend = meta.backend
+    gpu_kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=backend)
     out = paddle.empty(q.shape, dtype=q.dtype)
     if meta.decode_only:
         gpu_kernels.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                                 sliding_window=sliding_window, out=out)
+                                 sliding_window=sliding_window, out=out, backend=backend)
     else:
         gpu_kernels.paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                  meta.context_lens, scale, sliding_window=sliding_window, out=out)
+                                  meta.context_lens, scale, sliding_window=sliding_window, out=out,
+                                  backend=backend)
     return out
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import paddle
 
 from .config import EngineConfig
+from .device import resolve_attention_backend, resolve_device, warm_up
 from .kv_cache_manager import KVCacheManager
 from .loader import load_checkpoint
 from .model_impl import build_model, resolve_model_impl
@@ -30,13 +31,6 @@ from .snapshot import EngineEvent, StepInfo, take_snapshot
 logger = logging.getLogger("engine")
 
 
-def resolve_device(device: str) -> str:
-    has_gpu = paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
-    if device == "gpu" and not has_gpu:
-        raise ValueError("device='gpu' needs Paddle compiled with CUDA and a visible GPU; use device='cpu' or 'auto'")
-    return "gpu" if device == "gpu" or (device == "auto" and has_gpu) else "cpu"
-
-
 def _available_bytes(device: str) -> int:
     if device == "gpu":
         return paddle.device.cuda.get_device_properties().total_memory
@@ -47,6 +41,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = resolve_device(config.device)
+        self.attention_backend, kernels_backend = resolve_attention_backend(config.attention_backend, self.device)
         paddle.set_device(self.device)
         self.dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if self.device == "gpu" else "float32")
         checkpoint = load_checkpoint(config.model)
@@ -63,7 +58,8 @@ class LLMEngine:
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} holds {num_blocks} blocks; need at least 2")
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, kernels_backend)
+        warm_up(self.runner, self.device)  # a broken device/backend fails here, with its cause
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(lambda t: self.tokenizer.decode([t], skip_special_tokens=False))
         model_limit = checkpoint.config.get("max_position_embeddings") or num_blocks * config.block_size
@@ -228,7 +224,8 @@ class LLMEngine:
     def snapshot(self):
         live = list(self.scheduler.running) + list(self.scheduler.waiting)
         return take_snapshot(step=self.step_count, model=self.model_name, model_impl=self.model_impl,
-                             device=self.device, kv_cache=self.kv_cache, requests=live, last_step=self.last_step)
+                             device=self.device, attention_backend=self.attention_backend, kv_cache=self.kv_cache,
+                             requests=live, last_step=self.last_step)
 
     def subscribe(self, callback):
         self._listeners.append(callback)
