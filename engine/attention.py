@@ -16,6 +16,8 @@ tensors: CUDA kernels for GPU tensors, Numba CPU kernels else).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +42,35 @@ class AttentionMetadata:
 
 KVCache = tuple[paddle.Tensor, paddle.Tensor]  # ([num_blocks, kv_heads, block_size, head_dim]) × 2
 
+_ATTENDED: contextvars.ContextVar[list | None] = contextvars.ContextVar("engine_attended", default=None)
+
+
+@contextlib.contextmanager
+def every_layer_attends(owner: str, kv_caches, why: str = ""):
+    """Check that the body calls `paged_attention` exactly once on each of ``kv_caches``.
+
+    Every model wrapper (native, PaddleFormers, PaddleFleet) runs its layers
+    inside this block: a layer that attends some other way (a library falling
+    back to its own attention, a layer left unpatched) would attend to this
+    step's tokens only, which no output check would notice. ``why`` says what
+    that means for ``owner``. ``kv_caches=None`` (no paged cache) checks nothing.
+    """
+    if kv_caches is None:
+        yield
+        return
+    seen: list[int] = []
+    token = _ATTENDED.set(seen)
+    try:
+        yield
+    finally:
+        _ATTENDED.reset(token)
+    layer_of = {id(cache[0]): i for i, cache in enumerate(kv_caches)}
+    layers = sorted(layer_of.get(key, -1) for key in seen)
+    if layers != list(range(len(kv_caches))):
+        raise RuntimeError(f"{owner}: {len(seen)} attention calls reached the engine's KV cache for "
+                           f"{len(kv_caches)} layers (layers {layers}, -1: not one of the step's caches)"
+                           + (f"; {why}" if why else ""))
+
 
 def paged_attention(
     q: paddle.Tensor,
@@ -53,6 +84,9 @@ def paged_attention(
 ) -> paddle.Tensor:
     """q: [T, num_heads, D]; k, v: [T, num_kv_heads, D]. Returns [T, num_heads, D]."""
     k_cache, v_cache = kv_cache
+    seen = _ATTENDED.get()
+    if seen is not None:
+        seen.append(id(k_cache))
     if k.dtype != k_cache.dtype:
         k, v = k.astype(k_cache.dtype), v.astype(k_cache.dtype)
     backend = meta.backend
