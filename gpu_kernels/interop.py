@@ -14,9 +14,15 @@ Paddle, CPU       NumPy array over ``data_ptr()`` (writable: a ``write_kv``
                   refuses bfloat16, so the view is built from the pointer.
 torch, CPU        ``tensor.numpy()`` (bf16 via an int16 view)
 CUDA tensors      ``numba.cuda`` array from ``__cuda_array_interface__``;
-                  Paddle and torch report bfloat16 as ``<f2`` or not at all,
-                  so bf16 becomes ``<u2``
+                  Paddle reports bfloat16 as ``<f2`` (like float16) and torch
+                  not at all, so bf16 becomes ``<u2``; strides travel as given
+CPU tensors,      under ``NUMBA_ENABLE_CUDASIM=1`` the host view in the device
+simulator         representation (device memory is host memory there)
 ================  ==========================================================
+
+Kernels launch on the current stream of the framework that owns the query
+(`framework_stream_handle`: the CUDA stream protocol ``__cuda_stream__`` where
+the framework's stream object offers it).
 
 Views are cached by (data pointer, shape, dtype, strides). Building a view
 costs microseconds (tens for a Numba device array); looking one up costs

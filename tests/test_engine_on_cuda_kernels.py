@@ -21,6 +21,26 @@ IN_SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 
 if not IN_SIMULATOR:
 
+    def test_engine_on_a_gpu(tmp_path):
+        """Where paddlepaddle-gpu and numba-cuda see a GPU: the engine on it (Paddle tensors in GPU
+        memory, float32 and bfloat16) serves the CPU engine's greedy tokens (float32)."""
+        from engine.device import gpu_stack_problem
+
+        problem = gpu_stack_problem()
+        if problem:
+            pytest.skip(f"no GPU stack: {problem}")
+        from engine import LLM, SamplingParams
+        from tiny_models import make_tiny_model, tiny_prompts
+
+        tiny = make_tiny_model(str(tmp_path / "llama"), seed=3)
+        greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        prompts = tiny_prompts(3)
+        expected = [o.outputs[0].token_ids for o in LLM(model=tiny, device="cpu").generate(prompts, greedy)]
+        gpu = LLM(model=tiny, device="gpu", dtype="float32", max_num_batched_tokens=16)
+        assert gpu.snapshot().attention_backend == "cuda"
+        assert [o.outputs[0].token_ids for o in gpu.generate(prompts, greedy)] == expected
+        assert LLM(model=tiny, device="gpu").generate(prompts[0], greedy)[0].outputs[0].token_ids  # bf16 serves
+
     def test_engine_on_cuda_kernels_in_the_simulator():
         env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
         proc = subprocess.run(
