@@ -25,6 +25,10 @@ PaddlePaddle/PaddleFleet (``src/paddlefleet/``) and FastDeploy:
   is embedding, head empty layers, transformer layers, final norm, (MTP), LM head;
 * ``models/gpt/gpt_embedding.py`` @ 016a57d186b3b2c6c64ea70001383d2b9de78a16:
   ``GPTEmbedding.forward(dict_args, decoder_input=None)`` returns a dict with ``hidden_states``;
+* ``transformer/attention.py`` @ 0642f935cd6cc069f99b9055197b2fef7ac154fb: ``SelfAttention``
+  holds ``core_attention``, applies RoPE by ``position_ids``, calls the core attention with
+  ``[b, s, heads, D]`` tensors; sliding-window layers may have their own ``swa_head_dim`` /
+  ``swa_num_key_value_heads``;
 * paddleformers 1.2 ``transformers/gpt_provider.py`` (installed): ``get_input_embeddings()``
   is the ``GPTEmbedding``'s ``embedding.embed_tokens``, ``get_lm_head()`` the ``GPTLMHead``;
 * FastDeploy ``fastdeploy/model_executor/models/paddleformers/base_fleet.py`` @
@@ -247,3 +251,10 @@ def test_a_layer_left_on_the_library_attention_fails_the_step():
     meta, caches = _packed_prefill([4], 2, 8, 2)
     with pytest.raises(RuntimeError, match=r"1 attention calls .* for 2 layers .*not the engine's adapter"):
         wrapped.forward(paddle.to_tensor(np.arange(4, dtype=np.int64)), meta.positions, meta, caches)
+
+
+def test_layers_with_different_kv_layouts_are_refused():
+    model = GPTModel(2)
+    model.layers()[1].self_attn.core_attention.hidden_size_per_attention_head = 16  # a swa_head_dim layer
+    with pytest.raises(NotImplementedError, match=r"different KV layouts .* \[\(2, 8\), \(2, 16\)\]"):
+        PaddleFleetModel(model, vocab_size=32)

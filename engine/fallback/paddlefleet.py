@@ -7,7 +7,8 @@ norm and ``GPTLMHead``. Each ``TransformerLayer`` owns ``self_attn`` (a
 ``SelfAttention``) whose ``core_attention`` (a ``DotProductAttention``) is called,
 after RoPE, with ``query`` ``[b, s, heads_per_partition, head_dim]`` and
 ``key``/``value`` ``[b, s, kv_heads_per_partition, head_dim]`` and returns
-``[b, s, heads_per_partition * head_dim]``. Like FastDeploy's
+``[b, s, heads_per_partition * head_dim]`` (with ``past_key_values``,
+``layer_idx``, ``use_cache`` keywords in newer versions). Like FastDeploy's
 ``patch_paddlefleet_core_attention`` (``base_fleet.py``), `patch_core_attention`
 replaces every core attention with a `FleetPagedAttention` reading what it
 needs from the layers themselves:
@@ -157,8 +158,11 @@ class PaddleFleetModel:
         self.model = model
         self.vocab_size = vocab_size
         self.adapters = patch_core_attention(model)
-        first = self.adapters[0]
-        self._layout = (len(self.adapters), first.num_kv_heads, first.head_dim)
+        layouts = sorted({(a.num_kv_heads, a.head_dim) for a in self.adapters})
+        if len(layouts) > 1:  # e.g. sliding-window layers with their own swa_head_dim / swa_num_key_value_heads
+            raise NotImplementedError(f"{type(model).__name__}'s layers have different KV layouts (kv heads, "
+                                      f"head_dim) {layouts}; the engine's paged KV cache has one layout")
+        self._layout = (len(self.adapters), *layouts[0])
 
     def kv_layout(self) -> tuple[int, int, int]:
         return self._layout
