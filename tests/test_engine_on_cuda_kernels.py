@@ -58,7 +58,7 @@ else:
 
     BLOCK_SIZE = 4
     SHAPES = {  # (layers, heads, kv_heads, head_dim, hidden)
-        "LlamaForCausalLM": (2, 4, 2, 8, 32),
+        "LlamaForCausalLM": (2, 2, 1, 8, 16),
         "Gemma3ForCausalLM": (2, 2, 1, 256, 32),
     }
 
