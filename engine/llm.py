@@ -261,11 +261,16 @@ class LLM:
 
     def _next(self, q: queue.SimpleQueue) -> StreamDelta:
         """The request's next delta; raises ``EngineDeadError`` instead of waiting on a dead engine."""
+        idle = 0
         while True:
             try:
                 item = q.get(timeout=1.0)
             except queue.Empty:
                 self._check_alive()
+                thread = self._thread  # a live request always has a live engine thread
+                idle = idle + 1 if thread is None or not thread.is_alive() else 0
+                if idle >= 2:
+                    raise EngineDeadError("the engine thread is gone and this request never finished")
                 continue
             if isinstance(item, _Died):
                 raise EngineDeadError(f"{item.reason}; the request was not finished")

@@ -286,3 +286,9 @@ def test_bad_engine_settings_are_rejected_before_loading(kwargs, message):
 def test_numpy_token_ids_are_accepted(llm, reference):
     out = llm.generate({"prompt_token_ids": np.asarray(PROMPT["prompt_token_ids"])}, GREEDY)[0]
     assert ids(out) == reference["prompt"]
+
+
+def test_one_token_prompt_has_prompt_logprobs_of_its_length(llm):
+    """Found by tests/test_fuzz_engine.py: a 1-token prompt came back with ``prompt_logprobs == []``."""
+    out = llm.generate({"prompt_token_ids": [12]}, SamplingParams(max_tokens=2, prompt_logprobs=1))[0]
+    assert out.prompt_logprobs == [None]
