@@ -183,3 +183,13 @@ def test_tensor_core_prefill_agrees_with_its_numba_twin(monkeypatch, dtype, head
                               prob.query_start_loc, prob.context_lens, prob.scale,
                               sliding_window=window, out=ref, backend="reference")
     assert_close(outs["auto"], ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_tensor_core_prefill_window_across_a_warps_rows(dtype):
+    """One head per block (GQA group 1): a warp's 32 rows are 32 consecutive queries, and a
+    key tile can lie inside the window of its first queries but before that of its last one
+    (chunk at positions 80..279, window 100). Such a tile must not be skipped."""
+    prob = make_problem(np.random.default_rng(9), context_lens=[280], query_lens=[200],
+                        num_kv_heads=2, group=1, head_dim=128, block_size=16, dtype=dtype)
+    assert_close(gpu_run("prefill", prob, 100), ref_run("prefill", prob, 100), dtype)

@@ -83,6 +83,22 @@ else:
         assert_close(run(prob, None, "cuda"), run(prob, None, "reference"), "float32")
         assert built_tensor_core_kernels() == before
 
+    def test_warps_skip_only_key_tiles_none_of_their_rows_sees():
+        """The predicate by which a warp skips a key tile, against brute force: queries at
+        consecutive positions (a warp's rows), causal, with and without a window. (A window
+        test on the last query alone skipped tiles that the warp's first queries still see.)"""
+        for first in range(0, 12):
+            for last in range(first, first + 6):
+                for window in (0, 1, 3, 7):
+                    for kt0 in range(0, 20, 4):
+                        for nk in (1, 4):
+                            keys = range(kt0, kt0 + nk)
+                            seen = any(j <= p and (window <= 0 or j > p - window)
+                                       for p in range(first, last + 1) for j in keys)
+                            assert prefill_mma.tile_seen_by_rows(kt0, nk, first, last,
+                                                                 window) == seen, \
+                                (kt0, nk, first, last, window)
+
     def test_bad_mode_is_refused(monkeypatch):
         monkeypatch.setattr(cuda_backend, "prefill_mma_mode", "fast")
         prob = make_problem(np.random.default_rng(6), context_lens=[5], query_lens=[5],

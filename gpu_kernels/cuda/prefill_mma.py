@@ -43,6 +43,17 @@ from .shared_memory import (cp_async16, cp_async_commit, cp_async_wait, dynamic_
 NEG = np.float32(-1e30)
 
 
+def tile_seen_by_rows(kt0, nk, first_pos, last_pos, window):
+    """Does any query at positions ``first_pos .. last_pos`` see a key of ``kt0 .. kt0 + nk - 1``?
+
+    Their visible keys together are ``[first_pos - window + 1, last_pos]`` (causal: the last
+    query sees the latest key; window: the first query's window starts earliest)."""
+    return kt0 <= last_pos and (window <= 0 or kt0 + nk - 1 > first_pos - window)
+
+
+tile_seen = cuda.jit(device=True, inline="always")(tile_seen_by_rows)
+
+
 @dataclass(frozen=True)
 class MmaTile:
     """Warps per block, 16-row tiles per warp, keys per key tile, head_dim, K/V buffers,
@@ -258,8 +269,7 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
             koff = K_OFF + 2 * b * TILE_WORDS
             live = True
             if SKIP:
-                live = warp_active and kt0 <= w_last_pos and \
-                    (window <= 0 or kt0 + nk - 1 > w_last_pos - window)
+                live = warp_active and tile_seen(kt0, nk, w_first_pos, w_last_pos, window)
             if live:
                 # ---- S = Q K^T
                 qk(s, smem, wrow0 * SW, koff, scratch)
