@@ -253,10 +253,18 @@ class LLM:
                 self._queues[rid] = q
                 out.append((rid, q, self.engine.requests[rid]))
             self._post([])
+            thread = None
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
-                self._thread.start()
-        self._deliver()
+                thread = self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        try:
+            self._deliver()  # this submission's events first, on the caller's thread
+        except BaseException:  # a callback raised here: nobody will wait for these requests
+            with self._lock:
+                self._post([d for d in (self.engine.abort(rid) for rid, *_ in out) if d is not None])
+            raise
+        finally:
+            if thread is not None:
+                thread.start()
         return out
 
     def _next(self, q: queue.SimpleQueue) -> StreamDelta:
@@ -267,8 +275,9 @@ class LLM:
                 item = q.get(timeout=1.0)
             except queue.Empty:
                 self._check_alive()
-                thread = self._thread  # a live request always has a live engine thread
-                idle = idle + 1 if thread is None or not thread.is_alive() else 0
+                thread = self._thread  # a live request always has an engine thread (maybe about to start)
+                gone = thread is None or (thread.ident is not None and not thread.is_alive())
+                idle = idle + 1 if gone else 0
                 if idle >= 2:
                     raise EngineDeadError("the engine thread is gone and this request never finished")
                 continue

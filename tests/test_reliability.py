@@ -292,3 +292,18 @@ def test_one_token_prompt_has_prompt_logprobs_of_its_length(llm):
     """Found by tests/test_fuzz_engine.py: a 1-token prompt came back with ``prompt_logprobs == []``."""
     out = llm.generate({"prompt_token_ids": [12]}, SamplingParams(max_tokens=2, prompt_logprobs=1))[0]
     assert out.prompt_logprobs == [None]
+
+
+def test_a_callback_raising_on_the_callers_thread_leaves_no_request(llm, reference):
+    def callback(event):
+        if event.kind == "request_added":
+            raise KeyboardInterrupt("raised by a callback")
+
+    unsubscribe = llm.subscribe(callback)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(OTHER, SamplingParams(max_tokens=50, ignore_eos=True))
+    finally:
+        unsubscribe()
+    assert not llm.snapshot().requests
+    assert ids(llm.generate(PROMPT, GREEDY)[0]) == reference["prompt"]
