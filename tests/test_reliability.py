@@ -180,6 +180,16 @@ def test_engine_thread_death_wakes_every_caller(tiny_dir):
     assert not doomed.snapshot().requests
 
 
+def test_callers_notice_an_engine_thread_that_vanished_without_its_handler(tiny_dir, monkeypatch):
+    from engine.llm import LLM as LLMClass
+
+    monkeypatch.setattr(LLMClass, "_die", lambda self, exc: None)  # the last-resort handler is bypassed
+    doomed = LLM(model=tiny_dir, block_size=4)
+    doomed.subscribe(lambda event: (_ for _ in ()).throw(SystemExit("gone")) if event.kind == "step" else None)
+    box = run_in_thread(lambda: doomed.generate(PROMPT, SamplingParams(max_tokens=50, ignore_eos=True)), timeout=30)
+    assert isinstance(box.get("error"), RuntimeError) and "engine thread is gone" in str(box["error"])
+
+
 # -- 4. stop strings: the stream never shows text that generate() cuts ----------------------------
 
 def test_stream_equals_generate_for_stop_strings_across_tokens(llm):
