@@ -31,10 +31,12 @@ from .models.llama import Linear, LlamaForCausalLM
 _F1, _F2 = types.float32[::1], types.float32[:, ::1]
 
 
-def fused_decode_support(model, kv_dtype: str, device: str) -> str | None:
+def fused_decode_support(model, kv_dtype: str, device: str, attention_backend: str | None = None) -> str | None:
     """None when the fused step can run ``model``, else the reason it cannot."""
     if device != "cpu":
         return f"device is {device}; the fused decode step is a CPU kernel"
+    if attention_backend not in (None, "cpu"):
+        return f"attention_backend is {attention_backend}; the fused decode step has the cpu kernel inside"
     if not isinstance(model, LlamaForCausalLM):
         return f"{type(model).__name__} is not the native decoder"
     if kv_dtype != "float32" or model.embed_tokens.weight.dtype != paddle.float32:
