@@ -11,7 +11,7 @@ from numba.typed import List
 from engine import LLM, SamplingParams
 from engine.block_linear import BlockWeight
 from engine.config import EngineConfig
-from engine.fused_decode import FusedDecode
+from engine.fused_decode import FusedDecode, fused_decode_support
 from engine.loader.gguf_blocks import unpack
 from gpu_kernels.cpu import decode_step as kernel
 from tiny_models import make_tiny_model, tiny_prompts
@@ -86,9 +86,18 @@ def test_block_linears_compute_with_the_checkpoint_weights(qtype, tokens):
 
 
 def test_fused_decode_falls_back_and_says_why(tmp_path):
-    llm = LLM(model=make_tiny_model(str(tmp_path)), dtype="bfloat16")
-    assert llm.snapshot().decode_path == "paddle (dtype is bfloat16; the fused decode step computes in float32)"
+    llm = LLM(model=make_tiny_model(str(tmp_path)), attention_backend="reference")
+    assert llm.snapshot().decode_path == ("paddle (attention_backend is reference; the fused decode step has the "
+                                          "cpu kernel inside)")
     assert llm.engine.runner.fused_decode is None
+    out = llm.generate(tiny_prompts(1), GREEDY)[0]
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 10
+    model = llm.engine.runner.model
+    assert fused_decode_support(model, "float32", "gpu") == "device is gpu; the fused decode step is a CPU kernel"
+    assert fused_decode_support(model, "bfloat16", "cpu") == ("dtype is bfloat16; the fused decode step computes "
+                                                              "in float32")
+    assert fused_decode_support(object(), "float32", "cpu") == "object is not the native decoder"
+    assert fused_decode_support(model, "float32", "cpu") is None
     llm.shutdown()
 
 
