@@ -16,15 +16,26 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Any
+from collections.abc import Callable
+from typing import Protocol
+
+from engine.snapshot import EngineEvent, EngineSnapshot
 
 __all__ = ["EngineMonitor"]
+
+
+class Observable(Protocol):
+    """What the monitor needs of an ``engine.LLM``."""
+
+    def snapshot(self) -> EngineSnapshot: ...
+
+    def subscribe(self, callback: Callable[[EngineEvent], None]) -> Callable[[], None]: ...
 
 
 class EngineMonitor:
     """Latest snapshot dict + ring buffer of the last ``capacity`` engine steps."""
 
-    def __init__(self, llm: Any, *, capacity: int = 200, interval: float = 0.5):
+    def __init__(self, llm: Observable, *, capacity: int = 200, interval: float = 0.5):
         self.llm = llm
         self.interval = interval
         self._steps: deque[dict] = deque(maxlen=capacity)
@@ -39,20 +50,18 @@ class EngineMonitor:
         self._thread.start()
 
     # -- engine thread ------------------------------------------------------------
-    def _on_event(self, event: Any) -> None:
-        if getattr(event, "kind", None) == "step":
-            data = dict(getattr(event, "data", {}) or {})
+    def _on_event(self, event: EngineEvent) -> None:
+        if event.kind == "step":
+            data = event.data
             record = {
-                "step": getattr(event, "step", None),
-                "batch_size": int(data.get("batch_size", 0)),
-                "num_tokens": data.get("num_tokens"),
-                "duration_s": data.get("duration_s"),
+                "step": event.step,
+                "time": event.time,
+                "batch_size": int(data["batch_size"]),
+                "num_tokens": data["num_tokens"],
+                "duration_s": data["duration_s"],
+                "num_prefill": len(data["prefill"]),
+                "num_decode": len(data["decode"]),
             }
-            if "prefill" in data:
-                record["num_prefill"] = len(data["prefill"] or {})
-            elif record["num_tokens"] is not None:
-                # A step that ran more tokens than requests ran prompt tokens.
-                record["prefill"] = record["num_tokens"] > record["batch_size"]
             with self._lock:
                 self._steps.append(record)
                 self.num_steps += 1

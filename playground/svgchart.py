@@ -115,9 +115,13 @@ def bar_chart_svg(
         is_last = i == len(values) - 1 and i - last_labelled >= max(2, label_every // 2)
         if labels is not None and (i % label_every == 0 or is_last):
             last_labelled = i
+            # A label centred under a bar at the right edge would be cut off: anchor it at its end.
+            cx = x + bar_w / 2
+            half = 3.0 * len(label)            # ~6 px per character at 10 px
+            anchor, lx = ("end", min(cx + half, width - 1)) if cx + half > width - 1 else ("middle", cx)
             parts.append(
-                f'<text x="{x + bar_w / 2:.1f}" y="{top + plot_h + 11}" '
-                f'text-anchor="middle" style="{_FONT}">{escape(label)}</text>'
+                f'<text x="{lx:.1f}" y="{top + plot_h + 11}" '
+                f'text-anchor="{anchor}" style="{_FONT}">{escape(label)}</text>'
             )
     if x_caption:
         parts.append(
