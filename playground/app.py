@@ -20,7 +20,9 @@ from .chat import ChatSession
 from .chatview import META_CSS
 from .handlers import Handlers, Limits
 from .monitor import EngineMonitor
+from .inspector import BLOCK_CLICK_JS, block_inspector_html
 from .serve_commands import serve_commands_html
+from .timeline import timeline_html
 
 __all__ = ["build_app", "launch", "DEFAULT_SYSTEM_PROMPT", "THEME", "CSS"]
 
@@ -54,6 +56,7 @@ if (!window.__pgNav) {
 THEME = gr.themes.Soft(primary_hue="indigo", neutral_hue="slate")
 CSS = """
 .pg-title h1{margin:0;font-size:22px;font-weight:700}.pg-title p{margin:2px 0 0;color:#64748b}
+.pg-notice{margin:6px 0 0;padding:6px 10px;border-radius:6px;background:#fef3c7;color:#78350f}
 .pg-badge{display:inline-block;background:#eef2ff;color:#3730a3;border-radius:999px;padding:1px 9px;
  margin-right:6px;font-size:12px;font-weight:600}
 #kv-map, #prefix-panel, #engine-panel, #logprobs, #batch-view{padding:6px 4px}
@@ -61,7 +64,11 @@ CSS = """
 """ + META_CSS
 
 
-def _header(snapshot: dict, limits: Limits) -> str:
+def _header(snapshot: dict, limits: Limits, base_model: bool = False) -> str:
+    notice = ('<p class="pg-notice" id="base-model-notice">This is a <b>base model</b>: it has no chat template, '
+              "so it was not trained to hold a conversation. The page starts in <b>completion</b> mode: your "
+              "text is continued as it is. Chat mode wraps turns in a generic format the model does not know."
+              "</p>") if base_model else ""
     badges = "".join(
         f'<span class="pg-badge">{escape(str(v))}</span>'
         for v in (snapshot.get("model"), snapshot.get("model_impl"), snapshot.get("device"),
@@ -70,7 +77,7 @@ def _header(snapshot: dict, limits: Limits) -> str:
     return (
         '<div class="pg-title"><h1>Fleet Playground</h1>'
         f"<p>{badges} Chat, then watch the paged KV cache, the prefix cache and every token's "
-        f"probability. Messages up to {limits.max_input_chars} characters.</p></div>"
+        f"probability. Messages up to {limits.max_input_chars} characters.</p>{notice}</div>"
     )
 
 
@@ -85,7 +92,7 @@ def build_app(
     limits: Limits | None = None,
     queue_size: int = 32,
     concurrency: int | None = None,
-    refresh_every: float = 1.0,
+    refresh_every: float = 0.25,
     system_prompt: str = DEFAULT_SYSTEM_PROMPT,
     allow_engine_admin: bool = False,
 ) -> gr.Blocks:
@@ -107,9 +114,10 @@ def build_app(
     limits = limits or Limits()
     config = getattr(llm, "config", None)
     concurrency = concurrency or getattr(config, "max_num_seqs", None) or 8
-    monitor = EngineMonitor(llm)
+    monitor = EngineMonitor(llm, interval=min(refresh_every, 0.2))
     h = Handlers(llm, monitor, limits, allow_engine_admin=allow_engine_admin)
     snap = monitor.snapshot()
+    base_model = h.default_mode == "completion"
 
     # Gradio sends usage analytics unless told not to: off unless GRADIO_ANALYTICS_ENABLED=True.
     analytics = os.environ.get("GRADIO_ANALYTICS_ENABLED", "False") == "True"
@@ -117,7 +125,7 @@ def build_app(
         # A plain function, not the bound method: Gradio deep-copies the page
         # config (which lists this callback) on every page load.
         session = gr.State(lambda: ChatSession(), delete_callback=lambda s: h.stop(s))
-        _html(_header(snap, limits), "header")
+        _html(_header(snap, limits, base_model), "header")
         with gr.Row(equal_height=False):
             with gr.Column(scale=5, min_width=420):
                 chatbot = gr.Chatbot(label="Chat", height=440, elem_id="chat", buttons=["copy"])
@@ -127,6 +135,9 @@ def build_app(
                                      scale=8, max_lines=6, elem_id="msg")
                     send = gr.Button("Send", variant="primary", scale=1, min_width=80, elem_id="send")
                 with gr.Row():
+                    mode = gr.Radio(["chat", "completion"], value=h.default_mode, show_label=False,
+                                    elem_id="mode", scale=2, container=False,
+                                    info=None)
                     stop = gr.Button("Stop", size="sm", elem_id="stop")
                     regen = gr.Button("Regenerate (new branch)", size="sm", elem_id="regenerate")
                     clear = gr.Button("Clear", size="sm", elem_id="clear")
@@ -150,8 +161,10 @@ def build_app(
                                               allow_custom_value=True, scale=2, elem_id="alternative")
                     branch = gr.Button("Branch ↳", scale=1, min_width=100, elem_id="branch")
             with gr.Column(scale=4, min_width=380):
-                gr.Markdown("**KV cache blocks** — one cell per physical block, live")
-                block_map = _html(render.block_map_html(snap), "kv-map")
+                gr.Markdown("**KV cache blocks** — one cell per physical block, live; click one to inspect it, "
+                            "hover a legend entry to find its blocks")
+                block_map = _html(render.block_map_html(snap), "kv-map", js=BLOCK_CLICK_JS)
+                inspector = _html(block_inspector_html(None, None), "block-inspector")
                 with gr.Tabs():
                     with gr.Tab("Prefix cache"):
                         prefix = _html(render.prefix_cache_html(snap), "prefix-panel")
@@ -159,6 +172,7 @@ def build_app(
                                           elem_id="reset-prefix")
                     with gr.Tab("Engine"):
                         engine = _html(render.engine_panel_html(snap), "engine-panel")
+                        timeline = _html(timeline_html(monitor.timeline.series()), "timeline")
                         align = gr.Button(f"Check backend consistency: {h.llm.model_impl} vs {h.aligner.impl}",
                                           size="sm", elem_id="align", interactive=allow_engine_admin)
                         if not allow_engine_admin:
@@ -184,9 +198,11 @@ def build_app(
         engine_q = dict(concurrency_limit=concurrency, concurrency_id="engine", show_progress="hidden",
                         preprocess=False)
         chat_events = [
-            send.click(h.send, [msg, session, system, *sampling], chat_out, api_name="chat", **engine_q),
-            msg.submit(h.send, [msg, session, system, *sampling], chat_out, api_visibility="private", **engine_q),
-            regen.click(h.regenerate, [session, system, *sampling], chat_out, api_name="regenerate", **engine_q),
+            send.click(h.send, [msg, session, system, *sampling, mode], chat_out, api_name="chat", **engine_q),
+            msg.submit(h.send, [msg, session, system, *sampling, mode], chat_out, api_visibility="private",
+                       **engine_q),
+            regen.click(h.regenerate, [session, system, *sampling, mode], chat_out, api_name="regenerate",
+                        **engine_q),
             branch.click(h.branch, [token_index, alternative, session, *sampling], chat_out, api_name="branch",
                          **engine_q),
             fire.click(h.batch_demo, [n_batch, session, system, *sampling], [batch_view], api_name="batch_demo",
@@ -197,10 +213,11 @@ def build_app(
         clear.click(h.clear, [session], chat_out, cancels=chat_events, api_name="clear")
         lp_view.click(h.pick_token, [session], [token_index, alternative, lp_view], api_visibility="private")
         nav.click(h.navigate, [session], chat_out, api_visibility="private")
+        block_map.click(h.inspect_block, [session], [inspector], api_visibility="private")
         reset.click(h.reset_prefix_cache, [session], [prefix], api_name="reset_prefix_cache")
         align.click(h.align, [session, system], [align_view], api_name="align", concurrency_limit=1,
                     concurrency_id="align", preprocess=False)
-        panels = dict(fn=h.refresh, inputs=[session], outputs=[block_map, prefix, engine],
+        panels = dict(fn=h.refresh, inputs=[session], outputs=[block_map, prefix, engine, timeline],
                       show_progress="hidden", concurrency_limit=None, api_visibility="private")
         timer.tick(**panels)
         demo.load(**panels)

@@ -67,6 +67,7 @@ class ChatSession:
     tree: Conversation = field(default_factory=Conversation)   # every reply and branch (app)
     labels: dict[str, str] = field(default_factory=dict)  # this tab's recent requests → legend name
     last_render_key: Any = None
+    timeline_at: float = 0.0                              # when this tab last drew the engine timeline
 
     def new_request_id(self, kind: str = "chat", label: str = "this chat") -> str:
         """A fresh engine request id for this tab, remembered with its legend name."""

@@ -85,6 +85,10 @@ class Conversation:
             out.append({"role": n.role, "content": n.text})
         return out
 
+    def text_before(self, node_id: int) -> str:
+        """The path's texts before ``node_id`` run together: the document a completion continues."""
+        return "".join(m["content"] for m in self.messages_before(node_id))
+
     def turn_number(self, node_id: int) -> int:
         """How many user messages lead to this node (its turn in the conversation)."""
         n, node = 0, self.nodes[node_id]

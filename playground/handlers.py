@@ -30,11 +30,21 @@ from .chatview import chat_messages
 from .colors import OwnerColors
 from .conversation import Node
 from .inputs import InputError, Limits
+from .inspector import block_inspector_html
 from .monitor import EngineMonitor
+from .timeline import timeline_html
 
 __all__ = ["Limits", "Handlers"]
 
 SKIP6 = (gr.skip(),) * 6
+
+
+MODES = ("chat", "completion")
+
+
+def default_mode(tokenizer: Any) -> str:
+    """Chat for models with a chat template; raw text completion for base models without one."""
+    return "chat" if getattr(tokenizer, "chat_template", None) else "completion"
 
 
 def _system(system: str) -> list[dict]:
@@ -73,8 +83,22 @@ class Handlers:
         self.colors = OwnerColors()
         engine = getattr(llm, "engine", None)
         self.max_model_len = getattr(engine, "max_model_len", None) or getattr(llm.config, "max_model_len", None)
+        self.default_mode = default_mode(self.tokenizer)
 
     # -- helpers ------------------------------------------------------------------
+    def _mode(self, mode: Any) -> str:
+        if mode is None or mode == "":
+            return self.default_mode
+        if mode not in MODES:
+            raise InputError(f"mode must be one of {', '.join(MODES)}; got {mode!r:.40}")
+        return mode
+
+    def _prompt(self, session: ChatSession, node: Node, system: str, mode: str) -> Any:
+        """What the engine is asked for ``node``: chat messages, or the text so far (completion mode)."""
+        if mode == "completion":
+            return {"prompt": session.tree.text_before(node.node_id)}
+        return _system(system) + session.tree.messages_before(node.node_id)
+
     def sampling(self, *values, cap: int | None = None):
         return inputs.sampling(*values, max_tokens_cap=cap or self.limits.max_tokens, vocab_size=self.vocab_size)
 
@@ -172,12 +196,18 @@ class Handlers:
 
     # -- chat controls -------------------------------------------------------------------
     @checked
-    def send(self, message: Any, session: ChatSession, system: Any, *sampling) -> Iterator[tuple]:
-        """Send a user message and stream the reply (queued behind one still streaming)."""
-        message = inputs.text(message, "message", max_chars=self.limits.max_input_chars).strip()
+    def send(self, message: Any, session: ChatSession, system: Any, *sampling_and_mode) -> Iterator[tuple]:
+        """Send a user message and stream the reply (queued behind one still streaming).
+
+        In completion mode the message is text for the model to continue (no chat template);
+        it is not stripped, since a trailing space or newline changes the continuation.
+        """
+        sampling, mode = sampling_and_mode[:6], self._mode(sampling_and_mode[6] if len(sampling_and_mode) > 6 else None)
+        message = inputs.text(message, "message", max_chars=self.limits.max_input_chars)
+        message = message.strip() if mode == "chat" else message
         system = inputs.text(system, "system prompt", max_chars=self.limits.max_input_chars)
         params = self.sampling(*sampling)
-        if not message:
+        if not message.strip():
             yield SKIP6
             return
         user = session.tree.add_user(message)
@@ -190,7 +220,7 @@ class Handlers:
             node = session.tree.add_reply(user.node_id, Reply(request_id=session.new_request_id("chat")))
             started = True
             session.selected = session.selected_node = None
-            prompt = _system(system) + session.tree.messages_before(node.node_id)
+            prompt = self._prompt(session, node, system, mode)
             yield self._outputs(session, msg="", reset_controls=True)
             yield from self._run(session, node, prompt, params)
         finally:
@@ -198,8 +228,9 @@ class Handlers:
                 session.tree.remove(user.node_id)
 
     @checked
-    def regenerate(self, session: ChatSession, system: Any, *sampling) -> Iterator[tuple]:
+    def regenerate(self, session: ChatSession, system: Any, *sampling_and_mode) -> Iterator[tuple]:
         """Generate another reply to the last message; the earlier ones stay as branches (‹ 1/2 ›)."""
+        sampling, mode = sampling_and_mode[:6], self._mode(sampling_and_mode[6] if len(sampling_and_mode) > 6 else None)
         system = inputs.text(system, "system prompt", max_chars=self.limits.max_input_chars)
         params = self.sampling(*sampling)
         self._refuse_while_streaming(session, "regenerating")
@@ -209,7 +240,7 @@ class Handlers:
             raise gr.Error("Nothing to regenerate yet: send a message first.")
         node = session.tree.add_reply(user.node_id, Reply(request_id=session.new_request_id("chat")))
         session.selected = session.selected_node = None
-        prompt = _system(system) + session.tree.messages_before(node.node_id)
+        prompt = self._prompt(session, node, system, mode)
         yield self._outputs(session, reset_controls=True)
         yield from self._run(session, node, prompt, params)
 
@@ -300,8 +331,12 @@ class Handlers:
         """Timer tick: re-render the live panels if the engine or this tab changed."""
         last = session.tree.last_reply()
         key = (self.monitor.version, len(session.tree.nodes), id(last), self.monitor.num_steps)
+        timeline = gr.skip()
+        if time.monotonic() - session.timeline_at >= 1.0:     # the timeline moves on even when idle
+            session.timeline_at = time.monotonic()
+            timeline = timeline_html(self.monitor.timeline.series())
         if key == session.last_render_key:
-            return gr.skip(), gr.skip(), gr.skip()
+            return gr.skip(), gr.skip(), gr.skip(), timeline
         session.last_render_key = key
         snap = self.monitor.snapshot()
         reply = last.reply if last else None
@@ -311,6 +346,7 @@ class Handlers:
             render.block_map_html(snap, labels=self.labels(session, snap), colors=colors),
             render.prefix_cache_html(snap, self.turns(session)),
             render.engine_panel_html(snap, self.monitor.steps(120), stats),
+            timeline,
         )
 
     @staticmethod
@@ -319,6 +355,20 @@ class Handlers:
         for b in snap.get("blocks") or []:
             ids.extend(b.get("owners") or [])
         return ids
+
+    def inspect_block(self, session: ChatSession, evt: gr.EventData) -> str:
+        """A click on the block map: what that block holds."""
+        data = (getattr(evt, "_data", None) or {}) if evt is not None else {}
+        try:
+            block_id = int(data.get("block"))
+        except (TypeError, ValueError):
+            return gr.skip()
+        snap = self.monitor.refresh()
+        own = {n.reply.request_id: list(n.reply.prompt_token_ids) + n.reply.all_token_ids
+               for n in session.tree.replies()}
+        names = self.labels(session, snap)
+        return block_inspector_html(snap, block_id, name=lambda rid: names.get(rid, rid), own_tokens=own,
+                                    decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False))
 
     def _admin(self, what: str) -> None:
         if not self.allow_engine_admin:

@@ -18,6 +18,9 @@ from engine import SamplingParams
 __all__ = ["InputError", "Limits", "text", "number", "sampling", "alternative_tokens"]
 
 MAX_SEED = 2**63 - 1
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing logits by a
+# subnormal temperature overflows to inf and the probabilities become NaN.
+GREEDY_BELOW = 1e-5
 MAX_FORCED_TOKENS = 64
 
 
@@ -73,8 +76,9 @@ def sampling(temperature: Any, top_p: Any, top_k: Any, max_tokens: Any, seed: An
     """SamplingParams from the sampling controls' values (the sliders' own ranges)."""
     seed = number(seed, "seed", -1, MAX_SEED, integer=True, default=-1)
     k = number(n_logprobs, "logprobs", 0, 20, integer=True, default=0)
+    temperature = number(temperature, "temperature", 0.0, 2.0)
     return SamplingParams(
-        temperature=number(temperature, "temperature", 0.0, 2.0),
+        temperature=0.0 if temperature < GREEDY_BELOW else temperature,
         top_p=number(top_p, "top-p", 0.0, 1.0),
         top_k=number(top_k, "top-k", 0, vocab_size, integer=True, default=0),
         max_tokens=number(max_tokens, "max tokens", 1, max_tokens_cap, integer=True),

@@ -21,6 +21,8 @@ from typing import Protocol
 
 from engine.snapshot import EngineEvent, EngineSnapshot
 
+from .timeline import Timeline
+
 __all__ = ["EngineMonitor"]
 
 
@@ -44,7 +46,9 @@ class EngineMonitor:
         self._stop = threading.Event()
         self.num_steps = 0
         self.version = 0            # bumps with every new snapshot: a view's cheap "did anything change"
+        self.timeline = Timeline()
         self._snapshot = llm.snapshot().to_dict()
+        self.timeline.on_snapshot(time.time(), self._snapshot)
         self._unsubscribe = llm.subscribe(self._on_event)
         self._thread = threading.Thread(target=self._poll, name="playground-monitor", daemon=True)
         self._thread.start()
@@ -65,6 +69,9 @@ class EngineMonitor:
             with self._lock:
                 self._steps.append(record)
                 self.num_steps += 1
+            self.timeline.on_step(event.time, record["num_tokens"], record["num_decode"])
+        elif event.kind == "request_preempted":
+            self.timeline.on_preempt(event.time)
         self._changed.set()
 
     # -- poller thread ------------------------------------------------------------
@@ -83,6 +90,7 @@ class EngineMonitor:
         with self._lock:
             self._snapshot = snap
             self.version += 1
+        self.timeline.on_snapshot(time.time(), snap)
         return snap
 
     # -- readers (any thread) -------------------------------------------------------

@@ -385,3 +385,24 @@ def test_full_queue_refuses_with_a_clear_message(smollm2_llm):
         demo.close()
         demo.playground_monitor.close()
     assert not wait_idle(smollm2_llm)["requests"]
+
+
+def test_completion_mode_continues_raw_text(client, smollm2_llm):
+    """Bug 8: a base model needs raw text continuation; the /chat endpoint takes the mode last."""
+    text = "The capital of France is"
+    chat, *_ = client.predict(text, SYSTEM, *greedy(4, 0), "completion", api_name="/chat")
+    expected = smollm2_llm.generate(text, SamplingParams(temperature=0.0, max_tokens=4))[0].outputs[0].text
+    assert reply_text(chat) == expected
+    n_prompt = len(smollm2_llm.get_tokenizer().encode(text))       # no chat template around it
+    assert re.search(rf"\d+/{n_prompt} prompt tokens cached", reply_meta(chat))
+    with pytest.raises(Exception, match="mode must be one of chat, completion"):
+        client.predict(text, SYSTEM, *greedy(4, 0), "poetry", api_name="/chat")
+
+
+def test_models_without_a_chat_template_start_in_completion_mode(smollm2_llm):
+    from engine.tokenizer import Tokenizer
+    from playground.handlers import default_mode
+
+    chat = smollm2_llm.get_tokenizer()
+    base = Tokenizer(chat.backend, bos_token_id=chat.bos_token_id, chat_template=None, name="base")
+    assert default_mode(chat) == "chat" and default_mode(base) == "completion"
