@@ -160,6 +160,10 @@ def build_app(
                     alternative = gr.Dropdown(label="forcing the alternative (or type text)", choices=[],
                                               allow_custom_value=True, scale=2, elem_id="alternative")
                     branch = gr.Button("Branch ↳", scale=1, min_width=100, elem_id="branch")
+                with gr.Accordion("Compare branches", open=False, elem_id="compare-box"):
+                    compare_btn = gr.Button("Compare the shown reply with another branch", size="sm",
+                                            elem_id="compare")
+                    compare_view = _html("", "compare-view")
             with gr.Column(scale=4, min_width=380):
                 gr.Markdown("**KV cache blocks** — one cell per physical block, live; click one to inspect it, "
                             "hover a legend entry to find its blocks")
@@ -214,6 +218,7 @@ def build_app(
         lp_view.click(h.pick_token, [session], [token_index, alternative, lp_view], api_visibility="private")
         nav.click(h.navigate, [session], chat_out, api_visibility="private")
         block_map.click(h.inspect_block, [session], [inspector], api_visibility="private")
+        compare_btn.click(h.compare, [session], [compare_view], api_name="compare")
         reset.click(h.reset_prefix_cache, [session], [prefix], api_name="reset_prefix_cache")
         align.click(h.align, [session, system], [align_view], api_name="align", concurrency_limit=1,
                     concurrency_id="align", preprocess=False)

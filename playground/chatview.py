@@ -17,7 +17,7 @@ from html import escape
 
 from .conversation import Conversation, Node
 
-__all__ = ["chat_messages", "reply_meta_html", "CURSOR", "META_CSS", "strip_meta"]
+__all__ = ["chat_messages", "reply_meta_html", "compare_html", "CURSOR", "META_CSS", "strip_meta"]
 
 CURSOR = "▌"
 FINISH_TEXT = {"stop": "end of reply", "length": "length: max tokens reached", "abort": "stopped",
@@ -102,3 +102,30 @@ def chat_messages(tree: Conversation, max_model_len: int | None = None) -> list[
 def strip_meta(content: str) -> str:
     """A reply's text without its meta line (what an API client usually wants)."""
     return content.split('\n\n<div class="pg-meta"', 1)[0]
+
+
+def compare_html(tree: Conversation, node: Node | None, render_logprobs) -> str:
+    """The shown reply beside its previous (or next) branch: both logprob strips, and where they part.
+
+    ``render_logprobs(records, selected=i)`` draws one strip (``render.logprob_html``);
+    the first token where the two differ is outlined in both.
+    """
+    if node is None or tree.siblings(node.node_id)[1] < 2:
+        return ('<div class="pg-panel compare-view" style="font-family:ui-sans-serif,system-ui,sans-serif;'
+                'font-size:13px"><i>Branch or regenerate a reply to compare two of its branches here.</i></div>')
+    pos, count = tree.siblings(node.node_id)
+    brothers = tree.nodes[node.parent].children
+    other = tree.nodes[brothers[pos - 2] if pos > 1 else brothers[1]]
+    a, b = (other, node) if pos > 1 else (node, other)
+    ids_a, ids_b = a.reply.all_token_ids, b.reply.all_token_ids
+    split = next((i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y), min(len(ids_a), len(ids_b)))
+    same = split == len(ids_a) == len(ids_b)
+    cols = "".join(
+        f'<div class="compare-col" data-branch="{tree.siblings(n.node_id)[0]}"><div class="pg-sub">branch '
+        f'{tree.siblings(n.node_id)[0]}/{count} · {len(n.reply.all_token_ids)} tokens</div>'
+        f'{render_logprobs(n.reply.records, selected=None if same else split)}</div>'
+        for n in (a, b))
+    verdict = "identical tokens" if same else f"they share {split} tokens and part at token #{split}"
+    return ('<div class="pg-panel compare-view" style="font-family:ui-sans-serif,system-ui,sans-serif;'
+            f'font-size:13px"><div class="compare-split" data-split="{split}">{escape(verdict)}</div>'
+            f'<div style="display:grid;grid-template-columns:1fr 1fr;gap:10px">{cols}</div></div>')

@@ -26,7 +26,7 @@ from . import inputs, render
 from .alignment import Aligner
 from .batch_demo import run_batch
 from .chat import ChatSession, Reply, branch_prompt, start_branch, stream_reply
-from .chatview import chat_messages
+from .chatview import chat_messages, compare_html
 from .colors import OwnerColors
 from .conversation import Node
 from .inputs import InputError, Limits
@@ -317,6 +317,10 @@ class Handlers:
             return SKIP6
         session.selected = session.selected_node = None
         return self._outputs(session, reset_controls=True)
+
+    def compare(self, session: ChatSession) -> str:
+        """The shown reply beside another branch of it, with the token where they part."""
+        return compare_html(session.tree, session.tree.last_reply(), render.logprob_html)
 
     # -- panels ------------------------------------------------------------------------------
     def labels(self, session: ChatSession, snap: dict) -> dict[str, str]:

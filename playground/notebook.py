@@ -114,7 +114,10 @@ def _logprob_records(output: Any, decode: Any = None) -> list[dict]:
 
 
 def _logprob_view(records: Sequence[Mapping[str, Any]]) -> str:
-    return render.logprob_html(records).replace(_BRANCH_HINT, _HOVER_HINT)
+    # A notebook's output area clips what overflows it: keep room under the text for the
+    # hover table of the last line (top-k rows + entropy).
+    html = render.logprob_html(records).replace(_BRANCH_HINT, _HOVER_HINT)
+    return f'<div class="lp-room" style="padding-bottom:{"12em" if records else "0"}">{html}</div>'
 
 
 def show_logprobs(output: Any, *, tokenizer: Any = None) -> HTML:

@@ -430,7 +430,7 @@ def alignment_html(report: Mapping[str, Any] | None) -> str:
         )
     verdict = "greedy outputs identical" if report.get("all_greedy_identical") else "greedy outputs differ"
     return (
-        f'{_CSS}<div class="pg-panel align-view"><div class="pg-head"><span><b>{_e(report.get("impl_a"))}</b> vs '
+        f'{_CSS}<div class="pg-panel align-view"><div class="pg-head"><span>Backend consistency: <b>{_e(report.get("impl_a"))}</b> vs '
         f'<b>{_e(report.get("impl_b"))}</b> on {_e(report.get("model"))}</span>'
         f'<span class="align-verdict">{verdict}</span></div>'
         '<table class="pg-stats batch-table"><tr><th>positions</th><th>top-1 agreement</th>'

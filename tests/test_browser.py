@@ -113,6 +113,11 @@ def test_click_a_token_and_branch(page, smollm2_llm):
     bot.last.locator(".pg-nav.pg-next").click()
     expect(bot.last.locator(".pg-pos")).to_have_text("2/2", timeout=10_000)
     expect(bot.last.locator("p").first).to_have_text(branched)
+    # The compare view puts both branches' logprob strips side by side, parting at the branch token.
+    page.locator("#compare-box").get_by_text("Compare branches").click()
+    page.click("#compare")
+    expect(page.locator("#compare-view .compare-split")).to_have_attribute("data-split", "1", timeout=10_000)
+    expect(page.locator("#compare-view .compare-col")).to_have_count(2)
 
 
 def test_stop_marks_the_reply_and_removes_the_cursor(page, smollm2_llm):
