@@ -62,9 +62,9 @@ class LLMEngine:
         num_blocks = num_kv_blocks(kv_bytes, config.block_size, num_layers, num_kv_heads, head_dim, self.dtype)
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} holds {num_blocks} blocks; need at least 2")
-        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype)
-        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens)
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype)  # owns the KV tensors
+        self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(lambda t: self.tokenizer.decode([t], skip_special_tokens=False))
         model_limit = checkpoint.config.get("max_position_embeddings") or num_blocks * config.block_size
         self.max_model_len = min(config.max_model_len or model_limit, model_limit, num_blocks * config.block_size)
@@ -118,25 +118,23 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
         t0 = time.perf_counter()
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule()  # the step's one record; it advanced num_computed_tokens
         for req in batch.preempted:
             self._emit("request_preempted", request_id=req.request_id)
+        cached = {s.request.request_id: s.num_computed_tokens for s in batch.scheduled}
         for req in batch.started:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.time()
-            self._emit("request_started", request_id=req.request_id, num_cached_tokens=req.num_computed_tokens)
+            self._emit("request_started", request_id=req.request_id, num_cached_tokens=cached[req.request_id])
         if batch.is_empty:
             return []
-        tables = {s.request.request_id: self.kv_cache.block_ids(s.request.request_id) for s in batch.scheduled}
         try:
-            logits = self.runner.execute(batch, tables)
+            logits = self.runner.execute(batch)
         except Exception as exc:  # one bad batch must not take the engine down
             logger.exception("model step failed")
             return [self._finish(s.request, "error", error=f"{type(exc).__name__}: {exc}") for s in batch.scheduled]
         self._publish_block_events()
 
-        for s in batch.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
         for rid, (first, rows) in logits.prompt_rows.items():
             req = self.requests[rid]
             targets = req.prompt_token_ids[first + 1: first + 1 + len(rows)]
@@ -153,10 +151,8 @@ class LLMEngine:
             step=self.step_count,
             batch_size=len(batch.scheduled),
             num_tokens=batch.num_tokens,
-            prefill={s.request.request_id: s.num_new_tokens for s in batch.scheduled if s.num_new_tokens > 1
-                     or not s.completes_sequence},
-            decode=tuple(s.request.request_id for s in batch.scheduled if s.num_new_tokens == 1
-                         and s.completes_sequence),
+            prefill={s.request.request_id: s.num_new_tokens for s in batch.scheduled if not s.is_decode},
+            decode=tuple(s.request.request_id for s in batch.scheduled if s.is_decode),
             duration_s=time.perf_counter() - t0,
         )
         self._emit("step", batch_size=self.last_step.batch_size, num_tokens=self.last_step.num_tokens,
@@ -228,19 +224,19 @@ class LLMEngine:
     def snapshot(self):
         live = list(self.scheduler.running) + list(self.scheduler.waiting)
         return take_snapshot(step=self.step_count, model=self.model_name, model_impl=self.model_impl,
-                             device=self.device, kv_cache=self.kv_cache, requests=live, last_step=self.last_step)
+                             device=self.device, kv_cache_manager=self.kv_cache_manager, requests=live, last_step=self.last_step)
 
     def subscribe(self, callback):
         self._listeners.append(callback)
         return lambda: self._listeners.remove(callback) if callback in self._listeners else None
 
     def reset_prefix_cache(self) -> int:
-        n = self.kv_cache.reset_prefix_cache()
+        n = self.kv_cache_manager.reset_prefix_cache()
         self._publish_block_events()
         return n
 
     def _publish_block_events(self) -> None:
-        events = self.kv_cache.pool.drain_events()
+        events = self.kv_cache_manager.drain_events()
         if events.stored:
             self._emit("blocks_stored", block_ids=[b for b, _ in events.stored],
                        block_hashes=[h.hex() for _, h in events.stored])

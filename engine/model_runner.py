@@ -49,14 +49,14 @@ class ModelRunner:
             (paddle.zeros(shape, dtype=kv_dtype), paddle.zeros(shape, dtype=kv_dtype)) for _ in range(num_layers)
         ]
 
-    def build_metadata(self, batch: SchedulerOutput, block_tables: dict[str, list[int]]):
+    def build_metadata(self, batch: SchedulerOutput):
         """Pack the batch: input ids, metadata, and the row index of each scheduled chunk's start."""
         bs = self.block_size
         ids, positions, slots, starts = [], [], [], [0]
         context_lens, tables = [], []
         for s in batch.scheduled:
             req, lo, hi = s.request, s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
-            table = np.asarray(block_tables[req.request_id], dtype=np.int64)
+            table = np.asarray(s.block_ids, dtype=np.int64)
             pos = np.arange(lo, hi, dtype=np.int64)
             ids.append(np.asarray(req.all_token_ids[lo:hi], dtype=np.int64))
             positions.append(pos)
@@ -81,8 +81,8 @@ class ModelRunner:
         return paddle.to_tensor(np.concatenate(ids)), meta, starts
 
     @paddle.no_grad()
-    def execute(self, batch: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepLogits:
-        input_ids, meta, starts = self.build_metadata(batch, block_tables)
+    def execute(self, batch: SchedulerOutput) -> StepLogits:
+        input_ids, meta, starts = self.build_metadata(batch)
         hidden = self.model.forward(input_ids, meta.positions, meta, self.kv_caches)
 
         rows, sample_ids, prompt_spans = [], [], []
