@@ -202,9 +202,12 @@ def build_app(
         engine_q = dict(concurrency_limit=concurrency, concurrency_id="engine", show_progress="hidden",
                         preprocess=False)
         chat_events = [
-            send.click(h.send, [msg, session, system, *sampling, mode], chat_out, api_name="chat", **engine_q),
+            # trigger_mode="multiple": a message sent while a reply streams is queued by the handler
+            # (Gradio's default, "once", would silently drop the second submission).
+            send.click(h.send, [msg, session, system, *sampling, mode], chat_out, api_name="chat",
+                       trigger_mode="multiple", **engine_q),
             msg.submit(h.send, [msg, session, system, *sampling, mode], chat_out, api_visibility="private",
-                       **engine_q),
+                       trigger_mode="multiple", **engine_q),
             regen.click(h.regenerate, [session, system, *sampling, mode], chat_out, api_name="regenerate",
                         **engine_q),
             branch.click(h.branch, [token_index, alternative, session, *sampling], chat_out, api_name="branch",
