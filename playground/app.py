@@ -195,6 +195,7 @@ def build_app(
                         batch_view = _html(render.batch_table_html([]), "batch-view")
         timer = gr.Timer(refresh_every)
 
+        T = h.per_tab
         sampling = [temperature, top_p, top_k, max_tokens, seed, n_logprobs]
         chat_out = [chatbot, msg, lp_view, prefix, token_index, alternative]
         # preprocess=False: handlers check the raw values themselves (playground.inputs), so a bad
@@ -204,31 +205,32 @@ def build_app(
         chat_events = [
             # trigger_mode="multiple": a message sent while a reply streams is queued by the handler
             # (Gradio's default, "once", would silently drop the second submission).
-            send.click(h.send, [msg, session, system, *sampling, mode], chat_out, api_name="chat",
+            send.click(T(h.send), [msg, session, system, *sampling, mode], chat_out, api_name="chat",
                        trigger_mode="multiple", **engine_q),
-            msg.submit(h.send, [msg, session, system, *sampling, mode], chat_out, api_visibility="private",
+            msg.submit(T(h.send), [msg, session, system, *sampling, mode], chat_out, api_visibility="private",
                        trigger_mode="multiple", **engine_q),
-            regen.click(h.regenerate, [session, system, *sampling, mode], chat_out, api_name="regenerate",
+            regen.click(T(h.regenerate), [session, system, *sampling, mode], chat_out, api_name="regenerate",
                         **engine_q),
-            branch.click(h.branch, [token_index, alternative, session, *sampling], chat_out, api_name="branch",
+            branch.click(T(h.branch), [token_index, alternative, session, *sampling], chat_out, api_name="branch",
                          **engine_q),
-            fire.click(h.batch_demo, [n_batch, session, system, *sampling], [batch_view], api_name="batch_demo",
+            fire.click(T(h.batch_demo), [n_batch, session, system, *sampling], [batch_view], api_name="batch_demo",
                        concurrency_limit=1, concurrency_id="batch", preprocess=False),
         ]
         # Stop skips the queue, so it works even when the queue is full.
-        stop.click(h.stop, [session], chat_out, cancels=chat_events, api_name="stop", queue=False)
-        clear.click(h.clear, [session], chat_out, cancels=chat_events, api_name="clear")
-        lp_view.click(h.pick_token, [session], [token_index, alternative, lp_view], api_visibility="private")
-        nav.click(h.navigate, [session], chat_out, api_visibility="private")
-        block_map.click(h.inspect_block, [session], [inspector], api_visibility="private")
-        compare_btn.click(h.compare, [session], [compare_view], api_name="compare")
-        reset.click(h.reset_prefix_cache, [session], [prefix], api_name="reset_prefix_cache")
-        align.click(h.align, [session, system], [align_view], api_name="align", concurrency_limit=1,
+        stop.click(T(h.stop), [session], chat_out, cancels=chat_events, api_name="stop", queue=False)
+        clear.click(T(h.clear), [session], chat_out, cancels=chat_events, api_name="clear")
+        lp_view.click(T(h.pick_token, event_data=True), [session], [token_index, alternative, lp_view], api_visibility="private")
+        nav.click(T(h.navigate, event_data=True), [session], chat_out, api_visibility="private")
+        block_map.click(T(h.inspect_block, event_data=True), [session], [inspector], api_visibility="private")
+        compare_btn.click(T(h.compare), [session], [compare_view], api_name="compare")
+        reset.click(T(h.reset_prefix_cache), [session], [prefix], api_name="reset_prefix_cache")
+        align.click(T(h.align), [session, system], [align_view], api_name="align", concurrency_limit=1,
                     concurrency_id="align", preprocess=False)
-        panels = dict(fn=h.refresh, inputs=[session], outputs=[block_map, prefix, engine, timeline],
+        panels = dict(fn=T(h.refresh), inputs=[session], outputs=[block_map, prefix, engine, timeline],
                       show_progress="hidden", concurrency_limit=None, api_visibility="private")
         timer.tick(**panels)
         demo.load(**panels)
+        demo.unload(h.forget)
     demo.queue(max_size=queue_size, default_concurrency_limit=concurrency)
     demo.playground_monitor = monitor   # so callers can close it
     return demo
