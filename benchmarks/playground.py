@@ -107,14 +107,15 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     llm = LLM(**vars(config_from_args(args)))
     run_workload(llm, args.requests, 8)   # warm-up
-    without, with_ui, per_render, ui_share, map_rate = [], [], [], [], []
+    without, with_ui, per_render, ui_share, map_rate, step_rate = [], [], [], [], [], []
 
     def measure_with_ui() -> None:
         t0 = time.perf_counter()
         with UILoop(llm, args.tabs, args.interval) as ui:
-            v0, t1 = ui.monitor.version, time.perf_counter()
+            v0, s0, t1 = ui.monitor.version, ui.monitor.num_steps, time.perf_counter()
             with_ui.append(run_workload(llm, args.requests, args.max_tokens))
             map_rate.append((ui.monitor.version - v0) / (time.perf_counter() - t1))
+            step_rate.append((ui.monitor.num_steps - s0) / (time.perf_counter() - t1))
         per_render.append(ui.render_s / max(ui.renders, 1))
         ui_share.append(ui.render_s / (time.perf_counter() - t0))
 
@@ -131,7 +132,9 @@ def main(argv: list[str] | None = None) -> dict:
         # Each "with" run against the "without" run next to it: robust to a machine whose load drifts.
         "slowdown_pct_paired": round(statistics.median(1 - w / b for w, b in zip(with_ui, without)) * 100, 1),
         "render_ms_per_tab_refresh": round(statistics.median(per_render) * 1000, 2),
+        # The map changes once per engine step: it can refresh min(steps/s, 1 / interval) times a second.
         "map_refreshes_per_s": round(statistics.median(map_rate), 1),
+        "engine_steps_per_s": round(statistics.median(step_rate), 1),
         "ui_thread_busy_pct": round(statistics.median(ui_share) * 100, 2),
         "runs_without": [round(x, 2) for x in without], "runs_with": [round(x, 2) for x in with_ui],
     }

@@ -61,6 +61,7 @@ CSS = """
  margin-right:6px;font-size:12px;font-weight:600}
 #kv-map, #prefix-panel, #engine-panel, #logprobs, #batch-view{padding:6px 4px}
 #nav-bridge{display:none}
+#chat .bubble-wrap{padding-top:34px}
 """ + META_CSS
 
 
@@ -135,13 +136,13 @@ def build_app(
                                      scale=8, max_lines=6, elem_id="msg")
                     send = gr.Button("Send", variant="primary", scale=1, min_width=80, elem_id="send")
                 with gr.Row():
-                    mode = gr.Radio(["chat", "completion"], value=h.default_mode, show_label=False,
-                                    elem_id="mode", scale=2, container=False,
-                                    info=None)
                     stop = gr.Button("Stop", size="sm", elem_id="stop")
                     regen = gr.Button("Regenerate (new branch)", size="sm", elem_id="regenerate")
                     clear = gr.Button("Clear", size="sm", elem_id="clear")
-                with gr.Accordion("System prompt and sampling", open=False):
+                with gr.Accordion("Mode, system prompt and sampling", open=base_model):
+                    mode = gr.Radio(["chat", "completion"], value=h.default_mode, label="mode", elem_id="mode",
+                                    info="chat: the model's chat template; completion: your text is continued "
+                                         "as it is (base models)")
                     system = gr.Textbox(label="System prompt", value=system_prompt, lines=2)
                     with gr.Row():
                         temperature = gr.Slider(0.0, 2.0, value=0.7, step=0.05, label="temperature")
@@ -219,6 +220,8 @@ def build_app(
         # Stop skips the queue, so it works even when the queue is full.
         stop.click(T(h.stop), [session], chat_out, cancels=chat_events, api_name="stop", queue=False)
         clear.click(T(h.clear), [session], chat_out, cancels=chat_events, api_name="clear")
+        # The Chatbot's own trash icon clears the same way (not just the display).
+        chatbot.clear(T(h.clear), [session], chat_out, cancels=chat_events, api_visibility="private")
         lp_view.click(T(h.pick_token, event_data=True), [session], [token_index, alternative, lp_view], api_visibility="private")
         nav.click(T(h.navigate, event_data=True), [session], chat_out, api_visibility="private")
         block_map.click(T(h.inspect_block, event_data=True), [session], [inspector], api_visibility="private")

@@ -28,6 +28,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
 def drive(page, url: str) -> None:
     page.goto(url)
     page.wait_for_selector("#kv-map .kv-cell")
+    page.click("#msg textarea")
     page.fill("#msg textarea", "What is the capital of France?")
     page.press("#msg textarea", "Enter")
     bot = page.locator('#chat [data-testid="bot"]')
@@ -38,15 +39,16 @@ def drive(page, url: str) -> None:
     page.click("#branch")
     expect(bot.last.locator(".pg-pos")).to_have_text("2/2", timeout=60_000)
     expect(bot.last.locator(".pg-finish")).to_have_count(1, timeout=180_000)
-    page.fill("#msg textarea", "And of Italy?")
+    page.fill("#msg textarea", "Now describe Rome in a few sentences.")
     page.press("#msg textarea", "Enter")
     expect(bot).to_have_count(2, timeout=30_000)
-    # While the second reply streams, the map shows this chat's blocks and the cached ones.
-    page.wait_for_selector('#kv-map .kv-cell.kv-used[data-owners^="chat-"]', timeout=60_000)
-    page.locator('#kv-map .kv-cell.kv-used[data-owners^="chat-"]').first.click()
+    # While the second reply streams, the map shows this chat's blocks next to the cached ones.
+    cells = page.locator('#kv-map .kv-cell.kv-used[data-owners^="chat-"]')
+    page.wait_for_function("document.querySelectorAll("
+                           "'#kv-map .kv-cell.kv-used[data-owners^=\"chat-\"]').length >= 7", timeout=120_000)
+    cells.nth(1).click()
     expect(page.locator("#block-inspector .block-text")).to_have_count(1, timeout=10_000)
-    expect(bot.last.locator(".pg-finish")).to_have_count(1, timeout=180_000)
-    page.locator('#logprobs .lp-tok[data-index="3"]').hover()
+    page.get_by_role("tab", name="Engine").click()
     time.sleep(1.0)
 
 
