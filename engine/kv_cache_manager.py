@@ -124,6 +124,11 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 
+    def uncache(self, block_ids: list[int]) -> None:
+        """Withdraw blocks from the prefix cache (their K/V were never written: a failed step)."""
+        for block_id in block_ids:
+            self.pool.uncache(self.pool.blocks[block_id])
+
     def drain_events(self) -> BlockEvents:
         """Blocks published to / evicted from the prefix cache since the last drain."""
         return self.pool.drain_events()

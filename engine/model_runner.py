@@ -25,9 +25,9 @@ from .scheduler import SchedulerOutput
 _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
-def num_kv_blocks(kv_bytes: int, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> int:
-    per_block = 2 * num_layers * num_kv_heads * block_size * head_dim * _BYTES[dtype]
-    return kv_bytes // per_block
+def kv_block_bytes(block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> int:
+    """Bytes of one KV block across all layers (K and V)."""
+    return 2 * num_layers * num_kv_heads * block_size * head_dim * _BYTES[dtype]
 
 
 @dataclass
