@@ -155,6 +155,8 @@ def build_app(
                         n_logprobs = gr.Slider(0, 20, value=5, step=1, label="logprobs (top-k alternatives)")
                 gr.Markdown("**Logprobs of the reply shown last** — hover a token for its alternatives, "
                             "click it to branch from there (the original reply is kept: ‹ › under it).")
+                lp_metric = gr.Radio(["probability", "logprob", "rank"], value="probability", show_label=False,
+                                     container=False, elem_id="lp-metric")
                 lp_view = _html(render.logprob_html([]), "logprobs", js=TOKEN_CLICK_JS)
                 with gr.Row(equal_height=False):
                     token_index = gr.Number(label="branch at token #", precision=0, minimum=0, scale=1)
@@ -226,6 +228,8 @@ def build_app(
         nav.click(T(h.navigate, event_data=True), [session], chat_out, api_visibility="private")
         block_map.click(T(h.inspect_block, event_data=True), [session], [inspector], api_visibility="private")
         compare_btn.click(T(h.compare), [session], [compare_view], api_name="compare")
+        lp_metric.change(T(h.set_metric), [session, lp_metric], [lp_view], api_name="logprob_metric",
+                         preprocess=False)
         reset.click(T(h.reset_prefix_cache), [session], [prefix], api_name="reset_prefix_cache")
         align.click(T(h.align), [session, system], [align_view], api_name="align", concurrency_limit=1,
                     concurrency_id="align", preprocess=False)

@@ -68,6 +68,7 @@ class ChatSession:
     labels: dict[str, str] = field(default_factory=dict)  # this tab's recent requests → legend name
     last_render_key: Any = None
     timeline_at: float = 0.0                              # when this tab last drew the engine timeline
+    lp_metric: str = "probability"                        # the logprob view's probability / logprob / rank
 
     def new_request_id(self, kind: str = "chat", label: str = "this chat") -> str:
         """A fresh engine request id for this tab, remembered with its legend name."""

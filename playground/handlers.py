@@ -32,6 +32,7 @@ from .colors import OwnerColors
 from .conversation import Node
 from .inputs import InputError, Limits
 from .inspector import block_inspector_html
+from .logprobs import METRICS
 from .monitor import EngineMonitor
 from .timeline import timeline_html
 
@@ -171,7 +172,7 @@ class Handlers:
         node = session.tree.last_reply()
         records = node.reply.records if node else []
         selected = session.selected if session.selected_node == (node.node_id if node else None) else None
-        return render.logprob_html(records, selected=selected)
+        return render.logprob_html(records, selected=selected, metric=session.lp_metric)
 
     def chat(self, session: ChatSession) -> list[dict]:
         return chat_messages(session.tree, self.max_model_len)
@@ -226,7 +227,7 @@ class Handlers:
                 now = time.monotonic()
                 lp = gr.skip()
                 if reply.records and now - lp_at >= 0.5:     # the logprob view twice a second
-                    lp, lp_at = render.logprob_html(reply.records), now
+                    lp, lp_at = render.logprob_html(reply.records, metric=session.lp_metric), now
                 prefix = self.prefix_html(session) if sent is None or sent[2] != key[2] else gr.skip()
                 sent = key
                 yield self.chat(session), gr.skip(), lp, prefix, gr.skip(), gr.skip()
@@ -372,7 +373,17 @@ class Handlers:
 
     def compare(self, session: ChatSession) -> str:
         """The shown reply beside another branch of it, with the token where they part."""
-        return compare_html(session.tree, session.tree.last_reply(), render.logprob_html)
+        return compare_html(session.tree, session.tree.last_reply(),
+                            lambda records, selected: render.logprob_html(records, selected=selected,
+                                                                          metric=session.lp_metric))
+
+    @checked
+    def set_metric(self, session: ChatSession, metric: Any) -> str:
+        """The logprob view's toggle: probability, raw logprob or rank."""
+        if metric not in METRICS:
+            raise InputError(f"the logprob view shows one of {', '.join(METRICS)}; got {metric!r:.40}")
+        session.lp_metric = metric
+        return self.logprob_html(session)
 
     # -- panels ------------------------------------------------------------------------------
     def labels(self, session: ChatSession, snap: dict) -> dict[str, str]:

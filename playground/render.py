@@ -263,13 +263,24 @@ def _visible(text: str) -> str:
     return text.replace("\n", "↵") or "∅"
 
 
-def logprob_html(records: Sequence[Mapping[str, Any]], *, selected: int | None = None) -> str:
+def _rank_color(rank: int | None) -> str:
+    """Rank 1 green, 2 yellow, 3 orange, lower red."""
+    if rank is None:
+        return prob_color(None)
+    return prob_color({1: 1.0, 2: 0.5, 3: 0.25}.get(int(rank), 0.0))
+
+
+def logprob_html(records: Sequence[Mapping[str, Any]], *, selected: int | None = None,
+                 metric: str = "probability") -> str:
     """Render a reply's tokens coloured by their probability.
 
     Args:
         records: token records from ``playground.logprobs.token_records``
             (``index``, ``text``, ``prob``, ``alternatives``, ``entropy``, ``forced``).
         selected: index of the token picked for branching (outlined).
+        metric: what colours the tokens and fills their hover tables:
+            ``probability`` (red → green), ``logprob`` (raw values, same colours)
+            or ``rank`` (the sampled token's rank among the alternatives).
 
     Each token is a ``span.lp-tok`` with ``data-index``, ``data-token-id`` and
     ``data-prob``; hovering shows a ``span.lp-tip`` table of the top-k
@@ -290,7 +301,7 @@ def logprob_html(records: Sequence[Mapping[str, Any]], *, selected: int | None =
         rows = "".join(
             f'<tr class="{"lp-chosen" if row["chosen"] else "lp-alt"}" data-token-id="{_e(row["token_id"])}">'
             f'<td>{_e(row["text"])}</td><td>{_e(row["prob_text"])}</td></tr>'
-            for row in token_tooltip_rows(rec)
+            for row in token_tooltip_rows(rec, metric)
         )
         entropy = rec.get("entropy")
         ent_text = "" if entropy is None else (
@@ -298,15 +309,21 @@ def logprob_html(records: Sequence[Mapping[str, Any]], *, selected: int | None =
         )
         forced = '<div>forced by branch</div>' if rec.get("forced") else ""
         prob_attr = "" if prob is None else f' data-prob="{prob:.6f}"'
+        if metric == "rank":
+            chosen = next((a for a in rec.get("alternatives") or [] if a["token_id"] == rec.get("token_id")), None)
+            color = _rank_color(None if chosen is None else chosen.get("rank"))
+        else:
+            color = prob_color(prob)
         text = str(rec.get("text", ""))
         spans.append(
             f'<span class="{" ".join(classes)}" data-index="{idx}" data-token-id="{_e(rec.get("token_id"))}"'
-            f'{prob_attr} style="background:{prob_color(prob)}">{_e(_visible(text))}'
+            f'{prob_attr} style="background:{color}">{_e(_visible(text))}'
             f'<span class="lp-tip">{forced}<table>{rows}</table>{ent_text}</span></span>'
             + ("<br>" if "\n" in text else "")
         )
+    ends = {"probability": ("0", "1"), "logprob": ("−∞", "0"), "rank": ("#4+", "#1")}.get(metric, ("0", "1"))
     scale = (
-        '<div class="lp-scale">probability <span>0</span><span class="bar"></span><span>1</span>'
+        f'<div class="lp-scale">{_e(metric)} <span>{ends[0]}</span><span class="bar"></span><span>{ends[1]}</span>'
         "<span>· hover a token for alternatives · click it to branch</span></div>"
     )
     return f'{_CSS}<div class="pg-panel lp-view"><div class="lp-text">{"".join(spans)}</div>{scale}</div>'

@@ -352,3 +352,14 @@ def test_conversation_tree_keeps_every_branch():
     u4 = tree.add_user("Again?")
     assert {"role": "assistant", "content": ""} not in tree.messages_before(u4.node_id)   # errors are not context
     assert failed.parent == u3.node_id and a1.label == "1"
+
+
+def test_logprob_view_toggles_probability_logprob_rank(records):
+    prob = render.logprob_html(records)
+    raw = render.logprob_html(records, metric="logprob")
+    rank = render.logprob_html(records, metric="rank")
+    assert "<td>90.00%</td>" in prob and f"<td>{math.log(0.9):.3f}</td>" in raw and "<td>#1</td>" in rank
+    # Rank colours: token 1 (","), sampled at rank 2, is no longer coloured like its 20% probability.
+    tok = [t for t in Elements(rank).by_class("lp-tok") if t["attrs"]["data-index"] == "1"][0]
+    assert render.prob_color(0.5) in tok["attrs"]["style"]
+    assert "rank <span>#4+</span>" in rank and "logprob <span>−∞</span>" in raw
