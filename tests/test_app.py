@@ -413,3 +413,12 @@ def test_models_without_a_chat_template_start_in_completion_mode(smollm2_llm):
     chat = smollm2_llm.get_tokenizer()
     base = Tokenizer(chat.backend, bos_token_id=chat.bos_token_id, chat_template=None, name="base")
     assert default_mode(chat) == "chat" and default_mode(base) == "completion"
+
+
+def test_logprob_view_shows_probability_logprob_or_rank(client):
+    client.predict("Say hi.", SYSTEM, *greedy(4), api_name="/chat")
+    assert re.search(r"<td>#1</td>", client.predict("rank", api_name="/logprob_metric"))
+    assert re.search(r"<td>-\d+\.\d{3}</td>", client.predict("logprob", api_name="/logprob_metric"))
+    with pytest.raises(Exception, match="one of probability, logprob, rank"):
+        client.predict("entropy", api_name="/logprob_metric")
+    assert "%</td>" in client.predict("probability", api_name="/logprob_metric")
