@@ -72,15 +72,25 @@ class UILoop:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
+        # Like the app's refresh handler: every ``interval`` each tab redraws its panels only when
+        # the monitor has a new snapshot (or a new step), and its timeline once a second.
+        seen = [None] * self.tabs
+        timeline_at = [0.0] * self.tabs
         while not self._stop.is_set():
             t0 = time.perf_counter()
-            for _ in range(self.tabs):
+            for tab in range(self.tabs):
+                key = (self.monitor.version, self.monitor.num_steps)
+                if time.monotonic() - timeline_at[tab] >= 1.0:
+                    timeline_html(self.monitor.timeline.series())
+                    timeline_at[tab] = time.monotonic()
+                if key == seen[tab]:
+                    continue
+                seen[tab] = key
                 snap = self.monitor.snapshot()
                 render.block_map_html(snap)
                 render.prefix_cache_html(snap, [{"num_prompt_tokens": 40, "num_cached_tokens": 16}])
                 render.engine_panel_html(snap, self.monitor.steps(120), {"ttft": 0.1, "decode_tps": 10.0})
                 render.logprob_html(self.records)
-                timeline_html(self.monitor.timeline.series())
                 self.renders += 1
             self.render_s += time.perf_counter() - t0
             self._stop.wait(self.interval)
