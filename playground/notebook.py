@@ -53,7 +53,8 @@ __all__ = ["Playground", "show_blocks", "show_logprobs", "show_prefix_stats", "s
 DEFAULT_SYSTEM_PROMPT = "You are a concise, friendly assistant. Answer in a few sentences."
 
 # The renderers' hint mentions clicking a token to branch, which is a Gradio app feature.
-_BRANCH_HINT = "<span>· hover a token for alternatives · click it to branch</span>"
+_BRANCH_HINT = ('<span class="lp-hint-hover">· hover a token for alternatives · click it to branch</span>'
+                '<span class="lp-hint-tap">· tap a token for its alternatives and to branch from it</span>')
 _HOVER_HINT = "<span>· hover a token for its top-k alternatives</span>"
 
 _CHAT_CSS = """<style>

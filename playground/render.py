@@ -324,7 +324,8 @@ def logprob_html(records: Sequence[Mapping[str, Any]], *, selected: int | None =
     ends = {"probability": ("0", "1"), "logprob": ("−∞", "0"), "rank": ("#4+", "#1")}.get(metric, ("0", "1"))
     scale = (
         f'<div class="lp-scale">{_e(metric)} <span>{ends[0]}</span><span class="bar"></span><span>{ends[1]}</span>'
-        "<span>· hover a token for alternatives · click it to branch</span></div>"
+        '<span class="lp-hint-hover">· hover a token for alternatives · click it to branch</span>'
+        '<span class="lp-hint-tap">· tap a token for its alternatives and to branch from it</span></div>'
     )
     return f'{_CSS}<div class="pg-panel lp-view"><div class="lp-text">{"".join(spans)}</div>{scale}</div>'
 

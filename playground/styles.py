@@ -52,6 +52,9 @@ CSS = """<style>
 .lp-tip{display:none;position:absolute;left:0;top:1.7em;z-index:50;background:#0f172a;color:#f8fafc;
  border-radius:6px;padding:6px 8px;font-size:12px;white-space:nowrap;line-height:1.4;pointer-events:none}
 .lp-tok:hover .lp-tip{display:block}
+.lp-hint-tap{display:none}
+@media (hover:none){.lp-hint-hover{display:none}.lp-hint-tap{display:inline}
+ .lp-tok.lp-selected .lp-tip{display:block}}
 .lp-tip table{border-collapse:collapse;background:transparent!important;margin:0!important;border:0!important}
 .lp-tip tr,.lp-tip tr:nth-child(odd),.lp-tip tr:nth-child(even),.lp-tip tr:hover{background:transparent!important}
 .lp-tip td{padding:0 6px 0 0!important;color:#e2e8f0!important;border:0!important;text-align:left!important}

@@ -192,3 +192,22 @@ def test_block_inspector_and_legend_highlight(page, smollm2_llm):
     # A finished chat's full blocks stay in the prefix cache: reusable, no owner.
     page.locator("#kv-map .kv-cell.kv-cached").first.click()
     expect(inspector).to_contain_text("cached, reusable", timeout=10_000)
+
+
+def test_on_a_phone_a_tap_shows_the_alternatives(browser, app_url, smollm2_llm):
+    context = browser.new_context(viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True)
+    phone = context.new_page()
+    try:
+        phone.goto(app_url)
+        phone.wait_for_selector("#kv-map .kv-cell")
+        send(phone, "What is the capital of France?")
+        expect(phone.locator('#chat [data-testid="bot"]').last.locator(".pg-finish")).to_have_count(1,
+                                                                                                  timeout=120_000)
+        expect(phone.locator("#logprobs .lp-hint-tap")).to_be_visible()       # the hint says "tap" there
+        expect(phone.locator("#logprobs .lp-hint-hover")).to_be_hidden()
+        phone.locator('#logprobs .lp-tok[data-index="2"]').tap()
+        expect(phone.locator("#logprobs .lp-tok.lp-selected .lp-tip")).to_be_visible(timeout=10_000)
+        expect(phone.locator("#logprobs .lp-tok.lp-selected .lp-tip")).to_contain_text("%")
+    finally:
+        context.close()
+    wait_engine_idle(smollm2_llm)
