@@ -198,7 +198,7 @@ def build_app(
                         batch_view = _html(render.batch_table_html([]), "batch-view")
         timer = gr.Timer(refresh_every)
 
-        T = h.per_tab
+        T = h.tabs.wrap
         sampling = [temperature, top_p, top_k, max_tokens, seed, n_logprobs]
         chat_out = [chatbot, msg, lp_view, prefix, token_index, alternative]
         # preprocess=False: handlers check the raw values themselves (playground.inputs), so a bad
@@ -237,7 +237,7 @@ def build_app(
                       show_progress="hidden", concurrency_limit=None, api_visibility="private")
         timer.tick(**panels)
         demo.load(**panels)
-        demo.unload(h.forget)
+        demo.unload(h.tabs.forget)
     demo.queue(max_size=queue_size, default_concurrency_limit=concurrency)
     demo.playground_monitor = monitor   # so callers can close it
     return demo

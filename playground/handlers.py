@@ -17,7 +17,6 @@ import functools
 import inspect
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,6 +33,7 @@ from .inputs import InputError, Limits
 from .inspector import block_inspector_html
 from .logprobs import METRICS
 from .monitor import EngineMonitor
+from .tabs import Tabs
 from .timeline import timeline_html
 
 __all__ = ["Limits", "Handlers"]
@@ -76,7 +76,6 @@ def checked(fn):
 class Handlers:
     """Event handlers bound to one ``LLM`` (shared by every tab)."""
 
-    MAX_TABS = 1000
 
     def __init__(self, llm: Any, monitor: EngineMonitor, limits: Limits, *, allow_engine_admin: bool = False):
         self.llm, self.monitor, self.limits = llm, monitor, limits
@@ -88,55 +87,11 @@ class Handlers:
         engine = getattr(llm, "engine", None)
         self.max_model_len = getattr(engine, "max_model_len", None) or getattr(llm.config, "max_model_len", None)
         self.default_mode = default_mode(self.tokenizer)
-        self._tabs: OrderedDict[str, ChatSession] = OrderedDict()
-        self._tabs_lock = threading.Lock()
+        self.tabs = Tabs(on_close=self._tab_closed)
 
-    # -- one ChatSession per tab -------------------------------------------------------
-    def _tab(self, request: Any, session: ChatSession) -> ChatSession:
-        """The tab's ChatSession: the first one seen for its session hash.
-
-        Gradio may give the events of one tab two different ``gr.State`` values
-        around page load (a refresh tick held another session than the chat it
-        should draw), so the tab's first one is kept here, by session hash.
-        """
-        key = getattr(request, "session_hash", None)
-        if key is None:
-            return session
-        with self._tabs_lock:
-            tab = self._tabs.setdefault(key, session)
-            self._tabs.move_to_end(key)
-            while len(self._tabs) > self.MAX_TABS:
-                self._tabs.popitem(last=False)
-        return tab
-
-    def forget(self, request: gr.Request) -> None:
-        """A tab closed: stop its reply and drop its session."""
-        with self._tabs_lock:
-            session = self._tabs.pop(getattr(request, "session_hash", None), None)
-        if session is not None and session.active_request_id:
+    def _tab_closed(self, session: ChatSession) -> None:
+        if session.active_request_id:
             self.llm.abort(session.active_request_id)
-
-    def per_tab(self, fn, *, event_data: bool = False):
-        """``fn`` as a Gradio handler whose ChatSession argument is the tab's own (see ``_tab``).
-
-        The wrapper's signature asks Gradio for the request (and the event data);
-        it is not ``functools.wraps``-ed, since Gradio reads the signature.
-        """
-        def resolve(request, args):
-            return [self._tab(request, a) if isinstance(a, ChatSession) else a for a in args]
-
-        if inspect.isgeneratorfunction(fn):
-            def handler(request: gr.Request, *args):
-                yield from fn(*resolve(request, args))
-        elif event_data:
-            def handler(request: gr.Request, evt: gr.EventData, *args):
-                return fn(*resolve(request, args), evt)
-        else:
-            def handler(request: gr.Request, *args):
-                return fn(*resolve(request, args))
-        handler.__name__ = handler.__qualname__ = fn.__name__
-        handler.__doc__ = fn.__doc__
-        return handler
 
     # -- helpers ------------------------------------------------------------------
     def _mode(self, mode: Any) -> str:

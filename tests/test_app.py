@@ -422,3 +422,26 @@ def test_logprob_view_shows_probability_logprob_or_rank(client):
     with pytest.raises(Exception, match="one of probability, logprob, rank"):
         client.predict("entropy", api_name="/logprob_metric")
     assert "%</td>" in client.predict("probability", api_name="/logprob_metric")
+
+
+def test_a_tab_keeps_its_first_session():
+    """Gradio handed one tab's refresh a second State value at page load; every event gets the first."""
+    from types import SimpleNamespace
+
+    from playground.chat import ChatSession
+    from playground.tabs import Tabs
+
+    closed = []
+    tabs = Tabs(on_close=closed.append, capacity=2)
+    first, second = ChatSession(), ChatSession()
+    tab = SimpleNamespace(session_hash="abc")
+    assert tabs.session(tab, first) is first and tabs.session(tab, second) is first
+    seen = []
+    handler = tabs.wrap(lambda x, session: seen.append((x, session)))
+    handler(tab, 1, second)
+    assert seen == [(1, first)]
+    tabs.forget(tab)
+    assert closed == [first] and len(tabs) == 0
+    for key in "xyz":                                  # at most `capacity` tabs are remembered
+        tabs.session(SimpleNamespace(session_hash=key), ChatSession())
+    assert len(tabs) == 2
