@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 MODEL_IMPLS = ("auto", "native", "paddleformers", "paddlefleet")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "gpu")
+ATTENTION_BACKENDS = ("auto", "cpu", "cuda", "reference")
 QUANTIZATION_MODES = ("auto", "none")
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -28,6 +29,11 @@ class EngineConfig:
     weights in their blocks too and runs CPU matmuls on them
     (``engine.block_linear``: same weights, a quarter of the bytes to read);
     ``"none"`` runs every matmul on the dequantized float weights.
+
+    ``attention_backend`` picks the ``gpu_kernels`` backend of every attention
+    call: ``auto`` follows the tensors (CUDA kernels for GPU tensors, Numba CPU
+    kernels else); ``cuda`` on ``device="cpu"`` runs only in Numba's CUDA
+    simulator (``NUMBA_ENABLE_CUDASIM=1``); see ``engine.device``.
     """
 
     model: str = DEFAULT_MODEL
@@ -41,6 +47,7 @@ class EngineConfig:
     max_model_len: int | None = None
     device: str = "auto"
     quantization: str = "auto"
+    attention_backend: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -48,6 +55,7 @@ class EngineConfig:
         _choice("dtype", self.dtype, DTYPES)
         _choice("device", self.device, DEVICES)
         _choice("quantization", self.quantization, QUANTIZATION_MODES)
+        _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _positive_int("block_size", self.block_size)
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -101,6 +109,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto", choices=DEVICES)
     g.add_argument("--quantization", default="auto", choices=QUANTIZATION_MODES,
                    help="auto: CPU matmuls run on a GGUF's Q4_0/Q4_1/Q8_0 blocks; none: float weights only")
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                   help="auto: follow the tensors (cuda on GPU, cpu else); reference: the NumPy definition")
     g.add_argument("--seed", type=int, default=0)
     return parser
 

@@ -21,17 +21,16 @@ make a new ``LLM``.
 from __future__ import annotations
 
 import atexit
-import itertools
 import logging
 import queue
 import threading
 import weakref
-from collections import deque
 from typing import Iterator
 
 from tqdm.auto import tqdm
 
 from .config import EngineConfig
+from .delivery import FairLock, Outbox
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput, StreamDelta
 from .sampling_params import SamplingParams
@@ -48,42 +47,6 @@ class _Died:
 
     def __init__(self, reason: str):
         self.reason = reason
-
-
-class FairLock:
-    """A re-entrant lock granted in arrival order.
-
-    The engine thread re-takes the lock for every step; with a plain lock it
-    would win every race and starve callers waiting to submit, abort or take
-    a snapshot. Tickets make each waiter get its turn at the next step boundary.
-    """
-
-    def __init__(self):
-        self._cond = threading.Condition(threading.Lock())
-        self._tickets = itertools.count()
-        self._serving = 0
-        self._owner: int | None = None
-        self._depth = 0
-
-    def __enter__(self):
-        me = threading.get_ident()
-        with self._cond:
-            if self._owner == me:
-                self._depth += 1
-                return self
-            ticket = next(self._tickets)
-            while ticket != self._serving:
-                self._cond.wait()
-            self._owner, self._depth = me, 1
-        return self
-
-    def __exit__(self, *exc):
-        with self._cond:
-            self._depth -= 1
-            if self._depth == 0:
-                self._owner = None
-                self._serving += 1
-                self._cond.notify_all()
 
 
 class LLM:
@@ -103,10 +66,7 @@ class LLM:
         self._queues: dict[str, queue.SimpleQueue] = {}
         self._thread: threading.Thread | None = None
         self._dead: str | None = None              # why the engine thread stopped, once it has
-        self._listeners: list = []
-        self._outbox: deque = deque()              # (listener event | (queue, delta)), in engine order
-        self._deliver_lock = threading.Lock()
-        self._local = threading.local()            # .delivering: this thread is running callbacks
+        self._outbox = Outbox()                    # events and deltas, delivered outside the lock
         # Stop the engine thread before interpreter shutdown freezes it mid-step.
         atexit.register(_shutdown_if_alive, weakref.ref(self))
 
@@ -171,8 +131,7 @@ class LLM:
             self._post([d for d in deltas if d is not None])
             thread = self._thread
         self._deliver()
-        if thread is not None and thread is not threading.current_thread() and not getattr(
-                self._local, "delivering", False):
+        if thread is not None and thread is not threading.current_thread() and not self._outbox.delivering:
             thread.join()
 
     # -- observability ---------------------------------------------------------------
@@ -188,12 +147,12 @@ class LLM:
         if not callable(callback):
             raise ValueError(f"subscribe() needs a callable; got {type(callback).__name__}")
         with self._lock:
-            self._listeners.append(callback)
+            self._outbox.listeners.append(callback)
 
         def unsubscribe():
             with self._lock:
-                if callback in self._listeners:
-                    self._listeners.remove(callback)
+                if callback in self._outbox.listeners:
+                    self._outbox.listeners.remove(callback)
 
         return unsubscribe
 
@@ -225,7 +184,7 @@ class LLM:
 
     def _check_can_wait(self, name: str) -> None:
         self._check_alive()
-        if getattr(self._local, "delivering", False):
+        if self._outbox.delivering:
             raise RuntimeError(
                 f"LLM.{name}() was called from a subscribe() callback: callbacks run between engine steps, so "
                 "waiting there for tokens would deadlock. Hand the work to another thread; a callback may "
@@ -253,10 +212,18 @@ class LLM:
                 self._queues[rid] = q
                 out.append((rid, q, self.engine.requests[rid]))
             self._post([])
+            thread = None
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
-                self._thread.start()
-        self._deliver()
+                thread = self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        try:
+            self._deliver()  # this submission's events first, on the caller's thread
+        except BaseException:  # a callback raised here: nobody will wait for these requests
+            with self._lock:
+                self._post([d for d in (self.engine.abort(rid) for rid, *_ in out) if d is not None])
+            raise
+        finally:
+            if thread is not None:
+                thread.start()
         return out
 
     def _next(self, q: queue.SimpleQueue) -> StreamDelta:
@@ -267,8 +234,9 @@ class LLM:
                 item = q.get(timeout=1.0)
             except queue.Empty:
                 self._check_alive()
-                thread = self._thread  # a live request always has a live engine thread
-                idle = idle + 1 if thread is None or not thread.is_alive() else 0
+                thread = self._thread  # a live request always has an engine thread (maybe about to start)
+                gone = thread is None or (thread.ident is not None and not thread.is_alive())
+                idle = idle + 1 if gone else 0
                 if idle >= 2:
                     raise EngineDeadError("the engine thread is gone and this request never finished")
                 continue
@@ -300,35 +268,14 @@ class LLM:
 
     def _post(self, deltas: list[StreamDelta]) -> None:
         """Under the lock: queue the engine's events and these deltas for delivery, in order."""
-        self._outbox.extend(self.engine.drain_events())
+        self._outbox.put_events(self.engine.drain_events())
         for d in deltas:
             q = self._queues.pop(d.request_id, None) if d.finished else self._queues.get(d.request_id)
             if q is not None:
-                self._outbox.append((q, d))
+                self._outbox.put_delta(q, d)
 
     def _deliver(self) -> None:
-        """Outside the lock: run callbacks and hand deltas to callers, in engine order, one thread at a
-        time. A callback's own abort() leaves its items to the loop already running here."""
-        if getattr(self._local, "delivering", False):
-            return
-        with self._deliver_lock:
-            self._local.delivering = True
-            try:
-                while True:
-                    try:
-                        item = self._outbox.popleft()
-                    except IndexError:
-                        return
-                    if isinstance(item, tuple):
-                        item[0].put(item[1])
-                        continue
-                    for callback in list(self._listeners):
-                        try:
-                            callback(item)
-                        except Exception:  # a broken view must not break serving
-                            logger.exception("event listener failed")
-            finally:
-                self._local.delivering = False
+        self._outbox.deliver()
 
     def _loop(self) -> None:
         try:
@@ -357,9 +304,8 @@ class LLM:
             self._dead = reason
             if self._thread is threading.current_thread():
                 self._thread = None
-            pending = [item for item in self._outbox if isinstance(item, tuple)]  # callbacks are skipped
+            pending = self._outbox.take_deltas()  # callbacks are skipped: one of them may be the cause
             live = list(self._queues.values())
-            self._outbox.clear()
             self._queues.clear()
             try:
                 self.engine.fail_all(reason)

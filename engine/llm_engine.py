@@ -17,6 +17,7 @@ import numpy as np
 import paddle
 
 from .config import EngineConfig
+from .device import resolve_attention_backend, resolve_device, warm_up
 from .kv_cache_manager import KVCacheManager
 from .loader import load_checkpoint
 from .model_impl import build_model, resolve_model_impl
@@ -31,13 +32,6 @@ from .snapshot import EngineEvent, StepInfo, take_snapshot
 logger = logging.getLogger("engine")
 
 
-def resolve_device(device: str) -> str:
-    has_gpu = paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
-    if device == "gpu" and not has_gpu:
-        raise ValueError("device='gpu' needs Paddle compiled with CUDA and a visible GPU; use device='cpu' or 'auto'")
-    return "gpu" if device == "gpu" or (device == "auto" and has_gpu) else "cpu"
-
-
 def _total_memory_bytes(device: str) -> int:
     """What a fractional ``kv_cache_memory`` is a fraction of: the GPU's total memory, or on CPU
     the machine's total physical RAM (``os.sysconf``; a container's memory limit is not consulted)."""
@@ -50,6 +44,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = resolve_device(config.device)
+        self.attention_backend, kernels_backend = resolve_attention_backend(config.attention_backend, self.device)
         paddle.set_device(self.device)
         self.dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if self.device == "gpu" else "float32")
         checkpoint = load_checkpoint(config.model)
@@ -74,7 +69,9 @@ class LLMEngine:
                 f"kv_cache_memory to at least {need * per_block:,} bytes" +
                 (" or lower max_model_len" if config.max_model_len else ""))
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype)  # owns the KV tensors
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype,  # owns the KV tensors
+                                  kernels_backend)
+        warm_up(self.runner, self.device)  # a broken device/backend fails here, with its cause
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(lambda t: self.tokenizer.decode([t], skip_special_tokens=False))
         model_limit = checkpoint.config.get("max_position_embeddings") or num_blocks * config.block_size
@@ -278,8 +275,8 @@ class LLMEngine:
     def snapshot(self):
         live = list(self.scheduler.running) + list(self.scheduler.waiting)
         return take_snapshot(step=self.step_count, model=self.model_name, model_impl=self.model_impl,
-                             device=self.device, kv_cache_manager=self.kv_cache_manager, requests=live,
-                             last_step=self.last_step)
+                             device=self.device, attention_backend=self.attention_backend,
+                             kv_cache_manager=self.kv_cache_manager, requests=live, last_step=self.last_step)
 
     def drain_events(self) -> list[EngineEvent]:
         """Events since the last drain, in order. The engine never calls listeners itself:

@@ -40,9 +40,10 @@ class StepLogits:
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, kv_dtype: str):
+    def __init__(self, model, num_blocks: int, block_size: int, kv_dtype: str, attention_backend: str | None = None):
         self.model = model
         self.block_size = block_size
+        self.attention_backend = attention_backend  # gpu_kernels backend of every attention call (None: by tensor)
         num_layers, num_kv_heads, head_dim = model.kv_layout()
         shape = [num_blocks, num_kv_heads, block_size, head_dim]
         self.kv_caches = [
@@ -77,6 +78,7 @@ class ModelRunner:
             query_start_loc=paddle.to_tensor(np.asarray(starts, dtype=np.int32)),
             decode_only=all(s.num_new_tokens == 1 for s in batch.scheduled),
             num_tokens=starts[-1],
+            backend=self.attention_backend,
         )
         return paddle.to_tensor(np.concatenate(ids)), meta, starts
 

@@ -62,6 +62,7 @@ class EngineSnapshot:
     requests: tuple[RequestInfo, ...]
     prefix_cache: PrefixCacheInfo
     last_step: StepInfo | None
+    attention_backend: str = "cpu"   # gpu_kernels backend of the attention calls: cpu, cuda, reference
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -81,7 +82,8 @@ class EngineEvent:
         return asdict(self)
 
 
-def take_snapshot(*, step, model, model_impl, device, kv_cache_manager, requests, last_step) -> EngineSnapshot:
+def take_snapshot(*, step, model, model_impl, device, kv_cache_manager, requests, last_step,
+                  attention_backend="cpu") -> EngineSnapshot:
     """Build a snapshot from the KV cache manager and the live requests (cheap: O(blocks))."""
     bs = kv_cache_manager.block_size
     owners: dict[int, list[str]] = {}
@@ -114,5 +116,5 @@ def take_snapshot(*, step, model, model_impl, device, kv_cache_manager, requests
         num_blocks=kv_cache_manager.num_blocks, kv_usage=kv_cache_manager.usage, blocks=tuple(blocks),
         requests=tuple(infos),
         prefix_cache=PrefixCacheInfo(s.queries, s.hits, s.hit_rate, s.reset_count),
-        last_step=last_step,
+        last_step=last_step, attention_backend=attention_backend,
     )

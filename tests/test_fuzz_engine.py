@@ -18,7 +18,6 @@ from tiny_models import VOCAB, make_tiny_model
 
 CANARY = {"prompt_token_ids": [40, 41, 42, 43, 44, 45, 46, 47, 48]}
 CANARY_PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-TALLY = Counter()
 
 odd = st.sampled_from([None, True, False, "1", b"x", [], {}, 2.5, float("nan"), float("inf"), -float("inf"),
                        5e-324, -0.0, 1e308, 2**70, -(2**70), -1, 0, 21])
@@ -98,44 +97,45 @@ def check_output(out, params: SamplingParams):
         assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
 
 
-@settings(max_examples=80, deadline=None, database=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(case=cases(), api=st.sampled_from(["generate", "stream", "chat"]))
-def test_fuzzed_requests_get_a_clear_error_or_a_normal_finish(llm, canary, case, api):
-    kwargs, prompt = case
-    TALLY["cases"] += 1
-    canary_out = {}
-    worker = threading.Thread(target=lambda: canary_out.update(out=llm.generate(CANARY, CANARY_PARAMS)[0]))
-    worker.start()
-    try:
-        params = SamplingParams(**kwargs)
-        if api == "generate":
-            outs = llm.generate(prompt, params)
-        elif api == "chat":
-            outs = llm.chat(prompt, params)
+def test_fuzzed_requests_get_a_clear_error_or_a_normal_finish(llm, canary):
+    tally = Counter()
+
+    @settings(max_examples=80, deadline=None, database=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(case=cases(), api=st.sampled_from(["generate", "stream", "chat"]))
+    def one_case(case, api):
+        kwargs, prompt = case
+        tally["cases"] += 1
+        canary_out = {}
+        worker = threading.Thread(target=lambda: canary_out.update(out=llm.generate(CANARY, CANARY_PARAMS)[0]))
+        worker.start()
+        try:
+            params = SamplingParams(**kwargs)
+            if api == "generate":
+                outs = llm.generate(prompt, params)
+            elif api == "chat":
+                outs = llm.chat(prompt, params)
+            else:
+                deltas = list(llm.stream(prompt, params))
+                final = llm.generate(prompt, params)[0]
+                if params.greedy or params.seed is not None:  # same tokens either way: same text
+                    assert "".join(d.text for d in deltas) == final.outputs[0].text
+                assert deltas[-1].finished and deltas[-1].finish_reason == final.outputs[0].finish_reason
+                outs = [final]
+        except (ValueError, TypeError) as exc:
+            tally["clear errors"] += 1
+            assert str(exc), "an error must say what is wrong"
         else:
-            deltas = list(llm.stream(prompt, params))
-            final = llm.generate(prompt, params)[0]
-            if params.greedy or params.seed is not None:  # same tokens either way: same text
-                assert "".join(d.text for d in deltas) == final.outputs[0].text
-            assert deltas[-1].finished and deltas[-1].finish_reason == final.outputs[0].finish_reason
-            outs = [final]
-    except (ValueError, TypeError) as exc:
-        TALLY["clear errors"] += 1
-        assert str(exc), "an error must say what is wrong"
-    else:
-        TALLY["normal finishes"] += 1
-        for out in outs:
-            check_output(out, params)
-    finally:
-        worker.join(60)
-    assert not worker.is_alive(), "the canary hung"
-    assert canary_out["out"].outputs[0].token_ids == canary, "the canary's greedy output changed"
-    assert not llm.snapshot().requests
+            tally["normal finishes"] += 1
+            for out in outs:
+                check_output(out, params)
+        finally:
+            worker.join(60)
+        assert not worker.is_alive(), "the canary hung"
+        assert canary_out["out"].outputs[0].token_ids == canary, "the canary's greedy output changed"
+        assert not llm.snapshot().requests
 
-
-def test_fuzz_reached_both_outcomes(llm):
-    """The fuzz above is only meaningful if it produced both refusals and completions."""
-    print(f"\nfuzz tally: {dict(TALLY)}")
-    assert TALLY["cases"] >= 80
-    assert TALLY["clear errors"] >= 10 and TALLY["normal finishes"] >= 10
+    one_case()
+    print(f"\nfuzz tally: {dict(tally)}")
+    # the fuzz is only meaningful if it produced both refusals and completions
+    assert tally["cases"] >= 80 and tally["clear errors"] >= 10 and tally["normal finishes"] >= 10

@@ -180,6 +180,16 @@ def test_engine_thread_death_wakes_every_caller(tiny_dir):
     assert not doomed.snapshot().requests
 
 
+def test_callers_notice_an_engine_thread_that_vanished_without_its_handler(tiny_dir, monkeypatch):
+    from engine.llm import LLM as LLMClass
+
+    monkeypatch.setattr(LLMClass, "_die", lambda self, exc: None)  # the last-resort handler is bypassed
+    doomed = LLM(model=tiny_dir, block_size=4)
+    doomed.subscribe(lambda event: (_ for _ in ()).throw(SystemExit("gone")) if event.kind == "step" else None)
+    box = run_in_thread(lambda: doomed.generate(PROMPT, SamplingParams(max_tokens=50, ignore_eos=True)), timeout=30)
+    assert isinstance(box.get("error"), RuntimeError) and "engine thread is gone" in str(box["error"])
+
+
 # -- 4. stop strings: the stream never shows text that generate() cuts ----------------------------
 
 def test_stream_equals_generate_for_stop_strings_across_tokens(llm):
@@ -292,3 +302,18 @@ def test_one_token_prompt_has_prompt_logprobs_of_its_length(llm):
     """Found by tests/test_fuzz_engine.py: a 1-token prompt came back with ``prompt_logprobs == []``."""
     out = llm.generate({"prompt_token_ids": [12]}, SamplingParams(max_tokens=2, prompt_logprobs=1))[0]
     assert out.prompt_logprobs == [None]
+
+
+def test_a_callback_raising_on_the_callers_thread_leaves_no_request(llm, reference):
+    def callback(event):
+        if event.kind == "request_added":
+            raise KeyboardInterrupt("raised by a callback")
+
+    unsubscribe = llm.subscribe(callback)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(OTHER, SamplingParams(max_tokens=50, ignore_eos=True))
+    finally:
+        unsubscribe()
+    assert not llm.snapshot().requests
+    assert ids(llm.generate(PROMPT, GREEDY)[0]) == reference["prompt"]
