@@ -121,6 +121,7 @@ def test_click_a_token_and_branch(page, smollm2_llm):
 
 
 def test_stop_marks_the_reply_and_removes_the_cursor(page, smollm2_llm):
+    greedy_long_replies(page)
     send(page, "Count from one to two hundred in words, one number per line.")
     bot = page.locator('#chat [data-testid="bot"]').last
     expect(bot.locator(".pg-state")).to_have_text("decoding", timeout=60_000)
@@ -134,8 +135,19 @@ def test_stop_marks_the_reply_and_removes_the_cursor(page, smollm2_llm):
     wait_engine_idle(smollm2_llm)
 
 
+def greedy_long_replies(page) -> None:
+    """Greedy sampling and room for long replies (the page's defaults sample at temperature 0.7)."""
+    page.get_by_text("Mode, system prompt and sampling").click()
+    for label, value in (("temperature", "0"), ("max tokens", "200")):
+        box = page.get_by_label(f"number input for {label}")
+        box.fill(value)
+        box.press("Tab")
+        expect(box).to_have_value(value)
+
+
 def test_typing_during_a_reply_is_kept_and_the_message_is_queued(page, smollm2_llm):
-    send(page, "Count from one to forty in words.")
+    greedy_long_replies(page)
+    send(page, "Count from one to forty in words, one number per line.")
     bot = page.locator('#chat [data-testid="bot"]')
     expect(bot.last.locator(".pg-state")).to_have_text("decoding", timeout=60_000)
     page.fill("#msg textarea", "And now in French?")
