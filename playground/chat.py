@@ -64,6 +64,7 @@ class ChatSession:
     selected: int | None = None                          # token picked in the logprob view
     selected_node: int | None = None                     # the reply that token belongs to (app)
     active_request_id: str | None = None
+    queued: int | None = None                            # a user message waiting for the streaming reply (app)
     tree: Conversation = field(default_factory=Conversation)   # every reply and branch (app)
     labels: dict[str, str] = field(default_factory=dict)  # this tab's recent requests → legend name
     last_render_key: Any = None

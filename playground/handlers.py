@@ -88,6 +88,7 @@ class Handlers:
         self.max_model_len = getattr(engine, "max_model_len", None) or getattr(llm.config, "max_model_len", None)
         self.default_mode = default_mode(self.tokenizer)
         self.tabs = Tabs(on_close=self._tab_closed)
+        self._turn_lock = threading.RLock()
 
     def _tab_closed(self, session: ChatSession) -> None:
         if session.active_request_id:
@@ -154,16 +155,19 @@ class Handlers:
             reply.state = f"prefill {mine['num_computed_tokens']} / {mine['num_prompt_tokens']} tokens"
 
     # -- streaming one reply -------------------------------------------------------------
-    def _run(self, session: ChatSession, node: Node, prompt: Any, params: Any) -> Iterator[tuple]:
-        """Generate ``node``'s reply, yielding the chat outputs as it grows; finish the turn however it ends."""
+    def _run(self, session: ChatSession, node: Node, prompt: Any, params: Any, first: tuple = ()) -> Iterator[tuple]:
+        """Generate ``node``'s reply, yielding ``first`` and then the chat outputs as it grows; finish the
+        turn however it ends (the tab's streaming slot is released even if cancelled at ``first``)."""
         reply: Reply = node.reply
         session.active_request_id = reply.request_id
-        changed, done = threading.Event(), threading.Event()
+        changed, done, cancelled = threading.Event(), threading.Event(), threading.Event()
 
         def consume() -> None:
             try:
                 for _ in stream_reply(self.llm, prompt, params, reply, decode=self._decode):
                     changed.set()
+                    if cancelled.is_set():    # closing the stream aborts the request
+                        break
             finally:
                 done.set()
                 changed.set()
@@ -171,6 +175,8 @@ class Handlers:
         worker = threading.Thread(target=consume, name=f"stream-{reply.request_id}", daemon=True)
         worker.start()
         try:
+            if first:
+                yield first
             sent, lp_at = None, 0.0
             while not done.is_set():
                 changed.wait(0.25)
@@ -189,6 +195,7 @@ class Handlers:
         finally:
             if not done.is_set():           # cancelled (Stop, closed tab): abort, let the stream end
                 reply.stopped = True
+                cancelled.set()
                 self.llm.abort(reply.request_id)
                 done.wait(10)
             if session.active_request_id == reply.request_id:
@@ -196,11 +203,27 @@ class Handlers:
             reply.state = "done"
         yield self._outputs(session)
 
-    def _wait_turn(self, session: ChatSession, timeout: float = 600.0) -> None:
-        """Wait for this tab's streaming reply to end (a message sent meanwhile is queued)."""
+    def _claim(self, session: ChatSession, parent_id: int, reply: Reply | None = None) -> Node | None:
+        """A new reply under ``parent_id`` that holds the tab's one streaming slot, or None if it is taken.
+
+        Checking and taking the slot happen under one lock, so two events of a tab never stream at once.
+        """
+        with self._turn_lock:
+            if session.active_request_id is not None:
+                return None
+            node = session.tree.add_reply(parent_id, reply or Reply(request_id=session.new_request_id("chat")))
+            session.active_request_id = node.reply.request_id
+            session.selected = session.selected_node = None
+            return node
+
+    def _wait_and_claim(self, session: ChatSession, parent_id: int, timeout: float = 600.0) -> Node:
+        """Wait for this tab's streaming reply to end, then claim the slot for a reply to ``parent_id``."""
         deadline = time.monotonic() + timeout
-        while session.active_request_id is not None and time.monotonic() < deadline:
+        while (node := self._claim(session, parent_id)) is None:
+            if time.monotonic() > deadline:
+                raise gr.Error("The reply above did not end in time; your message was not sent.")
             time.sleep(0.05)
+        return node
 
     # -- chat controls -------------------------------------------------------------------
     @checked
@@ -218,20 +241,25 @@ class Handlers:
         if not message.strip():
             yield SKIP6
             return
-        user = session.tree.add_user(message)
-        started = False
+        with self._turn_lock:
+            if session.active_request_id is not None and session.queued is not None:
+                raise gr.Error("A message is already waiting for the reply above: wait for it, or press Stop.")
+            user = session.tree.add_user(message)
+            node = self._claim(session, user.node_id) if session.active_request_id is None else None
+            if node is None:
+                session.queued = user.node_id
+        started = node is not None
         try:
-            if session.active_request_id is not None:   # the previous reply is still streaming
+            if node is None:                    # the previous reply is still streaming: queue this one
                 gr.Info("Your message is queued: it is sent when the reply above ends.")
                 yield self._outputs(session, msg="", panels=False)
-                self._wait_turn(session)
-            node = session.tree.add_reply(user.node_id, Reply(request_id=session.new_request_id("chat")))
-            started = True
-            session.selected = session.selected_node = None
+                node = self._wait_and_claim(session, user.node_id)
+                started = True
             prompt = self._prompt(session, node, system, mode)
-            yield self._outputs(session, msg="", reset_controls=True)
-            yield from self._run(session, node, prompt, params)
+            yield from self._run(session, node, prompt, params, self._outputs(session, msg="", reset_controls=True))
         finally:
+            if session.queued == user.node_id:
+                session.queued = None
             if not started and user.node_id in session.tree.nodes:   # cancelled while queued
                 session.tree.remove(user.node_id)
 
@@ -246,11 +274,11 @@ class Handlers:
         user = next((n for n in reversed(path) if n.role == "user"), None)
         if user is None:
             raise gr.Error("Nothing to regenerate yet: send a message first.")
-        node = session.tree.add_reply(user.node_id, Reply(request_id=session.new_request_id("chat")))
-        session.selected = session.selected_node = None
+        node = self._claim(session, user.node_id)
+        if node is None:
+            self._refuse_while_streaming(session, "regenerating")
         prompt = self._prompt(session, node, system, mode)
-        yield self._outputs(session, reset_controls=True)
-        yield from self._run(session, node, prompt, params)
+        yield from self._run(session, node, prompt, params, self._outputs(session, reset_controls=True))
 
     def _refuse_while_streaming(self, session: ChatSession, what: str) -> None:
         if session.active_request_id is not None:
@@ -309,10 +337,10 @@ class Handlers:
         kept = last.all_token_ids[:index] + forced
         reply = start_branch(last, index, forced, session.new_request_id("chat"), self.tokenizer.decode(kept),
                              decode=self._decode)
-        node = session.tree.add_reply(target.parent, reply)
-        session.selected = session.selected_node = None
-        yield self._outputs(session, reset_controls=True)
-        yield from self._run(session, node, prompt, params)
+        node = self._claim(session, target.parent, reply)
+        if node is None:
+            self._refuse_while_streaming(session, "branching")
+        yield from self._run(session, node, prompt, params, self._outputs(session, reset_controls=True))
 
     def navigate(self, session: ChatSession, evt: gr.EventData) -> tuple:
         """A click on ‹ or › under a reply: show its previous or next branch."""

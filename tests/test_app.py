@@ -445,3 +445,23 @@ def test_a_tab_keeps_its_first_session():
     for key in "xyz":                                  # at most `capacity` tabs are remembered
         tabs.session(SimpleNamespace(session_hash=key), ChatSession())
     assert len(tabs) == 2
+
+
+def test_a_message_sent_while_a_reply_streams_is_queued_once(client, smollm2_llm):
+    """Bug 2: a message submitted mid-stream was lost; now it waits for the reply, and a second one is refused."""
+    first = client.submit("Count from one to thirty in words.", SYSTEM, *greedy(40, 0), api_name="/chat")
+    deadline = time.monotonic() + 60
+    while len(first.outputs()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    second = client.submit("Thanks!", SYSTEM, *greedy(4, 0), api_name="/chat")
+    deadline = time.monotonic() + 30
+    while not second.outputs() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with pytest.raises(Exception, match="already waiting"):
+        client.predict("And another?", SYSTEM, *greedy(4, 0), api_name="/chat")
+    chat = second.result(timeout=120)[0]
+    users = [content(m) for m in chat if m["role"] == "user"]
+    assert users[-2:] == ["Count from one to thirty in words.", "Thanks!"]
+    assert len([m for m in chat if m["role"] == "assistant"]) == len(users)   # both answered, in order
+    assert "pg-finish-" in reply_meta(chat) and first.result()[0]
+    assert not wait_idle(smollm2_llm)["requests"]
