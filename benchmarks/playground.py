@@ -60,7 +60,7 @@ class UILoop:
     """The app's live-panel work for ``tabs`` tabs, on a background thread."""
 
     def __init__(self, llm, tabs: int, interval: float, reply_tokens: int = 64):
-        self.monitor = EngineMonitor(llm, interval=interval)
+        self.monitor = EngineMonitor(llm, interval=min(interval, 0.2))   # as build_app does
         self.tabs, self.interval = tabs, interval
         vocab = [" the", " sea", " is", " wide", ".", "\n"]
         lps = [{i: {"logprob": -0.5 - 0.1 * i, "rank": i + 1, "decoded_token": vocab[i % 6]} for i in range(5)}

@@ -81,8 +81,10 @@ class EngineMonitor:
             if self._stop.is_set():
                 return
             self._changed.clear()
+            started = time.monotonic()
             self.refresh()
-            self._stop.wait(self.interval)
+            # At most one snapshot per interval, counting the time the snapshot itself took.
+            self._stop.wait(max(0.0, self.interval - (time.monotonic() - started)))
 
     def refresh(self) -> dict:
         """Take a fresh snapshot now (blocks until the engine lets us) and return it."""
