@@ -190,7 +190,6 @@ def compare_with_transformers(model: str, prompts=DEFAULT_PROMPTS, *, max_tokens
 
 
 # The names this module had before it said what it measures; playground/ still uses them.
-align, align_models, AlignmentReport, AlignmentRow = compare_backends, compare_models, ConsistencyReport, ConsistencyRow
 
 
 def read_prompts(path: str) -> list[str]:

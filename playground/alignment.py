@@ -1,9 +1,9 @@
-"""Accuracy alignment from the page: the serving backend vs the other one.
+"""Backend consistency from the page: the serving backend vs the other one.
 
-The Engine panel's "Run accuracy alignment" button compares the model that
+The Engine panel's backend-consistency button compares the model that
 serves the chat (e.g. ``model_impl="native"``) with the same checkpoint run by
 the other implementation (``paddleformers``, or ``native`` when the fallback
-is serving) on the current conversation, through ``engine.align.align``. The
+is serving) on the current conversation, through ``engine.align.compare_backends``. The
 second engine is loaded on first use (it takes a while and its own memory)
 and kept for later runs.
 """
@@ -46,9 +46,9 @@ class Aligner:
 
     def run(self, prompt: str) -> dict:
         """Align ``prompt`` (a rendered chat prompt) and return the report as a dict."""
-        from engine.align import align
+        from engine.align import compare_backends
 
-        report = align(self.llm, self.reference(), [prompt], max_tokens=self.max_tokens)
+        report = compare_backends(self.llm, self.reference(), [prompt], max_tokens=self.max_tokens)
         out = report.to_dict()
         out["top1_agreement"] = report.top1_agreement
         out["max_abs_logprob_diff"] = report.max_abs_logprob_diff

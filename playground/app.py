@@ -72,8 +72,7 @@ def _header(snapshot: dict, limits: Limits, base_model: bool = False) -> str:
               "</p>") if base_model else ""
     badges = "".join(
         f'<span class="pg-badge">{escape(str(v))}</span>'
-        for v in (snapshot.get("model"), snapshot.get("model_impl"), snapshot.get("device"),
-                  f"{snapshot.get('num_blocks')} KV blocks × {snapshot.get('block_size')} tokens")
+        for v in render.engine_badges(snapshot)
     )
     return (
         '<div class="pg-title"><h1>Fleet Playground</h1>'

@@ -134,7 +134,7 @@ def show_logprobs(output: Any, *, tokenizer: Any = None) -> HTML:
 
 
 def show_alignment(report: Any) -> HTML:
-    """An ``engine.align.AlignmentReport`` as the app's alignment table."""
+    """An ``engine.align.ConsistencyReport`` as the app's alignment table."""
     data = report.to_dict()
     data.update(top1_agreement=report.top1_agreement, max_abs_logprob_diff=report.max_abs_logprob_diff,
                 all_greedy_identical=report.all_greedy_identical)
@@ -203,9 +203,7 @@ class Playground:
     def _build(self, system_prompt, max_tokens, temperature, top_p, logprobs, seed) -> None:
         W, L = widgets, widgets.Layout
         snap = self.monitor.snapshot()
-        badges = " · ".join(escape(str(v)) for v in (
-            snap.get("model"), f"model_impl={snap.get('model_impl')}", snap.get("device"),
-            f"{snap.get('num_blocks')} KV blocks × {snap.get('block_size')} tokens"))
+        badges = " · ".join(escape(v) for v in render.engine_badges(snap))
         self.header = W.HTML(f"<b style='font-size:16px'>Fleet Playground</b> <span style='color:#64748b'>"
                              f"{badges}</span>")
         self.chat = W.HTML(chat_html([]), layout=L(width="100%"))

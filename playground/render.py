@@ -32,7 +32,7 @@ from .svgchart import bar_chart_svg
 
 __all__ = [
     "PALETTE", "STATE_STYLE", "owner_colors", "block_map_html", "prefix_cache_html",
-    "logprob_html", "prob_color", "engine_panel_html", "batch_table_html", "alignment_html",
+    "engine_badges", "logprob_html", "prob_color", "engine_panel_html", "batch_table_html", "alignment_html",
 ]
 
 
@@ -430,7 +430,7 @@ def batch_table_html(rows: Sequence[Mapping[str, Any]], colors: Mapping[str, str
 # --------------------------------------------------------------------------- #
 def alignment_html(report: Mapping[str, Any] | None) -> str:
     """Render a backend-consistency report (two implementations of one checkpoint
-    that share kernels and weights: it checks consistency, not accuracy) (``AlignmentReport.to_dict()`` plus
+    that share kernels and weights: it checks consistency, not accuracy) (``ConsistencyReport.to_dict()`` plus
     ``top1_agreement``/``max_abs_logprob_diff``/``all_greedy_identical``)."""
     if not report:
         return (f'{_CSS}<div class="pg-panel align-view"><i>Backend consistency: compare the serving backend '
@@ -454,3 +454,11 @@ def alignment_html(report: Mapping[str, Any] | None) -> str:
         '<table class="pg-stats batch-table"><tr><th>positions</th><th>top-1 agreement</th>'
         f'<th>max |Δ logprob|</th><th>mean KL</th><th>greedy</th></tr>{"".join(rows)}</table></div>'
     )
+
+
+def engine_badges(snapshot: Mapping[str, Any]) -> list[str]:
+    """What serves the page, for the header (Gradio) and the widget's title line: model, model
+    implementation, device, attention kernels, decode path, KV pool size. Plain text; escape it."""
+    return [str(snapshot.get("model")), str(snapshot.get("model_impl")), str(snapshot.get("device")),
+            f"attention: {snapshot.get('attention_backend')}", f"decode: {snapshot.get('decode_path')}",
+            f"{snapshot.get('num_blocks')} KV blocks × {snapshot.get('block_size')} tokens"]

@@ -22,7 +22,7 @@ import paddle
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.align import align
+from engine.align import compare_backends
 from engine.attention import AttentionMetadata, dense_causal_attention
 from engine.fallback.attention_adapter import paged_attention_forward
 from engine.fallback.step_context import bind_step
@@ -231,7 +231,7 @@ def test_smollm2_native_and_paddleformers_align(smollm2_llm, smollm2_pf):
                [{"role": "user", "content": "Name three fruits."}]]
     text_prompts = [p if isinstance(p, str) else smollm2_llm.get_tokenizer().apply_chat_template(
         p, add_generation_prompt=True) for p in prompts]  # the chat turn holds <|im_end|>, SmolLM2's pad id
-    report = align(smollm2_llm, smollm2_pf, text_prompts, max_tokens=32)
+    report = compare_backends(smollm2_llm, smollm2_pf, text_prompts, max_tokens=32)
     print("\n" + report.table())
     assert (report.impl_a, report.impl_b) == ("native", "paddleformers")
     assert report.top1_agreement == 1.0

@@ -363,3 +363,12 @@ def test_logprob_view_toggles_probability_logprob_rank(records):
     tok = [t for t in Elements(rank).by_class("lp-tok") if t["attrs"]["data-index"] == "1"][0]
     assert render.prob_color(0.5) in tok["attrs"]["style"]
     assert "rank <span>#4+</span>" in rank and "logprob <span>−∞</span>" in raw
+
+
+def test_engine_badges_name_the_attention_kernels_and_decode_path(smollm2_llm):
+    """The header (Gradio and the widget) says which kernels and which decode path serve the model."""
+    badges = render.engine_badges(smollm2_llm.snapshot().to_dict())
+    assert badges[:3] == ["smollm2-135m-instruct", "native", "cpu"]
+    assert "attention: cpu" in badges
+    assert any(b.startswith("decode: fused") or b.startswith("decode: paddle") for b in badges)
+    assert "None" not in " ".join(badges)
