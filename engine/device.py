@@ -88,8 +88,14 @@ def resolve_attention_backend(requested: str, device: str) -> tuple[str, str | N
     return requested, requested
 
 
+def _check_finite(logits) -> None:
+    if not np.isfinite(logits.numpy()).all():
+        raise FloatingPointError("the step's logits are not finite")
+
+
 def warm_up(runner, device: str, num_tokens: int = 4) -> None:
-    """A ``num_tokens`` prefill and a one-token decode through ``runner``'s model on a throwaway cache.
+    """A ``num_tokens`` prefill and a one-token decode through ``runner``'s model on a throwaway cache,
+    then one decode through the fused CPU decode step where it serves (``cpu_decode="fused"``).
 
     Same block size, KV dtype and attention backend as the engine's steps, so
     the kernels it compiles are the ones serving uses. Raises RuntimeError
@@ -112,9 +118,17 @@ def warm_up(runner, device: str, num_tokens: int = 4) -> None:
                     query_start_loc=paddle.to_tensor(np.array([0, hi - lo], dtype=np.int32)),
                     decode_only=hi - lo == 1, num_tokens=hi - lo, backend=runner.attention_backend)
                 hidden = runner.model.forward(paddle.zeros([hi - lo], dtype="int64"), positions, meta, caches)
-                logits = runner.model.compute_logits(hidden[-1:]).numpy()
-                if not np.isfinite(logits).all():
-                    raise FloatingPointError("the step's logits are not finite")
+                _check_finite(runner.model.compute_logits(hidden[-1:]))
+            if runner.fused_decode is not None:
+                # The fused CPU decode kernel reads the engine's own cache: one token at slot 0,
+                # which nothing has used yet (the pool is empty at load; later steps overwrite it).
+                zero = paddle.to_tensor(np.zeros(1, dtype=np.int64))
+                meta = AttentionMetadata(
+                    positions=zero, slot_mapping=zero, block_tables=paddle.to_tensor(np.zeros((1, 1), np.int32)),
+                    context_lens=paddle.to_tensor(np.ones(1, np.int32)),
+                    query_start_loc=paddle.to_tensor(np.array([0, 1], np.int32)),
+                    decode_only=True, num_tokens=1, backend=runner.attention_backend)
+                _check_finite(runner.model.compute_logits(runner.fused_decode.forward(zero, meta)))
     except Exception as exc:
         raise RuntimeError(f"the warm-up step on device={device!r}, attention_backend="
                            f"{runner.attention_backend or 'auto'!r} failed: "
