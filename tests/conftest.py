@@ -1,14 +1,39 @@
-"""Shared fixtures: real models are loaded once per test session."""
+"""Shared fixtures: real models are loaded once per test session.
+
+What a test needs from outside Python's reach (Debian's chromium, the torch /
+transformers references of the "reference" extra) is skipped with a reason when
+it is absent -- except in CI (``CI`` set, as ``.ci/run`` does), where it must be
+there and its absence fails the test.
+"""
 
 import contextlib
+import importlib.util
 import os
+import subprocess
 import sys
+import threading
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/tiny_models.py
 
 _MISSING = object()
+
+IN_CI = os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def unavailable(reason: str):
+    """Skip: ``reason`` says what is missing and how to install it; in CI, fail instead."""
+    if IN_CI:
+        pytest.fail(f"{reason} (CI must run this test)", pytrace=False)
+    pytest.skip(reason)
+
+
+def require_reference() -> None:
+    """The independent references (torch, transformers) of the "reference" extra."""
+    missing = [name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None]
+    if missing:
+        unavailable(f"needs {', '.join(missing)}: pip install -e \".[test,reference]\"")
 
 
 @pytest.fixture(scope="session")
@@ -59,6 +84,8 @@ def torch_transformers():
     `torchcodec` without its package metadata, which transformers' audio
     utilities trip over: it is declared absent, as PaddleFormers does.
     """
+    require_reference()
+
     def ours(name):
         return name == "transformers" or name.startswith("transformers.")
 
@@ -83,3 +110,71 @@ def torch_transformers():
             del sys.modules["torchcodec"]
         else:
             sys.modules["torchcodec"] = codec
+
+
+# ------------------------------------------------- the CUDA simulator's subprocess
+
+SIMULATOR_TEST = "test_kernels_cudasim.py::test_cuda_kernels_in_the_simulator"
+
+
+class _Output:
+    """A subprocess's combined stdout/stderr, collected by a thread as it comes."""
+
+    def __init__(self, pipe):
+        self._chunks: list[str] = []
+        self._done = False
+        self._cond = threading.Condition()
+        threading.Thread(target=self._read, args=(pipe,), daemon=True, name="cudasim-output").start()
+
+    def _read(self, pipe):
+        for chunk in iter(lambda: pipe.read1(256), b""):
+            with self._cond:
+                self._chunks.append(chunk.decode(errors="replace"))
+                self._cond.notify_all()
+        with self._cond:
+            self._done = True
+            self._cond.notify_all()
+
+    def relay(self, stream) -> str:
+        """Write what came so far to ``stream``, then the rest as it comes; return all of it."""
+        sent = 0
+        while True:
+            with self._cond:
+                while sent == len(self._chunks) and not self._done:
+                    self._cond.wait()
+                new, sent, done = self._chunks[sent:], len(self._chunks), self._done
+            stream.write("".join(new))
+            stream.flush()
+            if done and sent == len(self._chunks):
+                return "".join(self._chunks)
+
+
+def cudasim_run(config):
+    """``(process, output)`` of ``NUMBA_ENABLE_CUDASIM=1 pytest tests/test_kernels_cudasim.py``,
+    started once per session (at the end of collection when its test was collected)."""
+    run = getattr(config, "_cudasim_run", None)
+    if run is None:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+             os.path.join(root, "tests", "test_kernels_cudasim.py")],
+            env=dict(os.environ, NUMBA_ENABLE_CUDASIM="1"), cwd=root,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        run = config._cudasim_run = (proc, _Output(proc.stdout))
+    proc, out = run
+    return proc, out
+
+
+def pytest_collection_finish(session):
+    """Start the simulator's subprocess now, so that it runs beside the other tests."""
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" or session.config.option.collectonly:
+        return
+    if any(item.nodeid.endswith(SIMULATOR_TEST) for item in session.items):
+        cudasim_run(session.config)
+
+
+def pytest_sessionfinish(session):
+    run = getattr(session.config, "_cudasim_run", None)
+    if run is not None and run[0].poll() is None:
+        run[0].kill()
+        run[0].wait()

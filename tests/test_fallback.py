@@ -28,6 +28,7 @@ from engine.fallback.attention_adapter import paged_attention_forward
 from engine.fallback.paddlefleet import patch_core_attention
 from engine.fallback.step_context import bind_step
 from engine.model_impl import resolve_model_impl
+from conftest import require_reference
 from tiny_models import make_tiny_model, tiny_prompts
 
 HERE = os.path.dirname(__file__)
@@ -334,6 +335,8 @@ def gemma3_transformers(gemma3_checkpoint):
 
     from engine.loader.zoo import cache_dir
 
+    require_reference()
+
     ids = [gemma3_checkpoint.tokenizer.encode(p, add_special_tokens=True) for p in GEMMA_PROMPTS]
     stat = os.stat(gemma3_checkpoint.path)
     key = hashlib.sha256(json.dumps([ids, 12, stat.st_size, stat.st_mtime_ns, version("transformers"),
@@ -373,6 +376,7 @@ def test_gemma3_auto_serves_paddleformers_and_matches_transformers(gemma3_transf
 # ---------------------------------------------------------------- PaddleFleet (where installed)
 
 
+@pytest.mark.paddlefleet
 def test_paddlefleet_backend_matches_native(tmp_path):
     pytest.importorskip("paddlefleet", reason="paddlefleet installs from Paddle's own index, not PyPI")
     tiny = make_tiny_model(str(tmp_path / "qwen3"), "Qwen3ForCausalLM", seed=3)
