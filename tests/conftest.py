@@ -7,11 +7,14 @@ there and its absence fails the test.
 """
 
 import contextlib
+import ctypes
+import gc
 import importlib.util
 import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -57,9 +60,10 @@ def smollm2_checkpoint():
     return load_checkpoint("smollm2-135m-instruct")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smollm2_state_dict(smollm2_checkpoint):
-    """SmolLM2's dequantized float32 weights, HF names (~0.5 GB; read once per session)."""
+    """SmolLM2's dequantized float32 weights, HF names (~0.5 GB: read per module, a few seconds,
+    rather than held through the whole session)."""
     return smollm2_checkpoint.state_dict()
 
 
@@ -110,6 +114,39 @@ def torch_transformers():
             del sys.modules["torchcodec"]
         else:
             sys.modules["torchcodec"] = codec
+
+
+# ------------------------------------------------- memory between tests
+
+# An LLM lives in reference cycles (model layers, hooks, threads), so refcounting does not free
+# it: without a full collection, each test's LLM would stay until the collector's rare
+# oldest-generation pass, and the process would grow by a model per test. A full collection costs
+# ~0.1-0.2 s with everything imported: it runs after tests that took long enough to have loaded
+# a model, and at the end of each module (when its module fixtures are gone).
+_COLLECT_AFTER_S = 1.0
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    start = time.monotonic()
+    yield
+    item._call_seconds = time.monotonic() - start
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    module_ends = nextitem is None or nextitem.module is not item.module
+    if module_ends or getattr(item, "_call_seconds", 0.0) > _COLLECT_AFTER_S:
+        gc.collect()
+        if _libc is not None:
+            _libc.malloc_trim(0)     # hand the freed heap back to the system
+
+
+try:
+    _libc = ctypes.CDLL("libc.so.6")
+except OSError:   # not glibc
+    _libc = None
 
 
 # ------------------------------------------------- the CUDA simulator's subprocess

@@ -362,6 +362,7 @@ def gemma3_transformers(gemma3_checkpoint):
         proc.kill()
 
 
+@pytest.mark.slow
 def test_gemma3_auto_serves_paddleformers_and_matches_transformers(gemma3_transformers):
     llm = LLM(model="gemma3-270m")
     assert llm.model_impl == "paddleformers" and llm.snapshot().model_impl == "paddleformers"

@@ -29,6 +29,7 @@ IN_SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 
 if not IN_SIMULATOR:
 
+    @pytest.mark.slow
     def test_cuda_kernels_in_the_simulator(request, capsys):
         from conftest import cudasim_run
 
@@ -37,6 +38,7 @@ if not IN_SIMULATOR:
             sys.stdout.write("\n[cuda simulator] ")
             out = log.relay(sys.stdout)
             sys.stdout.write("\n")
+        proc.wait()
         summary = out.strip().splitlines()[-1] if out.strip() else ""
         assert proc.returncode == 0, out[-6000:]
         assert "passed" in summary and "skipped" not in summary, summary

@@ -64,7 +64,7 @@ def _model_from_checkpoint(transformers, ckpt, state_dict):
     config_class = transformers.AutoConfig.for_model(ckpt.config["model_type"]).__class__
     config = config_class(**{k: v for k, v in ckpt.config.items() if k != "model_type"})
     model = getattr(transformers, ckpt.architecture)(config).eval()
-    missing, unexpected = model.load_state_dict({k: torch.tensor(v) for k, v in state_dict.items()},
+    missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in state_dict.items()},
                                                 strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     model.tie_weights()
@@ -86,6 +86,7 @@ def test_smollm2_checkpoint_metadata(smollm2_checkpoint):
     assert tok.chat_template is not None
 
 
+@pytest.mark.slow
 def test_smollm2_weights_equal_transformers(hf_smollm2, smollm2_state_dict):
     model, _ = hf_smollm2
     reference = {k: v.float().numpy() for k, v in model.state_dict().items()}
@@ -266,6 +267,7 @@ def test_gemma3_checkpoint_metadata(gemma3_checkpoint):
     assert tok.eos_token_ids == {1, 106} and tok.id_to_token(106) == "<end_of_turn>"
 
 
+@pytest.mark.slow
 def test_gemma3_weights_equal_transformers(transformers, gemma3_checkpoint, gemma3_state_dict,
                                            gemma3_reference_model):
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -277,6 +279,7 @@ def test_gemma3_weights_equal_transformers(transformers, gemma3_checkpoint, gemm
         np.testing.assert_array_equal(ours, reference[name].float().numpy(), err_msg=name)
 
 
+@pytest.mark.slow
 def test_gemma3_norm_convention(transformers, gemma3_checkpoint, gemma3_state_dict, gemma3_reference_model):
     """HF Gemma RMSNorm multiplies by (1 + w); llama.cpp stores w + 1.  With the shift undone
     the model predicts plain English well; leaving it in (w + 1) ruins it."""
@@ -285,13 +288,21 @@ def test_gemma3_norm_convention(transformers, gemma3_checkpoint, gemma3_state_di
     text = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France, and Berlin "
             "is the capital of Germany. Water boils at 100 degrees Celsius.")
     ids = torch.tensor([gemma3_checkpoint.tokenizer.encode(text)])
-    shifted = {k: v + 1 if k.endswith("norm.weight") else v for k, v in gemma3_state_dict.items()}
+    norms = {n: p for n, p in gemma3_reference_model.named_parameters() if n.endswith("norm.weight")}
+    assert norms.keys() == {k for k in gemma3_state_dict if k.endswith("norm.weight")}
     with torch.no_grad():
         good = gemma3_reference_model(ids, labels=ids).loss.item()
-        bad = _model_from_checkpoint(transformers, gemma3_checkpoint, shifted)(ids, labels=ids).loss.item()
+        for name, param in norms.items():      # the same model with the shift left in
+            param.copy_(torch.from_numpy(gemma3_state_dict[name] + 1))
+        try:
+            bad = gemma3_reference_model(ids, labels=ids).loss.item()
+        finally:
+            for name, param in norms.items():
+                param.copy_(torch.from_numpy(gemma3_state_dict[name]))
     assert good < 3.0 and bad > good + 5.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt,expected", [
     ("Question: What is 2+3?\nAnswer:", " 2+3=5"),
     ("def fibonacci(n):", "\n    if n == 0:"),
