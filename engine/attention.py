@@ -9,11 +9,15 @@ each layer then
    table (``paged_decode`` when every sequence has one new token, else
    ``paged_prefill`` with bottom-right-aligned causal masks per chunk).
 
-Both run in ``gpu_kernels`` (Numba), which reads Paddle tensors zero-copy.
+Both run in ``gpu_kernels`` (Numba), which reads Paddle tensors zero-copy,
+on the engine's ``attention_backend`` (``meta.backend``; ``None`` follows the
+tensors: CUDA kernels for GPU tensors, Numba CPU kernels else).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,9 +37,39 @@ class AttentionMetadata:
     query_start_loc: paddle.Tensor  # int32 [num_seqs + 1]: cumulative query counts
     decode_only: bool               # every sequence has exactly one new token
     num_tokens: int
+    backend: str | None = None      # gpu_kernels backend ("cpu", "cuda", "reference"); None: by tensor
 
 
 KVCache = tuple[paddle.Tensor, paddle.Tensor]  # ([num_blocks, kv_heads, block_size, head_dim]) × 2
+
+_ATTENDED: contextvars.ContextVar[list | None] = contextvars.ContextVar("engine_attended", default=None)
+
+
+@contextlib.contextmanager
+def every_layer_attends(owner: str, kv_caches, why: str = ""):
+    """Check that the body calls `paged_attention` exactly once on each of ``kv_caches``.
+
+    Every model wrapper (native, PaddleFormers, PaddleFleet) runs its layers
+    inside this block: a layer that attends some other way (a library falling
+    back to its own attention, a layer left unpatched) would attend to this
+    step's tokens only, which no output check would notice. ``why`` says what
+    that means for ``owner``. ``kv_caches=None`` (no paged cache) checks nothing.
+    """
+    if kv_caches is None:
+        yield
+        return
+    seen: list[int] = []
+    token = _ATTENDED.set(seen)
+    try:
+        yield
+    finally:
+        _ATTENDED.reset(token)
+    layer_of = {id(cache[0]): i for i, cache in enumerate(kv_caches)}
+    layers = sorted(layer_of.get(key, -1) for key in seen)
+    if layers != list(range(len(kv_caches))):
+        raise RuntimeError(f"{owner}: {len(seen)} attention calls reached the engine's KV cache for "
+                           f"{len(kv_caches)} layers (layers {layers}, -1: not one of the step's caches)"
+                           + (f"; {why}" if why else ""))
 
 
 def paged_attention(
@@ -50,16 +84,21 @@ def paged_attention(
 ) -> paddle.Tensor:
     """q: [T, num_heads, D]; k, v: [T, num_kv_heads, D]. Returns [T, num_heads, D]."""
     k_cache, v_cache = kv_cache
+    seen = _ATTENDED.get()
+    if seen is not None:
+        seen.append(id(k_cache))
     if k.dtype != k_cache.dtype:
         k, v = k.astype(k_cache.dtype), v.astype(k_cache.dtype)
-    gpu_kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    backend = meta.backend
+    gpu_kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=backend)
     out = paddle.empty(q.shape, dtype=q.dtype)
     if meta.decode_only:
         gpu_kernels.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                                 sliding_window=sliding_window, out=out)
+                                 sliding_window=sliding_window, out=out, backend=backend)
     else:
         gpu_kernels.paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                  meta.context_lens, scale, sliding_window=sliding_window, out=out)
+                                  meta.context_lens, scale, sliding_window=sliding_window, out=out,
+                                  backend=backend)
     return out
 
 

@@ -114,6 +114,10 @@ class BlockPool:
         self._cached[block_hash] = block
         self.events.stored.append((block.block_id, block_hash))
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Drop the block's hash (it stays allocated to whoever holds it)."""
+        self._evict(block)
+
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
+from .block_pool import BlockEvents, BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
 from .request import Request
 
 
@@ -25,7 +25,6 @@ class PrefixCacheStats:
 
     queries: int = 0
     hits: int = 0
-    requests: int = 0
     reset_count: int = 0
 
     @property
@@ -49,6 +48,11 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.pool.usage
+
+    @property
+    def blocks(self) -> list[KVCacheBlock]:
+        """Every physical block, indexed by block id (read-only use: snapshots)."""
+        return self.pool.blocks
 
     def _block_hashes(self, request: Request) -> list[BlockHash]:
         """Hashes of the request's full blocks, extended incrementally as tokens arrive."""
@@ -76,7 +80,6 @@ class KVCacheManager:
 
     def record_lookup(self, num_tokens: int, num_cached: int) -> None:
         """Count one admitted request's prefix lookup in ``stats``."""
-        self.stats.requests += 1
         self.stats.queries += num_tokens
         self.stats.hits += num_cached
 
@@ -120,6 +123,15 @@ class KVCacheManager:
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def uncache(self, block_ids: list[int]) -> None:
+        """Withdraw blocks from the prefix cache (their K/V were never written: a failed step)."""
+        for block_id in block_ids:
+            self.pool.uncache(self.pool.blocks[block_id])
+
+    def drain_events(self) -> BlockEvents:
+        """Blocks published to / evicted from the prefix cache since the last drain."""
+        return self.pool.drain_events()
 
     def reset_prefix_cache(self) -> int:
         self.stats = PrefixCacheStats(reset_count=self.stats.reset_count + 1)

@@ -5,21 +5,32 @@ exits when the engine is idle (so an idle ``LLM`` holds no thread). Every
 caller — a batch ``generate``, many concurrent ``stream``s from a web server —
 submits requests to the same engine and gets its own tokens back through a
 queue; concurrent requests are batched together by the scheduler.
+
+The engine lock is held only while the engine works (a step, an add, an
+abort, a snapshot). Everything the engine produced under it — events for
+``subscribe`` callbacks and deltas for waiting callers — goes into one ordered
+outbox that is delivered after the lock is released, so a callback may call
+``abort``/``snapshot`` (an abort takes effect between steps), and a step's
+events reach callbacks before its tokens reach callers. A callback must not
+wait for generation (``generate``/``chat``/``stream``): that raises
+``RuntimeError``. If the engine thread ever dies (even on ``SystemExit``),
+every waiting caller gets ``EngineDeadError`` and so does every later call;
+make a new ``LLM``.
 """
 
 from __future__ import annotations
 
 import atexit
-import itertools
 import logging
 import queue
 import threading
 import weakref
-from typing import Iterable, Iterator
+from typing import Iterator
 
 from tqdm.auto import tqdm
 
 from .config import EngineConfig
+from .delivery import FairLock, Outbox
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput, StreamDelta
 from .sampling_params import SamplingParams
@@ -27,41 +38,15 @@ from .sampling_params import SamplingParams
 logger = logging.getLogger("engine")
 
 
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped; this ``LLM`` cannot serve any more requests."""
 
-class FairLock:
-    """A re-entrant lock granted in arrival order.
 
-    The engine thread re-takes the lock for every step; with a plain lock it
-    would win every race and starve callers waiting to submit, abort or take
-    a snapshot. Tickets make each waiter get its turn at the next step boundary.
-    """
+class _Died:
+    """Queue marker: the engine thread stopped before this request finished."""
 
-    def __init__(self):
-        self._cond = threading.Condition(threading.Lock())
-        self._tickets = itertools.count()
-        self._serving = 0
-        self._owner: int | None = None
-        self._depth = 0
-
-    def __enter__(self):
-        me = threading.get_ident()
-        with self._cond:
-            if self._owner == me:
-                self._depth += 1
-                return self
-            ticket = next(self._tickets)
-            while ticket != self._serving:
-                self._cond.wait()
-            self._owner, self._depth = me, 1
-        return self
-
-    def __exit__(self, *exc):
-        with self._cond:
-            self._depth -= 1
-            if self._depth == 0:
-                self._owner = None
-                self._serving += 1
-                self._cond.notify_all()
+    def __init__(self, reason: str):
+        self.reason = reason
 
 
 class LLM:
@@ -80,6 +65,8 @@ class LLM:
         self._lock = FairLock()
         self._queues: dict[str, queue.SimpleQueue] = {}
         self._thread: threading.Thread | None = None
+        self._dead: str | None = None              # why the engine thread stopped, once it has
+        self._outbox = Outbox()                    # events and deltas, delivered outside the lock
         # Stop the engine thread before interpreter shutdown freezes it mid-step.
         atexit.register(_shutdown_if_alive, weakref.ref(self))
 
@@ -99,6 +86,7 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Text prompts, ``{"prompt_token_ids": [...]}`` or ``{"prompt": str}``; one or a list."""
+        self._check_can_wait("generate")
         if not isinstance(prompts, (list, tuple)):
             prompts = [prompts]
         return self._run_batch([self._encode(p) for p in prompts], sampling_params, use_tqdm)
@@ -106,41 +94,44 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:
         """One conversation (a list of ``{"role", "content"}``) or a list of them."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        return self._run_batch([self._encode(c) for c in conversations], sampling_params, use_tqdm)
+        self._check_can_wait("chat")
+        return self._run_batch([self._encode(c) for c in _conversations(messages)], sampling_params, use_tqdm)
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None,
                request_id: str | None = None) -> Iterator[StreamDelta]:
-        """Yield ``StreamDelta``s as tokens arrive; closing the generator early aborts the request."""
+        """Yield ``StreamDelta``s as tokens arrive; closing the generator early aborts the request.
+
+        The request is checked and submitted when iteration starts."""
+        self._check_can_wait("stream")
         text, ids = self._encode(prompt)
-        rid, q = self._submit(ids, sampling_params or SamplingParams(), request_id)
+        rid, q, _ = self._submit(ids, sampling_params or SamplingParams(), request_id)
         finished = False
         try:
             while not finished:
-                delta = q.get()
+                delta = self._next(q)
                 finished = delta.finished
                 yield delta
         finally:
-            if not finished:
+            if not finished and self._dead is None:
                 self.abort(rid)
 
     def abort(self, request_id: str) -> bool:
+        """Finish a request with ``finish_reason="abort"`` (between steps). False if it is not live."""
         with self._lock:
             delta = self.engine.abort(request_id)
-            if delta is None:
-                return False
-            q = self._queues.pop(request_id, None)
-            if q is not None:
-                q.put(delta)
-            return True
+            if delta is not None:
+                self._post([delta])
+        self._deliver()
+        return delta is not None
 
     def shutdown(self) -> None:
         """Abort every unfinished request and wait for the engine thread to exit."""
         with self._lock:
-            for rid in list(self.engine.requests):
-                self.abort(rid)
+            deltas = [self.engine.abort(rid) for rid in list(self.engine.requests)]
+            self._post([d for d in deltas if d is not None])
             thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
+        self._deliver()
+        if thread is not None and thread is not threading.current_thread() and not self._outbox.delivering:
             thread.join()
 
     # -- observability ---------------------------------------------------------------
@@ -149,13 +140,28 @@ class LLM:
             return self.engine.snapshot()
 
     def subscribe(self, callback):
-        """Call ``callback(EngineEvent)`` for every engine event (from the engine thread)."""
+        """Call ``callback(EngineEvent)`` for every engine event, in order, outside the engine lock
+        (usually from the engine thread). Returns a function that unsubscribes it. A callback that
+        raises an ``Exception`` is logged and skipped; it may call ``abort``/``snapshot`` but not
+        wait for generation."""
+        if not callable(callback):
+            raise ValueError(f"subscribe() needs a callable; got {type(callback).__name__}")
         with self._lock:
-            return self.engine.subscribe(callback)
+            self._outbox.listeners.append(callback)
+
+        def unsubscribe():
+            with self._lock:
+                if callback in self._outbox.listeners:
+                    self._outbox.listeners.remove(callback)
+
+        return unsubscribe
 
     def reset_prefix_cache(self) -> int:
         with self._lock:
-            return self.engine.reset_prefix_cache()
+            n = self.engine.reset_prefix_cache()
+            self._post([])
+        self._deliver()
+        return n
 
     # -- internals ---------------------------------------------------------------------
     def _encode(self, prompt) -> tuple[str | None, list[int]]:
@@ -163,62 +169,173 @@ class LLM:
         if isinstance(prompt, str):
             return prompt, tok.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        if isinstance(prompt, dict) and "prompt" in prompt:
+            return prompt.get("prompt"), prompt["prompt_token_ids"]
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
             return prompt["prompt"], tok.encode(prompt["prompt"], add_special_tokens=True)
-        if isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt):
+        if _is_conversation(prompt):
             text = tok.apply_chat_template(prompt, add_generation_prompt=True)
             return text, tok.encode(text, add_special_tokens=False)
         raise ValueError("a prompt must be a string, {'prompt_token_ids': [...]}, {'prompt': str} or a list of "
-                         f"chat messages {{'role', 'content'}}; got {type(prompt).__name__}")
+                         f"chat messages {{'role': str, 'content': str}}; got {_describe(prompt)}")
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"{self._dead}; this LLM cannot serve requests any more, create a new one")
+
+    def _check_can_wait(self, name: str) -> None:
+        self._check_alive()
+        if self._outbox.delivering:
+            raise RuntimeError(
+                f"LLM.{name}() was called from a subscribe() callback: callbacks run between engine steps, so "
+                "waiting there for tokens would deadlock. Hand the work to another thread; a callback may "
+                "call abort() and snapshot().")
 
     def _submit(self, ids: list[int], params: SamplingParams, request_id: str | None):
+        return self._submit_all([(ids, params, request_id)])[0]
+
+    def _submit_all(self, items):
+        """Queue requests together (one batch lands in one step); if one is refused, none stays queued."""
         with self._lock:
-            rid = self.engine.add_request(ids, params, request_id)
-            q: queue.SimpleQueue = queue.SimpleQueue()
-            self._queues[rid] = q
+            self._check_alive()
+            added = []
+            try:
+                for ids, params, request_id in items:
+                    added.append(self.engine.add_request(ids, params, request_id))
+            except BaseException:
+                for rid in added:
+                    self.engine.abort(rid)
+                self.engine.drain_events()
+                raise
+            out = []
+            for rid in added:
+                q: queue.SimpleQueue = queue.SimpleQueue()
+                self._queues[rid] = q
+                out.append((rid, q, self.engine.requests[rid]))
+            self._post([])
+            thread = None
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
-                self._thread.start()
-        return rid, q
+                thread = self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        try:
+            self._deliver()  # this submission's events first, on the caller's thread
+        except BaseException:  # a callback raised here: nobody will wait for these requests
+            with self._lock:
+                self._post([d for d in (self.engine.abort(rid) for rid, *_ in out) if d is not None])
+            raise
+        finally:
+            if thread is not None:
+                thread.start()
+        return out
+
+    def _next(self, q: queue.SimpleQueue) -> StreamDelta:
+        """The request's next delta; raises ``EngineDeadError`` instead of waiting on a dead engine."""
+        idle = 0
+        while True:
+            try:
+                item = q.get(timeout=1.0)
+            except queue.Empty:
+                self._check_alive()
+                thread = self._thread  # a live request always has an engine thread (maybe about to start)
+                gone = thread is None or (thread.ident is not None and not thread.is_alive())
+                idle = idle + 1 if gone else 0
+                if idle >= 2:
+                    raise EngineDeadError("the engine thread is gone and this request never finished")
+                continue
+            if isinstance(item, _Died):
+                raise EngineDeadError(f"{item.reason}; the request was not finished")
+            return item
 
     def _run_batch(self, encoded: list[tuple[str | None, list[int]]], sampling_params, use_tqdm: bool):
         if isinstance(sampling_params, list) and len(sampling_params) != len(encoded):
             raise ValueError(f"got {len(sampling_params)} sampling_params for {len(encoded)} prompts")
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(encoded)
-        submitted = []
+        bad = next((p for p in params if not isinstance(p, SamplingParams)), None)
+        if bad is not None:
+            raise ValueError(f"sampling params must be a SamplingParams; got {type(bad).__name__}")
+        submitted = self._submit_all([(ids, p, None) for (_, ids), p in zip(encoded, params)])
         try:
-            for (text, ids), p in zip(encoded, params):
-                rid, q = self._submit(ids, p, None)
-                submitted.append((rid, text, q, self.engine.requests[rid]))
-        except Exception:
-            for rid, *_ in submitted:
-                self.abort(rid)
+            outputs = []
+            for (rid, q, req), (text, _) in tqdm(list(zip(submitted, encoded)), disable=not use_tqdm,
+                                                 desc="requests"):
+                while not self._next(q).finished:
+                    pass
+                outputs.append(RequestOutput.from_request(req, text))
+        except BaseException:
+            if self._dead is None:
+                for rid, *_ in submitted:
+                    self.abort(rid)
             raise
-        outputs = []
-        for rid, text, q, req in tqdm(submitted, disable=not use_tqdm, desc="requests"):
-            while not q.get().finished:
-                pass
-            outputs.append(RequestOutput.from_request(req, text))
         return outputs
 
+    def _post(self, deltas: list[StreamDelta]) -> None:
+        """Under the lock: queue the engine's events and these deltas for delivery, in order."""
+        self._outbox.put_events(self.engine.drain_events())
+        for d in deltas:
+            q = self._queues.pop(d.request_id, None) if d.finished else self._queues.get(d.request_id)
+            if q is not None:
+                self._outbox.put_delta(q, d)
+
+    def _deliver(self) -> None:
+        self._outbox.deliver()
+
     def _loop(self) -> None:
-        while True:
-            with self._lock:
-                if not self.engine.has_unfinished():
-                    self._thread = None
-                    return
-                try:
-                    deltas = self.engine.step()
-                except Exception as exc:  # a bug in a step: fail its requests, keep serving
-                    logger.exception("engine step failed")
-                    deltas = self.engine.fail_all(f"{type(exc).__name__}: {exc}")
-                for d in deltas:
-                    q = self._queues.get(d.request_id)
-                    if q is not None:
-                        q.put(d)
-                    if d.finished:
-                        self._queues.pop(d.request_id, None)
+        try:
+            while True:
+                with self._lock:
+                    if not self.engine.has_unfinished():
+                        self._thread = None
+                        self._post([])
+                        break
+                    try:
+                        deltas = self.engine.step()
+                    except Exception as exc:  # a bug outside the guarded parts of a step: fail its requests
+                        logger.exception("engine step failed")
+                        deltas = self.engine.fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+                    self._post(deltas)
+                self._deliver()
+            self._deliver()
+        except BaseException as exc:  # noqa: BLE001  (SystemExit from a callback too: nobody may hang)
+            self._die(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        """The engine thread is ending on an exception: fail every live request, wake every caller."""
+        reason = f"the engine thread stopped: {type(exc).__name__}: {exc}"
+        logger.error("%s", reason, exc_info=exc)
+        with self._lock:
+            self._dead = reason
+            if self._thread is threading.current_thread():
+                self._thread = None
+            pending = self._outbox.take_deltas()  # callbacks are skipped: one of them may be the cause
+            live = list(self._queues.values())
+            self._queues.clear()
+            try:
+                self.engine.fail_all(reason)
+                self.engine.drain_events()
+            finally:
+                for q, delta in pending:
+                    q.put(delta)
+                for q in live:
+                    q.put(_Died(reason))
+
+
+def _is_conversation(value) -> bool:
+    return isinstance(value, (list, tuple)) and bool(value) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in value)
+
+
+def _conversations(messages) -> list:
+    """One conversation or a list of them; anything else is a ValueError."""
+    if _is_conversation(messages):
+        return [list(messages)]
+    if isinstance(messages, (list, tuple)) and messages and all(_is_conversation(c) for c in messages):
+        return [list(c) for c in messages]
+    raise ValueError("messages must be one conversation (a non-empty list of {'role': str, 'content': str} "
+                     f"dicts) or a list of them; got {_describe(messages)}")
+
+
+def _describe(value) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
 
 
 def _shutdown_if_alive(ref) -> None:

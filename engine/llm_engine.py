@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 import os
 import time
 
@@ -16,10 +17,11 @@ import numpy as np
 import paddle
 
 from .config import EngineConfig
+from .device import resolve_attention_backend, resolve_device, warm_up
 from .kv_cache_manager import KVCacheManager
 from .loader import load_checkpoint
 from .model_impl import build_model, resolve_model_impl
-from .model_runner import ModelRunner, num_kv_blocks
+from .model_runner import ModelRunner, kv_block_bytes
 from .outputs import StreamDelta
 from .request import Request, RequestStatus
 from .sampler import Sampler
@@ -30,23 +32,19 @@ from .snapshot import EngineEvent, StepInfo, take_snapshot
 logger = logging.getLogger("engine")
 
 
-def resolve_device(device: str) -> str:
-    has_gpu = paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
-    if device == "gpu" and not has_gpu:
-        raise ValueError("device='gpu' needs Paddle compiled with CUDA and a visible GPU; use device='cpu' or 'auto'")
-    return "gpu" if device == "gpu" or (device == "auto" and has_gpu) else "cpu"
-
-
-def _available_bytes(device: str) -> int:
+def _total_memory_bytes(device: str) -> int:
+    """What a fractional ``kv_cache_memory`` is a fraction of: the GPU's total memory, or on CPU
+    the machine's total physical RAM (``os.sysconf``; a container's memory limit is not consulted)."""
     if device == "gpu":
         return paddle.device.cuda.get_device_properties().total_memory
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = resolve_device(config.device)
+        self.attention_backend, kernels_backend = resolve_attention_backend(config.attention_backend, self.device)
         paddle.set_device(self.device)
         self.dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if self.device == "gpu" else "float32")
         checkpoint = load_checkpoint(config.model)
@@ -58,13 +56,23 @@ class LLMEngine:
         logger.info("model_impl=%s serves %s", self.model_impl, checkpoint.architecture)
 
         num_layers, num_kv_heads, head_dim = model.kv_layout()
-        kv_bytes = config.kv_cache_bytes(_available_bytes(self.device))
-        num_blocks = num_kv_blocks(kv_bytes, config.block_size, num_layers, num_kv_heads, head_dim, self.dtype)
-        if num_blocks < 2:
-            raise ValueError(f"kv_cache_memory={config.kv_cache_memory} holds {num_blocks} blocks; need at least 2")
-        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype)
-        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens)
+        per_block = kv_block_bytes(config.block_size, num_layers, num_kv_heads, head_dim, self.dtype)
+        kv_bytes = config.kv_cache_bytes(_total_memory_bytes(self.device))
+        num_blocks = kv_bytes // per_block
+        need = -(-config.max_model_len // config.block_size) if config.max_model_len else 2
+        if num_blocks < need:
+            what = (f"one sequence of max_model_len={config.max_model_len} tokens" if config.max_model_len
+                    else "the engine")
+            raise ValueError(
+                f"kv_cache_memory={config.kv_cache_memory!r} gives {kv_bytes:,} bytes = {num_blocks} KV blocks of "
+                f"{config.block_size} tokens ({per_block:,} bytes each); {what} needs {need} blocks: set "
+                f"kv_cache_memory to at least {need * per_block:,} bytes" +
+                (" or lower max_model_len" if config.max_model_len else ""))
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype,  # owns the KV tensors
+                                  kernels_backend)
+        warm_up(self.runner, self.device)  # a broken device/backend fails here, with its cause
+        self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(lambda t: self.tokenizer.decode([t], skip_special_tokens=False))
         model_limit = checkpoint.config.get("max_position_embeddings") or num_blocks * config.block_size
         self.max_model_len = min(config.max_model_len or model_limit, model_limit, num_blocks * config.block_size)
@@ -73,7 +81,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._rngs: dict[str, np.random.Generator] = {}
         self._detok: dict[str, object] = {}
-        self._listeners: list = []
+        self._sent: dict[str, int] = {}  # characters of output_text already handed out in deltas
+        self._events: list[EngineEvent] = []
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
         self.step_count = 0
@@ -81,27 +90,37 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Validate everything first, then queue: a bad request raises and leaves no trace."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams; got {type(params).__name__}")
+        if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__iter__"):
+            raise ValueError(f"prompt_token_ids must be a list of token ids; got {type(prompt_token_ids).__name__}")
         ids = list(prompt_token_ids)
         if not ids:
             raise ValueError("prompt is empty; give at least one token")
-        if not all(isinstance(t, (int, np.integer)) and 0 <= t < self.vocab_size for t in ids):
-            raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size}); got out-of-range ids")
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)
+               or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size}); got {bad[0]!r}")
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} (prompt + at least one "
                 f"generated token must fit)"
             )
+        if request_id is not None and (not isinstance(request_id, str) or not request_id):
+            raise ValueError(f"request_id must be a non-empty string or None; got {request_id!r}")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**63))
+        rng = np.random.default_rng(seed)
+        detok = self.tokenizer.stream_decoder(params.skip_special_tokens)
         eos = frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids
         req = Request(request_id, [int(t) for t in ids], params, eos_token_ids=eos)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]  # the first prompt token has nothing before it (a 1-token prompt: all)
         self.requests[request_id] = req
-        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**63))
-        self._rngs[request_id] = np.random.default_rng(seed)
-        self._detok[request_id] = self.tokenizer.stream_decoder(params.skip_special_tokens)
+        self._rngs[request_id], self._detok[request_id], self._sent[request_id] = rng, detok, 0
         self.scheduler.add_request(req)
         self._emit("request_added", request_id=request_id, num_prompt_tokens=len(ids))
         return request_id
@@ -117,52 +136,68 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
+        """One scheduled forward pass. A failure in the model step fails that step's requests; a
+        failure while sampling or post-processing one request fails that request only."""
         t0 = time.perf_counter()
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule()  # the step's one record; it advanced num_computed_tokens
         for req in batch.preempted:
             self._emit("request_preempted", request_id=req.request_id)
+        cached = {s.request.request_id: s.num_computed_tokens for s in batch.scheduled}
         for req in batch.started:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.time()
-            self._emit("request_started", request_id=req.request_id, num_cached_tokens=req.num_computed_tokens)
+            self._emit("request_started", request_id=req.request_id, num_cached_tokens=cached[req.request_id])
         if batch.is_empty:
             return []
-        tables = {s.request.request_id: self.kv_cache.block_ids(s.request.request_id) for s in batch.scheduled}
         try:
-            logits = self.runner.execute(batch, tables)
+            logits = self.runner.execute(batch)
         except Exception as exc:  # one bad batch must not take the engine down
             logger.exception("model step failed")
-            return [self._finish(s.request, "error", error=f"{type(exc).__name__}: {exc}") for s in batch.scheduled]
+            # Blocks published to the prefix cache this step never got their K/V: withdraw them.
+            stored = self.kv_cache_manager.drain_events().stored
+            self._publish_block_events(stored)
+            self.kv_cache_manager.uncache([block_id for block_id, _ in stored])
+            error = f"model step failed: {type(exc).__name__}: {exc}"
+            return [self._finish(s.request, "error", error=error) for s in batch.scheduled]
         self._publish_block_events()
 
-        for s in batch.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
+        deltas = []
         for rid, (first, rows) in logits.prompt_rows.items():
             req = self.requests[rid]
-            targets = req.prompt_token_ids[first + 1: first + 1 + len(rows)]
-            if first == 0:
-                req.prompt_logprobs = [None]
-            req.prompt_logprobs.extend(self.sampler.prompt_logprobs(rows, targets, req.sampling_params.prompt_logprobs))
-
-        reqs = [self.requests[rid] for rid in logits.sample_request_ids]
-        tokens, lps = self.sampler(logits.sample_rows, [r.sampling_params for r in reqs],
-                                   [self._rngs[r.request_id] for r in reqs])
-        deltas = [self._append(req, tok, lp) for req, tok, lp in zip(reqs, tokens, lps)]
+            try:
+                targets = req.prompt_token_ids[first + 1: first + 1 + len(rows)]
+                if first == 0:
+                    req.prompt_logprobs = [None]
+                k = req.sampling_params.prompt_logprobs
+                req.prompt_logprobs.extend(self.sampler.prompt_logprobs(rows, targets, k))
+            except Exception as exc:
+                deltas.append(self._fail(req, "computing prompt logprobs", exc))
+        for rid, row in zip(logits.sample_request_ids, logits.sample_rows):
+            req = self.requests.get(rid)
+            if req is None:  # failed above
+                continue
+            try:
+                token, lp = self.sampler.sample(row, req.sampling_params, self._rngs[rid])
+                deltas.append(self._append(req, token, lp))
+            except Exception as exc:
+                deltas.append(self._fail(req, "sampling", exc))
         self.step_count += 1
         self.last_step = StepInfo(
             step=self.step_count,
             batch_size=len(batch.scheduled),
             num_tokens=batch.num_tokens,
-            prefill={s.request.request_id: s.num_new_tokens for s in batch.scheduled if s.num_new_tokens > 1
-                     or not s.completes_sequence},
-            decode=tuple(s.request.request_id for s in batch.scheduled if s.num_new_tokens == 1
-                         and s.completes_sequence),
+            prefill={s.request.request_id: s.num_new_tokens for s in batch.scheduled if not s.is_decode},
+            decode=tuple(s.request.request_id for s in batch.scheduled if s.is_decode),
             duration_s=time.perf_counter() - t0,
         )
         self._emit("step", batch_size=self.last_step.batch_size, num_tokens=self.last_step.num_tokens,
                    prefill=dict(self.last_step.prefill), decode=list(self.last_step.decode),
                    duration_s=self.last_step.duration_s)
         return deltas
+
+    def _fail(self, req: Request, what: str, exc: Exception) -> StreamDelta:
+        logger.exception("request %s failed while %s", req.request_id, what)
+        return self._finish(req, "error", error=f"{what} failed: {type(exc).__name__}: {exc}")
 
     def _append(self, req: Request, token: int, logprobs) -> StreamDelta:
         now = time.time()
@@ -177,13 +212,15 @@ class LLMEngine:
         if token in req.eos_token_ids or token in p.stop_token_ids:
             reason, req.stop_reason = "stop", token
         elif p.stop_strings:
-            piece, stop = self._apply_stop_strings(req, text_before)
+            stop = self._apply_stop_strings(req, text_before)
             if stop is not None:
                 reason, req.stop_reason = "stop", stop
         if reason is None and (req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len):
             reason = "length"
+        # Text that could still grow into a stop string is held back until it cannot.
+        held = 0 if reason is not None else _stop_prefix_len(req.output_text, p.stop_strings)
         delta = StreamDelta(
-            request_id=req.request_id, text=piece, token_ids=[token],
+            request_id=req.request_id, text=self._take_text(req, len(req.output_text) - held), token_ids=[token],
             logprobs=[logprobs] if logprobs is not None else [],
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=max(req.num_cached_tokens, 0),
             prompt_token_ids=req.prompt_token_ids, metrics=req.metrics,
@@ -193,17 +230,24 @@ class LLMEngine:
             delta.finished, delta.finish_reason = True, final.finish_reason
         return delta
 
+    def _take_text(self, req: Request, end: int) -> str:
+        """The output text not yet handed out, up to ``end``."""
+        sent = self._sent.get(req.request_id, 0)
+        end = max(end, sent)
+        self._sent[req.request_id] = end
+        return req.output_text[sent:end]
+
     @staticmethod
-    def _apply_stop_strings(req: Request, text_before: int) -> tuple[str, str | None]:
+    def _apply_stop_strings(req: Request, text_before: int) -> str | None:
         """Cut the output at the earliest stop string that the new text completed."""
         stops = req.sampling_params.stop_strings
         start = max(0, text_before - max(map(len, stops)) + 1)
         found = [(at, stop) for stop in stops if (at := req.output_text.find(stop, start)) >= 0]
         if not found:
-            return req.output_text[text_before:], None
+            return None
         at, stop = min(found)
         req.output_text = req.output_text[:at]
-        return req.output_text[text_before:], stop
+        return stop
 
     def fail_all(self, error: str) -> list[StreamDelta]:
         """Finish every live request with ``finish_reason="error"`` (blocks are released)."""
@@ -211,15 +255,18 @@ class LLMEngine:
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> StreamDelta:
         self.scheduler.finish(req, reason)
+        req.error = error
         req.metrics.finished_time = time.time()
+        text = self._take_text(req, len(req.output_text))  # flush any held-back text
         self.requests.pop(req.request_id, None)
         self._rngs.pop(req.request_id, None)
         self._detok.pop(req.request_id, None)
+        self._sent.pop(req.request_id, None)
         self._publish_block_events()
         self._emit("request_finished", request_id=req.request_id, finish_reason=reason,
                    num_output_tokens=req.num_output_tokens, error=error)
         return StreamDelta(
-            request_id=req.request_id, text="", token_ids=[], finished=True, finish_reason=reason,
+            request_id=req.request_id, text=text, token_ids=[], finished=True, finish_reason=reason,
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=max(req.num_cached_tokens, 0),
             prompt_token_ids=req.prompt_token_ids, metrics=req.metrics, error=error,
         )
@@ -228,31 +275,38 @@ class LLMEngine:
     def snapshot(self):
         live = list(self.scheduler.running) + list(self.scheduler.waiting)
         return take_snapshot(step=self.step_count, model=self.model_name, model_impl=self.model_impl,
-                             device=self.device, kv_cache=self.kv_cache, requests=live, last_step=self.last_step)
+                             device=self.device, attention_backend=self.attention_backend,
+                             kv_cache_manager=self.kv_cache_manager, requests=live, last_step=self.last_step)
 
-    def subscribe(self, callback):
-        self._listeners.append(callback)
-        return lambda: self._listeners.remove(callback) if callback in self._listeners else None
+    def drain_events(self) -> list[EngineEvent]:
+        """Events since the last drain, in order. The engine never calls listeners itself:
+        ``engine.llm.LLM`` delivers them after releasing its lock."""
+        events, self._events = self._events, []
+        return events
 
     def reset_prefix_cache(self) -> int:
-        n = self.kv_cache.reset_prefix_cache()
+        n = self.kv_cache_manager.reset_prefix_cache()
         self._publish_block_events()
         return n
 
-    def _publish_block_events(self) -> None:
-        events = self.kv_cache.pool.drain_events()
-        if events.stored:
-            self._emit("blocks_stored", block_ids=[b for b, _ in events.stored],
-                       block_hashes=[h.hex() for _, h in events.stored])
+    def _publish_block_events(self, stored=()) -> None:
+        events = self.kv_cache_manager.drain_events()
+        stored = list(stored) + events.stored
+        if stored:
+            self._emit("blocks_stored", block_ids=[b for b, _ in stored], block_hashes=[h.hex() for _, h in stored])
         if events.removed:
             self._emit("blocks_removed", block_ids=list(events.removed))
 
     def _emit(self, kind: str, **data) -> None:
-        if not self._listeners:
-            return
-        event = EngineEvent(kind, self.step_count, data)
-        for callback in list(self._listeners):
-            try:
-                callback(event)
-            except Exception:  # a broken view must not break serving
-                logger.exception("event listener failed")
+        self._events.append(EngineEvent(kind, self.step_count, data))
+
+
+def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest end of ``text`` that is the start of a stop string."""
+    best = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:n]):
+                best = n
+                break
+    return best

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 
-from .models import NATIVE_ARCHITECTURES, build_native_model
+from .models import NATIVE_ARCHITECTURES, EngineModel, build_native_model
 
 logger = logging.getLogger("engine")
 
@@ -35,8 +35,8 @@ def resolve_model_impl(requested: str, architecture: str) -> str:
     return requested
 
 
-def build_model(impl: str, checkpoint, dtype: str, device: str, quantization: str = "auto"):
-    """Instantiate the model for a resolved ``impl`` with the checkpoint's weights loaded.
+def build_model(impl: str, checkpoint, dtype: str, device: str, quantization: str = "auto") -> EngineModel:
+    """Instantiate the model for a resolved ``impl`` with the checkpoint's weights loaded (an `EngineModel`).
 
     ``quantization="auto"``: on CPU in float32, linears whose weights the checkpoint
     stores in a kept block format also get those blocks and multiply on them

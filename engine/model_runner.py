@@ -25,9 +25,9 @@ from .scheduler import SchedulerOutput
 _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
-def num_kv_blocks(kv_bytes: int, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> int:
-    per_block = 2 * num_layers * num_kv_heads * block_size * head_dim * _BYTES[dtype]
-    return kv_bytes // per_block
+def kv_block_bytes(block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> int:
+    """Bytes of one KV block across all layers (K and V)."""
+    return 2 * num_layers * num_kv_heads * block_size * head_dim * _BYTES[dtype]
 
 
 @dataclass
@@ -40,23 +40,24 @@ class StepLogits:
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, kv_dtype: str):
+    def __init__(self, model, num_blocks: int, block_size: int, kv_dtype: str, attention_backend: str | None = None):
         self.model = model
         self.block_size = block_size
+        self.attention_backend = attention_backend  # gpu_kernels backend of every attention call (None: by tensor)
         num_layers, num_kv_heads, head_dim = model.kv_layout()
         shape = [num_blocks, num_kv_heads, block_size, head_dim]
         self.kv_caches = [
             (paddle.zeros(shape, dtype=kv_dtype), paddle.zeros(shape, dtype=kv_dtype)) for _ in range(num_layers)
         ]
 
-    def build_metadata(self, batch: SchedulerOutput, block_tables: dict[str, list[int]]):
+    def build_metadata(self, batch: SchedulerOutput):
         """Pack the batch: input ids, metadata, and the row index of each scheduled chunk's start."""
         bs = self.block_size
         ids, positions, slots, starts = [], [], [], [0]
         context_lens, tables = [], []
         for s in batch.scheduled:
             req, lo, hi = s.request, s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
-            table = np.asarray(block_tables[req.request_id], dtype=np.int64)
+            table = np.asarray(s.block_ids, dtype=np.int64)
             pos = np.arange(lo, hi, dtype=np.int64)
             ids.append(np.asarray(req.all_token_ids[lo:hi], dtype=np.int64))
             positions.append(pos)
@@ -77,12 +78,13 @@ class ModelRunner:
             query_start_loc=paddle.to_tensor(np.asarray(starts, dtype=np.int32)),
             decode_only=all(s.num_new_tokens == 1 for s in batch.scheduled),
             num_tokens=starts[-1],
+            backend=self.attention_backend,
         )
         return paddle.to_tensor(np.concatenate(ids)), meta, starts
 
     @paddle.no_grad()
-    def execute(self, batch: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepLogits:
-        input_ids, meta, starts = self.build_metadata(batch, block_tables)
+    def execute(self, batch: SchedulerOutput) -> StepLogits:
+        input_ids, meta, starts = self.build_metadata(batch)
         hidden = self.model.forward(input_ids, meta.positions, meta, self.kv_caches)
 
         rows, sample_ids, prompt_spans = [], [], []

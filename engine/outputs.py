@@ -15,6 +15,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: str | int | None = None
+    error: str | None = None   # with finish_reason "error": what went wrong
 
     @property
     def cumulative_logprob(self) -> float | None:
@@ -34,6 +35,11 @@ class RequestOutput:
     num_cached_tokens: int
     metrics: RequestMetrics
 
+    @property
+    def error(self) -> str | None:
+        """Why the request failed (``finish_reason == "error"``), else None."""
+        return self.outputs[0].error if self.outputs else None
+
     @classmethod
     def from_request(cls, req: Request, prompt: str | None = None) -> "RequestOutput":
         p = req.sampling_params
@@ -49,6 +55,7 @@ class RequestOutput:
                 logprobs=list(req.output_logprobs) if p.logprobs is not None else None,
                 finish_reason=req.finish_reason,
                 stop_reason=req.stop_reason,
+                error=req.error,
             )],
             finished=req.is_finished,
             num_cached_tokens=max(req.num_cached_tokens, 0),

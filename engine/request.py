@@ -70,6 +70,7 @@ class Request:
     num_preemptions: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    error: str | None = None  # why it failed, with finish_reason "error"
     output_text: str = ""
     metrics: RequestMetrics = None  # type: ignore[assignment]
 

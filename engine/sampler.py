@@ -47,7 +47,8 @@ def sample_row(logits: np.ndarray, params: SamplingParams, rng: np.random.Genera
     if params.top_p < 1.0:
         order = np.argsort(-probs, kind="stable")
         cumulative = np.cumsum(probs[order])
-        keep = cumulative - probs[order] < params.top_p  # keep tokens until the mass reaches top_p
+        before = np.concatenate(([0.0], cumulative[:-1]))
+        keep = before < params.top_p * (1 - 1e-9)  # keep tokens until the mass reaches top_p (float slack)
         mask = np.zeros_like(probs, dtype=bool)
         mask[order[keep]] = True
         probs = np.where(mask, probs, 0.0)
@@ -59,17 +60,19 @@ class Sampler:
     def __init__(self, decode_token):
         self.decode_token = decode_token  # token id -> text, for Logprob.decoded_token
 
+    def sample(self, row: np.ndarray, params: SamplingParams, rng: np.random.Generator):
+        """One request's row of raw logits → (token id, logprob dict or None)."""
+        if np.isnan(row).any():
+            raise ValueError("the model produced NaN logits")
+        token = sample_row(row, params, rng)
+        if params.logprobs is None:
+            return token, None
+        return token, top_logprobs(log_softmax(row), token, params.logprobs, self.decode_token)
+
     def __call__(self, logits: np.ndarray, params: list[SamplingParams], rngs: list[np.random.Generator]):
         """logits [n, vocab] → (token ids, per-row logprob dicts or None)."""
-        tokens, logprobs = [], []
-        for row, p, rng in zip(logits, params, rngs):
-            token = sample_row(row, p, rng)
-            tokens.append(token)
-            if p.logprobs is None:
-                logprobs.append(None)
-            else:
-                logprobs.append(top_logprobs(log_softmax(row), token, p.logprobs, self.decode_token))
-        return tokens, logprobs
+        pairs = [self.sample(row, p, rng) for row, p, rng in zip(logits, params, rngs)]
+        return [t for t, _ in pairs], [lp for _, lp in pairs]
 
     def prompt_logprobs(self, logits: np.ndarray, next_tokens: list[int], k: int) -> list[dict[int, Logprob]]:
         """For each prompt position: logprob of the actual next prompt token and the top-k."""

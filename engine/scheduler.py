@@ -10,6 +10,12 @@ Every step the scheduler hands out a token budget (``max_num_batched_tokens``):
    goes back to the front of the waiting queue, to be recomputed later;
 3. then waiting requests are admitted (up to ``max_num_seqs`` running), each
    starting from its longest cached prefix.
+
+The returned ``SchedulerOutput`` is the one record of a step: which requests
+run how many tokens from where, their block tables, and which of them sample a
+token. The scheduler is the only place that moves ``num_computed_tokens``
+(admission, preemption and, once a step is scheduled, advancing it by the
+scheduled tokens, as vLLM v1 does); the engine appends sampled tokens.
 """
 
 from __future__ import annotations
@@ -24,14 +30,19 @@ from .request import Request, RequestStatus
 
 @dataclass
 class ScheduledRequest:
+    """One request's share of a step, fixed when the step is scheduled."""
+
     request: Request
     num_new_tokens: int
     num_computed_tokens: int  # tokens already in the cache before this step
+    completes_sequence: bool  # after this step every known token is computed, so a token is sampled
+    block_ids: list[int] = field(default_factory=list)  # the request's block table for this step
 
     @property
-    def completes_sequence(self) -> bool:
-        """After this step every known token is computed, so a new token is sampled."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    def is_decode(self) -> bool:
+        """One new token after the prompt (not a prompt chunk, not a recompute after preemption)."""
+        return (self.num_new_tokens == 1 and self.completes_sequence
+                and self.num_computed_tokens >= self.request.num_prompt_tokens)
 
 
 @dataclass
@@ -39,6 +50,10 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     started: list[Request] = field(default_factory=list)
+
+    @property
+    def block_tables(self) -> dict[str, list[int]]:
+        return {s.request.request_id: s.block_ids for s in self.scheduled}
 
     @property
     def num_tokens(self) -> int:
@@ -50,8 +65,8 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
-        self.kv_cache = kv_cache
+    def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -76,7 +91,7 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING or budget == 0:
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while self.kv_cache.allocate_slots(req, num_new) is None:
+            while self.kv_cache_manager.allocate_slots(req, num_new) is None:
                 victim = max(self.running, key=lambda r: self._order[r.request_id])
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -86,35 +101,42 @@ class Scheduler:
                     break
             if req.status != RequestStatus.RUNNING:
                 continue
-            chosen[req.request_id] = ScheduledRequest(req, num_new, req.num_computed_tokens)
+            chosen[req.request_id] = self._scheduled(req, num_new, req.num_computed_tokens)
             budget -= num_new
 
         while not out.preempted and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             req = self.waiting[0]
             if req.sampling_params.prompt_logprobs is None:
-                hits, num_cached = self.kv_cache.get_computed_blocks(req)
+                hits, num_cached = self.kv_cache_manager.get_computed_blocks(req)
             else:  # every prompt position's logits are needed, so nothing may come from the cache
                 hits, num_cached = [], 0
             num_new = min(req.num_tokens - num_cached, budget)
-            if self.kv_cache.allocate_slots(req, num_new, hits) is None:
+            if self.kv_cache_manager.allocate_slots(req, num_new, hits) is None:
                 break
             self.waiting.popleft()
-            self.kv_cache.record_lookup(req.num_tokens, num_cached)
+            self.kv_cache_manager.record_lookup(req.num_tokens, num_cached)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
             self.running.append(req)
             out.started.append(req)
-            chosen[req.request_id] = ScheduledRequest(req, num_new, num_cached)
+            chosen[req.request_id] = self._scheduled(req, num_new, num_cached)
             budget -= num_new
 
         out.scheduled = list(chosen.values())
+        for s in out.scheduled:
+            s.block_ids = self.kv_cache_manager.block_ids(s.request.request_id)
+            s.request.num_computed_tokens += s.num_new_tokens
         return out
+
+    @staticmethod
+    def _scheduled(req: Request, num_new: int, num_computed: int) -> ScheduledRequest:
+        return ScheduledRequest(req, num_new, num_computed, num_computed + num_new == req.num_tokens)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.kv_cache.free(req)
+        self.kv_cache_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -126,7 +148,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv_cache.free(req)
+        self.kv_cache_manager.free(req)
         self._order.pop(req.request_id, None)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason

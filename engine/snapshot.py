@@ -36,7 +36,6 @@ class PrefixCacheInfo:
     queries: int
     hits: int
     hit_rate: float
-    requests: int
     reset_count: int
 
 
@@ -63,6 +62,7 @@ class EngineSnapshot:
     requests: tuple[RequestInfo, ...]
     prefix_cache: PrefixCacheInfo
     last_step: StepInfo | None
+    attention_backend: str = "cpu"   # gpu_kernels backend of the attention calls: cpu, cuda, reference
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -82,14 +82,15 @@ class EngineEvent:
         return asdict(self)
 
 
-def take_snapshot(*, step, model, model_impl, device, kv_cache, requests, last_step) -> EngineSnapshot:
+def take_snapshot(*, step, model, model_impl, device, kv_cache_manager, requests, last_step,
+                  attention_backend="cpu") -> EngineSnapshot:
     """Build a snapshot from the KV cache manager and the live requests (cheap: O(blocks))."""
-    bs = kv_cache.block_size
+    bs = kv_cache_manager.block_size
     owners: dict[int, list[str]] = {}
     ranges: dict[int, tuple[int, int]] = {}
     infos = []
     for req in requests:
-        table = kv_cache.req_to_blocks.get(req.request_id, [])
+        table = kv_cache_manager.req_to_blocks.get(req.request_id, [])
         for i, block in enumerate(table):
             owners.setdefault(block.block_id, []).append(req.request_id)
             if block.block_id not in ranges:
@@ -104,15 +105,16 @@ def take_snapshot(*, step, model, model_impl, device, kv_cache, requests, last_s
             num_output_tokens=req.num_output_tokens,
         ))
     blocks = []
-    for b in kv_cache.pool.blocks:
+    for b in kv_cache_manager.blocks:
         hashed = b.block_hash is not None
         state = "used" if b.ref_cnt > 0 else ("cached" if hashed else "free")
         blocks.append(BlockInfo(b.block_id, state, b.ref_cnt, tuple(owners.get(b.block_id, ())), hashed,
                                 ranges.get(b.block_id)))
-    s = kv_cache.stats
+    s = kv_cache_manager.stats
     return EngineSnapshot(
         step=step, model=model, model_impl=model_impl, device=device, block_size=bs,
-        num_blocks=kv_cache.num_blocks, kv_usage=kv_cache.usage, blocks=tuple(blocks), requests=tuple(infos),
-        prefix_cache=PrefixCacheInfo(s.queries, s.hits, s.hit_rate, s.requests, s.reset_count),
-        last_step=last_step,
+        num_blocks=kv_cache_manager.num_blocks, kv_usage=kv_cache_manager.usage, blocks=tuple(blocks),
+        requests=tuple(infos),
+        prefix_cache=PrefixCacheInfo(s.queries, s.hits, s.hit_rate, s.reset_count),
+        last_step=last_step, attention_backend=attention_backend,
     )

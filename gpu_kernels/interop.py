@@ -14,9 +14,15 @@ Paddle, CPU       NumPy array over ``data_ptr()`` (writable: a ``write_kv``
                   refuses bfloat16, so the view is built from the pointer.
 torch, CPU        ``tensor.numpy()`` (bf16 via an int16 view)
 CUDA tensors      ``numba.cuda`` array from ``__cuda_array_interface__``;
-                  Paddle and torch report bfloat16 as ``<f2`` or not at all,
-                  so bf16 becomes ``<u2``
+                  Paddle reports bfloat16 as ``<f2`` (like float16) and torch
+                  not at all, so bf16 becomes ``<u2``; strides travel as given
+CPU tensors,      under ``NUMBA_ENABLE_CUDASIM=1`` the host view in the device
+simulator         representation (device memory is host memory there)
 ================  ==========================================================
+
+Kernels launch on the current stream of the framework that owns the query
+(`framework_stream_handle`: the CUDA stream protocol ``__cuda_stream__`` where
+the framework's stream object offers it).
 
 Views are cached by (data pointer, shape, dtype, strides). Building a view
 costs microseconds (tens for a Numba device array); looking one up costs
@@ -136,79 +142,151 @@ def host_view(x) -> np.ndarray:
 # --------------------------------------------------------------------------- device
 
 
-def _cuda_interface(x):
-    """(cache key, __cuda_array_interface__ dict with bf16 as '<u2'), for any CUDA tensor."""
+def _paddle_device_interface(t):
+    """(cache key, ``__cuda_array_interface__``) of a Paddle CUDA tensor, bf16 as ``<u2``.
+
+    Paddle reports bfloat16 *and* float16 as ``<f2``, byte strides for a
+    non-contiguous tensor (``None`` when contiguous), and raises
+    ``RuntimeError`` for a tensor that requires grad; such a tensor is read
+    through ``detach()`` (same memory). See ``Tensor.__cuda_array_interface__``
+    in ``paddle/base/dygraph/tensor_patch_methods.py``.
+    """
+    import paddle
+    if not t.stop_gradient:
+        t = t.detach()
+    key = (t.data_ptr(), tuple(t.shape), str(t.dtype), tuple(t.strides))
+    cai = dict(t.__cuda_array_interface__)
+    if t.dtype == paddle.bfloat16:
+        cai["typestr"] = "<u2"
+    return key, cai
+
+
+def _device_interface(x):
+    """(cache key, ``__cuda_array_interface__`` with bf16 as ``<u2``) of any CUDA tensor."""
     fw = framework(x)
+    if fw == "paddle":
+        return _paddle_device_interface(x)
     if fw == "torch":
         import torch
-        bf16 = x.dtype == torch.bfloat16
-        key = (x.data_ptr(), x.shape, x.dtype, None if x.is_contiguous() else x.stride())
-        make = lambda: dict((x.view(torch.int16) if bf16 else x.detach()).__cuda_array_interface__)
-    elif fw == "paddle":
-        import paddle
-        bf16 = x.dtype == paddle.bfloat16
-        key = (x.data_ptr(), tuple(x.shape), x.dtype, tuple(x.strides))
-        make = lambda: dict(x.__cuda_array_interface__)
+        t = x.detach()
+        key = (t.data_ptr(), tuple(t.shape), t.dtype, None if t.is_contiguous() else t.stride())
+        return key, dict((t.view(torch.int16) if t.dtype == torch.bfloat16 else t).__cuda_array_interface__)
+    cai = dict(x.__cuda_array_interface__)
+    return (cai["data"][0], tuple(cai["shape"]), cai["typestr"], cai.get("strides")), cai
+
+
+def _simulated_view(x) -> np.ndarray:
+    """Under ``NUMBA_ENABLE_CUDASIM=1`` device memory is host memory: the device representation
+    (float16 as ``float16``, bf16 as ``uint16``) of a host array or CPU tensor, shared.
+
+    The simulator only launches on contiguous arrays, so a strided input (a
+    query viewed out of a fused QKV buffer) is copied; a strided *output* would
+    lose its writes, and the engine allocates none. (On a GPU the strides
+    travel in the ``__cuda_array_interface__``.)
+    """
+    if isinstance(x, np.ndarray):
+        a = x.view(np.uint16) if x.dtype.name == "bfloat16" else x
     else:
-        cai = x.__cuda_array_interface__
-        bf16 = False
-        key = (cai["data"][0], tuple(cai["shape"]), cai["typestr"], cai.get("strides"))
-        make = lambda: dict(cai)
-    return key, bf16, make
+        a = host_view(x)
+        a = a.view(np.float16) if a.dtype == np.int16 and _is_half(x) else a
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
+
+
+def _is_half(x) -> bool:
+    return str(x.dtype).rsplit(".", 1)[-1] == "float16"
 
 
 def device_view(x):
     """Numba device array over a CUDA tensor's memory (float16 native, bf16 as uint16)."""
     from numba import config, cuda
-    fw = framework(x)
-    if fw == "numpy" and config.ENABLE_CUDASIM:
-        return x.view(np.uint16) if x.dtype.name == "bfloat16" else x   # simulator: host memory
-    if fw == "numba" and cuda.is_cuda_array(x):
+    if config.ENABLE_CUDASIM and not is_cuda(x):
+        return _simulated_view(x)
+    if framework(x) == "numba" and cuda.is_cuda_array(x):
         return x
-    key, bf16, make = _cuda_interface(x)
+    key, cai = _device_interface(x)
     view = _device_views.get(key)
     if view is not None:
         return view
-    cai = make()
-    if bf16:
-        cai["typestr"] = "<u2"
     cai.pop("stream", None)      # ordering: the kernels run on the caller's stream (dispatch.py)
     view = cuda.from_cuda_array_interface(cai, owner=None, sync=False)
     return _remember(_device_views, key, view)
 
 
-def clear_caches():
-    """Forget all cached views (e.g. after freeing and reallocating a KV cache)."""
-    _host_views.clear()
-    _device_views.clear()
+# --------------------------------------------------------------------------- streams
+
+
+def stream_protocol_handle(stream) -> int | None:
+    """The ``cudaStream_t`` an object offers through the CUDA stream protocol, else None.
+
+    The protocol (``__cuda_stream__() -> (version, handle)``, version 0) is
+    offered by ``paddle.device.Stream``, ``torch.cuda.Stream`` and others.
+    """
+    method = getattr(stream, "__cuda_stream__", None)
+    if method is None:
+        return None
+    version, handle = method()
+    if version != 0:
+        raise ValueError(f"CUDA stream protocol version {version} of {type(stream).__name__} is not "
+                         "version 0, the one this module reads")
+    return int(handle)
+
+
+def _paddle_stream_handle(t) -> int:
+    """Paddle: the current stream of the tensor's GPU (``paddle.device.current_stream``).
+
+    ``current_stream`` wants a device string or ``CUDAPlace``; a tensor's
+    ``place`` is a generic ``Place``, so the device is named by its id.
+    """
+    import paddle
+    stream = paddle.device.current_stream(f"gpu:{t.place.gpu_device_id()}")
+    handle = stream_protocol_handle(stream)
+    return int(stream.stream_base.cuda_stream) if handle is None else handle
+
+
+def _torch_stream_handle(t) -> int:
+    import torch
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)   # fast path of torch's own kernels
+    if raw is not None:
+        return int(raw(t.get_device()))
+    stream = torch.cuda.current_stream(t.device)
+    handle = stream_protocol_handle(stream)
+    return int(stream.cuda_stream) if handle is None else handle
+
+
+def _cupy_stream_handle(a) -> int:
+    import cupy
+    stream = cupy.cuda.get_current_stream()
+    handle = stream_protocol_handle(stream)
+    return int(stream.ptr) if handle is None else handle
+
+
+_STREAM_HANDLES = {"paddle": _paddle_stream_handle, "torch": _torch_stream_handle,
+                   "cupy": _cupy_stream_handle}
+
+
+def framework_stream_handle(x) -> int:
+    """The raw ``cudaStream_t`` (an int) of the current stream of the framework that owns ``x``.
+
+    torch and CuPy queue work on their current stream, Paddle on its device's
+    current (compute) stream; launching there orders our kernels after the
+    kernels that produced ``x``. 0 (the legacy default stream) for anything
+    else: NumPy, Numba device arrays, host memory under the simulator.
+    """
+    handle_of = _STREAM_HANDLES.get(framework(x))
+    if handle_of is None or not is_cuda(x):
+        return 0
+    return handle_of(x)
 
 
 _streams: dict = {}
 
 
 def cuda_stream(x):
-    """The Numba stream for the current stream of the framework that owns ``x``.
-
-    torch and CuPy queue work on their current stream, Paddle on its own
-    compute stream; launching there keeps our kernels ordered after the
-    kernels that produced ``x``.
-    """
-    from numba import cuda
-    fw = framework(x)
-    if fw == "torch":
-        import torch
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)   # fast; public API below
-        ptr = raw(x.get_device()) if raw else torch.cuda.current_stream(x.device).cuda_stream
-    elif fw == "paddle":
-        import paddle
-        ptr = paddle.device.current_stream().cuda_stream
-    elif fw == "cupy":
-        import cupy
-        ptr = cupy.cuda.get_current_stream().ptr
-    else:
-        ptr = 0
+    """The Numba stream for `framework_stream_handle` (0: the default stream)."""
+    ptr = framework_stream_handle(x)
     stream = _streams.get(ptr)
     if stream is None:
-        stream = 0 if ptr == 0 else cuda.external_stream(ptr)   # 0: the default stream
+        from numba import cuda
+        stream = 0 if ptr == 0 else cuda.external_stream(ptr)
         _streams[ptr] = stream
     return stream

@@ -104,3 +104,15 @@ def test_prefix_cache_hit_counts_full_blocks_and_skips_compute(tiny_dir):
     assert steps[0] == len(second.prompt_token_ids) - 12 < computed_first
     stats = llm.snapshot().prefix_cache
     assert stats.hits == 12 and stats.queries == 16 + 17
+
+
+def test_step_events_tell_decode_from_prefill(tiny_dir):
+    llm = LLM(model=tiny_dir, block_size=4, max_num_batched_tokens=8)
+    steps = []
+    llm.subscribe(lambda e: steps.append(e.data) if e.kind == "step" else None)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    rid = llm.generate({"prompt_token_ids": list(range(10, 22))}, params)[0].request_id
+    # 12 prompt tokens under a budget of 8: two prefill chunks (the second samples token 1), then 3 decodes
+    assert [s["prefill"] for s in steps] == [{rid: 8}, {rid: 4}, {}, {}, {}]
+    assert [s["decode"] for s in steps] == [[], [], [rid], [rid], [rid]]
+    assert llm.snapshot().last_step.decode == (rid,) and llm.snapshot().last_step.prefill == {}

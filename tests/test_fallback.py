@@ -1,8 +1,8 @@
 """The model-impl fallback: selection, the attention adapters, and borrowed models on the paged cache.
 
 * ``auto``/explicit ``model_impl`` resolution and its errors;
-* the PaddleFormers attention function and the PaddleFleet core-attention
-  adapter against the reference kernels (no paddlefleet needed);
+* the PaddleFormers attention function against dense attention (the PaddleFleet
+  adapter has its own file, test_paddlefleet_adapter.py);
 * SmolLM2 through PaddleFormers vs the native model (alignment), and the
   fallback's greedy output under prefix caching, chunked prefill, preemption;
 * Gemma 3 270M (no native implementation) vs HF transformers on the same GGUF;
@@ -25,9 +25,9 @@ from engine import LLM, SamplingParams
 from engine.align import align
 from engine.attention import AttentionMetadata, dense_causal_attention
 from engine.fallback.attention_adapter import paged_attention_forward
-from engine.fallback.paddlefleet import patch_core_attention
 from engine.fallback.step_context import bind_step
 from engine.model_impl import resolve_model_impl
+from engine.models import EngineModel
 from conftest import require_reference
 from tiny_models import make_tiny_model, tiny_prompts
 
@@ -87,9 +87,12 @@ def test_missing_paddlefleet_explains_and_breaks_nothing(no_paddlefleet, tmp_pat
         message = str(err.value)
         assert "paddlefleet" in message and "Paddle's own package index" in message
     prompts = tiny_prompts(2)
-    native = LLM(model=tiny, model_impl="native").generate(prompts, GREEDY)
+    native_llm = LLM(model=tiny, model_impl="native")
+    native = native_llm.generate(prompts, GREEDY)
     borrowed = LLM(model=tiny, model_impl="paddleformers")
     assert borrowed.model_impl == "paddleformers"
+    assert isinstance(native_llm.engine.runner.model, EngineModel)
+    assert isinstance(borrowed.engine.runner.model, EngineModel)
     assert token_ids(borrowed.generate(prompts, GREEDY)) == token_ids(native)
 
 
@@ -150,48 +153,6 @@ def test_attention_outside_a_step_is_an_explicit_error():
     x = paddle.zeros([1, 2, 3, 8])
     with pytest.raises(RuntimeError, match="outside an engine step"):
         paged_attention_forward(SimpleNamespace(layer_idx=0), x, x, x)
-
-
-def _fake_fleet_model(layer_numbers, *, heads=4, kv_heads=2, dim=8, empty_head_layers=0):
-    """Stand-ins with the attributes PaddleFleet's TransformerLayer / DotProductAttention carry."""
-    config = SimpleNamespace(apply_query_key_layer_scaling=True, num_empty_layers_add_in_head=empty_head_layers)
-    layers = []
-    for number in layer_numbers:
-        core = SimpleNamespace(config=config, layer_number=number, softmax_scale=0.25 / number,
-                               num_attention_heads_per_partition=heads, num_query_groups_per_partition=kv_heads,
-                               hidden_size_per_attention_head=dim,
-                               scale_mask_softmax=SimpleNamespace(sliding_window=(2, 0) if number % 2 else None))
-        layers.append(SimpleNamespace(self_attn=SimpleNamespace(core_attention=core)))
-    return SimpleNamespace(run_function=[SimpleNamespace(name="embedding"), *layers, SimpleNamespace(name="head")])
-
-
-def test_fleet_adapter_reads_layer_numbering_heads_scale_and_window():
-    model = _fake_fleet_model([2, 3, 4], empty_head_layers=1)  # 1-based numbers shifted by one empty layer
-    adapters = patch_core_attention(model)
-    assert [a.layer_index for a in adapters] == [0, 1, 2]
-    assert all(layer.self_attn.core_attention is a for layer, a in zip(model.run_function[1:-1], adapters))
-    first = adapters[0]
-    assert (first.num_heads, first.num_kv_heads, first.head_dim) == (4, 2, 8)
-    assert first.softmax_scale == pytest.approx(0.25)  # query-key layer scaling multiplied back in
-    assert [a.sliding_window for a in adapters] == [None, 3, None]  # (left=2, right=0) -> HF window 3
-    with pytest.raises(ValueError, match="are not 0..1"):
-        patch_core_attention(_fake_fleet_model([1, 3]))
-
-
-def test_fleet_adapter_matches_dense_attention():
-    rng = np.random.default_rng(1)
-    lengths, heads, kv_heads, dim = [6, 3], 4, 2, 8
-    adapter = patch_core_attention(_fake_fleet_model([1, 2, 3]))[2]  # layer number 3: sliding window 3
-    q, k, v = (rng.standard_normal((sum(lengths), h, dim)).astype(np.float32) for h in (heads, kv_heads, kv_heads))
-    meta, caches = _packed_step(lengths, kv_heads, dim)
-    with bind_step(meta, caches):
-        out = adapter(*(paddle.to_tensor(x).unsqueeze(0) for x in (q, k, v)), None)  # Fleet layout [1, s, h, D]
-    assert out.shape == [1, sum(lengths), heads * dim]
-    ref = _dense_reference(paddle.to_tensor(q), paddle.to_tensor(k), paddle.to_tensor(v), lengths, 0.25, 3)
-    np.testing.assert_allclose(out.numpy()[0], ref.reshape(sum(lengths), -1), atol=1e-5)
-    assert float(paddle.abs(caches[2][1]).sum()) > 0 and float(paddle.abs(caches[0][1]).sum()) == 0
-    with bind_step(meta, caches), pytest.raises(ValueError, match="KV heads"):
-        adapter(paddle.to_tensor(q).unsqueeze(0), paddle.to_tensor(q).unsqueeze(0), paddle.to_tensor(q).unsqueeze(0))
 
 
 def test_a_model_bypassing_our_attention_is_refused(tmp_path):

@@ -359,21 +359,28 @@ def llama_cpp_permute(w, n_head):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path, arch, tensors, *, heads=4, kv_heads=2, hidden=64, template=None, qtypes=None):
-    """A 1-layer model with a byte-level vocabulary, tensors given in GGUF names/HF layouts."""
+def write_tiny_gguf(path, arch, tensors, *, heads=4, kv_heads=2, hidden=64, template=None, qtypes=None,
+                    metadata=None):
+    """A 1-layer model with a byte-level vocabulary, tensors given in GGUF names/HF layouts.
+
+    ``metadata``: ``{"<arch>.key" or "general.key": value}`` replacing (or, with None, removing) keys."""
     import gguf
     from gguf.quants import quantize
     from tokenizers.pre_tokenizers import ByteLevel
 
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(1)
-    writer.add_context_length(128)
-    writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(2 * hidden)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(10000.0)
+    U32, F32 = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32
+    keys = {"block_count": (1, U32), "context_length": (128, U32), "embedding_length": (hidden, U32),
+            "feed_forward_length": (2 * hidden, U32), "attention.head_count": (heads, U32),
+            "attention.head_count_kv": (kv_heads, U32), "attention.layer_norm_rms_epsilon": (1e-5, F32),
+            "rope.freq_base": (10000.0, F32)}
+    keys = {f"{arch}.{k}": v for k, v in keys.items()}
+    for key, value in (metadata or {}).items():
+        keys[key] = None if value is None else (value, gguf.GGUFValueType.get_type(value) if not isinstance(
+            value, int) else (gguf.GGUFValueType.UINT64 if value >= 2**32 else U32))
+    for key, entry in keys.items():
+        if entry is not None:
+            writer.add_key_value(key, *entry)
     tokens = sorted(ByteLevel.alphabet()) + ["he", "<|end|>"]
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
@@ -479,6 +486,108 @@ def test_truncated_and_corrupt_gguf(tmp_path, smollm2_checkpoint):
     path.write_text("not a model")
     with pytest.raises(ValueError, match="not a GGUF file"):
         load_checkpoint(str(path))
+
+
+def _tiny_llama_tensors():
+    hf = _tiny_hf_weights(np.random.default_rng(0))
+    return {"token_embd.weight": hf["model.embed_tokens.weight"],
+            "blk.0.attn_q.weight": hf["model.layers.0.self_attn.q_proj.weight"],
+            "blk.0.attn_k.weight": hf["model.layers.0.self_attn.k_proj.weight"],
+            "blk.0.attn_norm.weight": hf["model.layers.0.input_layernorm.weight"]}
+
+
+@pytest.mark.parametrize("metadata,message", [
+    ({"llama.attention.head_count": 0}, "attention.head_count must be a positive integer"),
+    ({"general.alignment": 0}, "general.alignment must be a positive integer"),
+    ({"llama.embedding_length": None}, "llama.embedding_length is missing"),
+    ({"llama.embedding_length": 2**31}, r"token_embd|embed_tokens.weight has shape \(258, 64\)"),
+    ({"llama.block_count": 2**31 - 1}, r"num_hidden_layers=2147483647 but the file holds layers 0..0"),
+    ({"llama.context_length": 2**40}, "max_position_embeddings must be a positive integer <= 16,777,216"),
+    ({"llama.feed_forward_length": "wide"}, "feed_forward_length must be a positive integer"),
+    ({"llama.attention.head_count_kv": 3}, "not a multiple of num_key_value_heads=3"),
+], ids=lambda v: str(v)[:40])
+def test_corrupt_gguf_metadata_is_a_value_error_naming_the_file(tmp_path, metadata, message):
+    path = write_tiny_gguf(tmp_path / "bad.gguf", "llama", _tiny_llama_tensors(), metadata=metadata)
+    with pytest.raises(ValueError, match=message) as info:
+        load_checkpoint(path)
+    assert path in str(info.value)
+
+
+def test_deeply_nested_metadata_arrays(tmp_path):
+    import struct
+
+    key = b"general.nested"
+    array, uint8 = 9, 0  # GGUFValueType.ARRAY, GGUFValueType.UINT8
+    data = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key + struct.pack("<I", array)
+    data += struct.pack("<IQ", array, 1) * 5000 + struct.pack("<IQ", uint8, 0)
+    path = tmp_path / "nested.gguf"
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match="nested more than 8 deep") as info:
+        load_checkpoint(str(path))
+    assert str(path) in str(info.value)
+
+
+def test_huge_counts_are_refused_before_allocating(tmp_path):
+    import struct
+
+    path = tmp_path / "counts.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 2**62, 1) + bytes(64))
+    with pytest.raises(ValueError, match="tensor count .* does not fit") as info:
+        load_checkpoint(str(path))
+    assert str(path) in str(info.value)
+
+
+def test_nan_tensor_bytes_are_caught_at_load(tmp_path):
+    from engine.loader.gguf_file import GGUFFile
+
+    path = write_tiny_gguf(tmp_path / "nan.gguf", "llama", _tiny_llama_tensors())
+    offset = GGUFFile(path).tensors["blk.0.attn_norm.weight"].offset
+    with open(path, "r+b") as fh:
+        fh.seek(offset + 8)
+        fh.write(np.array([np.nan, np.inf], dtype=np.float32).tobytes())
+    ckpt = load_checkpoint(path)  # metadata is fine; the values are caught when the weights are read
+    with pytest.raises(ValueError, match="blk.0.attn_norm.weight holds NaN or infinite values") as info:
+        list(ckpt.weights(progress=False))
+    assert path in str(info.value)
+
+
+@pytest.mark.parametrize("content,message", [
+    ("{not json", "is not valid JSON"), ("[1, 2]", "must hold a JSON object; it holds a list"),
+    ('{"architectures": ["LlamaForCausalLM"], "hidden_size": "64"}', "hidden_size must be a positive integer"),
+])
+def test_broken_config_json_names_the_file(tmp_path, content, message):
+    from tiny_models import make_tiny_model
+
+    directory = make_tiny_model(str(tmp_path / "m"))
+    (tmp_path / "m" / "config.json").write_text(content)
+    with pytest.raises(ValueError, match=message) as info:
+        load_checkpoint(directory)
+    assert os.path.join(directory, "config.json") in str(info.value)
+
+
+def test_hf_sizes_and_values_are_checked_against_the_file(tmp_path):
+    from safetensors.numpy import load_file, save_file
+    from tiny_models import make_tiny_model
+
+    directory = make_tiny_model(str(tmp_path / "m"))
+    config_path = tmp_path / "m" / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "hidden_size": 2**31}))
+    with pytest.raises(ValueError, match=r"embed_tokens.weight has shape \(256, 64\)"):
+        load_checkpoint(directory)
+    config_path.write_text(json.dumps(config))
+    weights_path = str(tmp_path / "m" / "model.safetensors")
+    tensors = load_file(weights_path)
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = np.nan
+    save_file(tensors, weights_path)
+    with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight holds NaN") as info:
+        list(load_checkpoint(directory).weights(progress=False))
+    assert weights_path in str(info.value)
+    with open(weights_path, "r+b") as fh:
+        fh.truncate(100)
+    with pytest.raises(ValueError, match="not a readable safetensors file") as info:
+        load_checkpoint(directory)
+    assert weights_path in str(info.value)
 
 
 def test_unknown_gguf_architecture(tmp_path):

@@ -1,4 +1,4 @@
-"""Tiny random HF-format model directories (Llama / Qwen2 / Qwen3) for fast engine tests.
+"""Tiny random HF-format model directories (Llama / Qwen2 / Qwen3 / Gemma3) for fast engine tests.
 
 The weights are random but scaled so logits are peaked (greedy choices are far
 from ties), which makes "same greedy output under a different schedule" a
@@ -32,22 +32,35 @@ def _tokenizer() -> Tokenizer:
 
 
 def make_tiny_model(directory: str, architecture: str = "LlamaForCausalLM", seed: int = 0,
-                    hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2) -> str:
-    """Write config.json, model.safetensors and tokenizer files; return the directory."""
+                    hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                    head_dim: int | None = None, sliding_window: int = 4) -> str:
+    """Write config.json, model.safetensors and tokenizer files; return the directory.
+
+    ``Gemma3ForCausalLM``: Gemma 3's layout (extra norms, q/k norms, tied
+    embeddings), even layers local with ``sliding_window``, odd layers global.
+    """
     os.makedirs(directory, exist_ok=True)
     rng = np.random.default_rng(seed)
-    head_dim = hidden // heads
+    head_dim = head_dim or hidden // heads
     inter = 2 * hidden
-    tied = architecture == "LlamaForCausalLM"
+    gemma = architecture == "Gemma3ForCausalLM"
+    tied = architecture == "LlamaForCausalLM" or gemma
     config = {
         "architectures": [architecture],
-        "model_type": {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                       "Qwen3ForCausalLM": "qwen3"}.get(architecture, "unknown"),
+        "model_type": {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                       "Gemma3ForCausalLM": "gemma3_text"}.get(architecture, "unknown"),
         "vocab_size": VOCAB, "hidden_size": hidden, "intermediate_size": inter,
         "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
         "head_dim": head_dim, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 512,
         "tie_word_embeddings": tied, "bos_token_id": 1, "eos_token_id": 2,
     }
+    if gemma:
+        config.update({
+            "hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
+            "sliding_window": sliding_window, "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": head_dim,
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+            "attention_dropout": 0.0, "final_logit_softcapping": None, "attn_logit_softcapping": None,
+        })
 
     def w(*shape, std=0.15):
         return (rng.standard_normal(shape) * std).astype(np.float32)
@@ -74,6 +87,14 @@ def make_tiny_model(directory: str, architecture: str = "LlamaForCausalLM", seed
         if architecture == "Qwen3ForCausalLM":
             tensors[p + "self_attn.q_norm.weight"] = 1 + w(head_dim, std=0.1)
             tensors[p + "self_attn.k_norm.weight"] = 1 + w(head_dim, std=0.1)
+        if gemma:  # Gemma norms scale by (1 + weight)
+            for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                         "post_feedforward_layernorm"):
+                tensors[p + norm + ".weight"] = w(hidden, std=0.1)
+            for norm in ("q_norm", "k_norm"):
+                tensors[p + f"self_attn.{norm}.weight"] = w(head_dim, std=0.1)
+    if gemma:
+        tensors["model.norm.weight"] = w(hidden, std=0.1)
     save_file(tensors, os.path.join(directory, "model.safetensors"))
     with open(os.path.join(directory, "config.json"), "w") as fh:
         json.dump(config, fh)

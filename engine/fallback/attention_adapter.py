@@ -38,7 +38,6 @@ def attend(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, layer_index: in
     step = current_step()
     if not 0 <= layer_index < len(step.kv_caches):
         raise IndexError(f"attention layer index {layer_index} is outside the {len(step.kv_caches)} KV caches")
-    step.attended.append(layer_index)
     return paged_attention(q, k, v, step.kv_caches[layer_index], step.meta, scale=scale,
                            sliding_window=sliding_window or None)
 

@@ -1,35 +1,42 @@
 """``model_impl="paddlefleet"``: PaddleFleet's GPT model with its core attention on our paged KV cache.
 
-In paddleformers 1.2, ``Qwen2ForCausalLM``/``Qwen3ForCausalLM`` are PaddleFleet
-``GPTModel``s (a ``PipelineLayer`` whose ``run_function`` is embedding,
-``TransformerLayer``s, final norm, LM head). Each layer's
-``self_attn.core_attention`` is a ``DotProductAttention`` called, after
-RoPE, as
+In paddleformers 1.2 (``paddleformers[paddlefleet]`` pins ``paddlefleet==0.3.0``)
+Qwen2/Qwen3 are PaddleFleet ``GPTModel``s: a ``PipelineLayer`` whose
+``run_function`` is ``GPTEmbedding``, the ``TransformerLayer``s, the final
+norm and ``GPTLMHead``. Each ``TransformerLayer`` owns ``self_attn`` (a
+``SelfAttention``) whose ``core_attention`` (a ``DotProductAttention``) is called,
+after RoPE, with ``query`` ``[b, s, heads_per_partition, head_dim]`` and
+``key``/``value`` ``[b, s, kv_heads_per_partition, head_dim]`` and returns
+``[b, s, heads_per_partition * head_dim]`` (with ``past_key_values``,
+``layer_idx``, ``use_cache`` keywords in newer versions). Like FastDeploy's
+``patch_paddlefleet_core_attention`` (``base_fleet.py``), `patch_core_attention`
+replaces every core attention with a `FleetPagedAttention` reading what it
+needs from the layers themselves:
 
-    core_attention(query, key, value, attention_mask, attn_mask_startend_row_indices,
-                   attn_mask_type=..., attention_bias=..., packed_seq_params=..., ...)
+* **the KV cache index** from the ``TransformerLayer``'s ``layer_number``: the
+  GPT layer specs number layers from 0 (plus ``num_empty_layers_add_in_head``),
+  while ``DotProductAttention.layer_number`` is ``max(1, layer_number)``, so
+  layers 0 and 1 would share a number there;
+* the head counts **per tensor-parallel partition** (what q/k/v carry);
+* **the softmax scale** ``softmax_scale`` times ``scale_mask_softmax.scale``:
+  under ``apply_query_key_layer_scaling`` the layer divides its scale by the
+  layer number and its fp32 softmax multiplies it back (FastDeploy passes the
+  divided scale on);
+* **the sliding window** the layer decided (``scale_mask_softmax.sliding_window``,
+  from ``is_layer_window_attention``): an int ``W`` is HF's one-sided window,
+  ``(left, 0)`` Fleet's two-sided form with ``left`` keys before the query.
 
-with ``query`` ``[b, s, heads_per_partition, head_dim]`` and ``key``/``value``
-``[b, s, kv_heads_per_partition, head_dim]``, returning
-``[b, s, heads_per_partition * head_dim]``. `FleetPagedAttention` has that
-signature and layout and runs ``engine.attention.paged_attention``.
-`patch_core_attention` swaps it into every layer, reading from the layer it
-replaces:
+The model is fed the way FastDeploy feeds it: token embeddings from
+``get_input_embeddings()`` as ``decoder_input`` of the ``GPTEmbedding``, with
+``{"input_ids": None, "position_ids": positions}`` (1-D), then every layer of
+``run_function`` but the LM head; the LM head takes ``[s, b, h]``.
+On one device, PaddleFleet's layers need Fleet's hybrid parallel state with
+every degree 1 (`init_single_device`, after FastDeploy's
+``_init_paddlefleet_parallel_state``).
 
-* the layer index: ``DotProductAttention.layer_number`` is **1-based**
-  (``max(1, layer_number)``) and counts ``num_empty_layers_add_in_head``;
-  KV cache ``i`` belongs to ``layer_number - 1 - num_empty_layers_add_in_head``;
-* the head counts **per tensor-parallel partition** (what q/k/v carry and
-  what the KV cache holds on this rank);
-* the softmax scale (``softmax_scale``; times ``layer_number`` under
-  ``apply_query_key_layer_scaling``, where Fleet divides it out and multiplies
-  it back in the softmax);
-* the sliding window as the layer decided it (``scale_mask_softmax.sliding_window``).
-
-``paddlefleet`` is not on PyPI (it installs from Paddle's own package index,
-paddleformers' ``paddlefleet`` extra); everything that needs it is imported
-inside `build_paddlefleet_model`, so this module imports without it and the
-adapter can be tested against the reference kernels anywhere.
+``paddlefleet`` installs from Paddle's own package index, not PyPI; this module
+imports without it, so the adapter is tested on stand-ins of PaddleFleet's
+classes anywhere.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import logging
 
 import paddle
 
+from ..attention import every_layer_attends
 from .attention_adapter import attend
 from .step_context import bind_step
 
@@ -47,6 +55,7 @@ logger = logging.getLogger("engine")
 INSTALL_HINT = ("model_impl='paddlefleet' needs the 'paddlefleet' package, which is not installed; it installs "
                 "from Paddle's own package index (paddleformers' 'paddlefleet' extra). Other model_impl values "
                 "still work: auto, native, paddleformers.")
+UNPATCHED = "a layer's core attention is not the engine's adapter (patch_core_attention missed it)"
 
 
 def paddlefleet_available() -> bool:
@@ -55,49 +64,57 @@ def paddlefleet_available() -> bool:
 
 def _window(sliding_window) -> int | None:
     """HF-style window (a query at p sees keys > p - w) from Fleet's int or ``(left, right)`` form."""
-    if not sliding_window:
+    if sliding_window is None:
         return None
     if isinstance(sliding_window, (tuple, list)):
         left, right = sliding_window
-        if right not in (0, None) or left is None or left < 0:
+        if right not in (0, None):
             raise NotImplementedError(f"sliding window {tuple(sliding_window)} is not a causal left window")
-        return int(left) + 1  # (left, 0): the current token and `left` before it
-    return int(sliding_window)
+        return None if left is None or left < 0 else int(left) + 1  # (left, 0): `left` keys, then the query
+    return int(sliding_window) if sliding_window > 0 else None
+
+
+def cache_index(transformer_layer) -> int:
+    """The KV cache of a ``TransformerLayer``: its 0-based ``layer_number`` less the empty head layers."""
+    empty = getattr(transformer_layer.config, "num_empty_layers_add_in_head", None) or 0
+    return int(transformer_layer.layer_number) - int(empty)
+
+
+def softmax_scale(core_attention) -> float:
+    """The scale the layer's own softmax applies to ``q . k``."""
+    coeff = getattr(core_attention.scale_mask_softmax, "scale", None)  # the layer number under qk layer scaling
+    return float(core_attention.softmax_scale) * (float(coeff) if coeff else 1.0)
 
 
 class FleetPagedAttention(paddle.nn.Layer):
     """Drop-in for PaddleFleet's ``DotProductAttention`` running the engine's paged attention."""
 
-    def __init__(self, layer_index: int, num_heads: int, num_kv_heads: int, head_dim: int, softmax_scale: float,
+    def __init__(self, layer_index: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None):
         super().__init__()
         self.layer_index = layer_index
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.softmax_scale = softmax_scale
+        self.scale = scale
         self.sliding_window = sliding_window
 
     @classmethod
-    def replacing(cls, core_attention) -> "FleetPagedAttention":
-        """The adapter for one ``DotProductAttention``, its settings read from it (see module docstring)."""
-        config = core_attention.config
-        layer_number = int(core_attention.layer_number)
-        scale = float(core_attention.softmax_scale)
-        if getattr(config, "apply_query_key_layer_scaling", False):
-            scale *= layer_number
-        softmax = getattr(core_attention, "scale_mask_softmax", None)
+    def replacing(cls, transformer_layer) -> "FleetPagedAttention":
+        """The adapter for one ``TransformerLayer``'s core attention, its settings read from the layers."""
+        core = transformer_layer.self_attn.core_attention
         return cls(
-            layer_index=layer_number - 1 - int(getattr(config, "num_empty_layers_add_in_head", None) or 0),
-            num_heads=int(core_attention.num_attention_heads_per_partition),
-            num_kv_heads=int(core_attention.num_query_groups_per_partition),
-            head_dim=int(core_attention.hidden_size_per_attention_head),
-            softmax_scale=scale,
-            sliding_window=_window(getattr(softmax, "sliding_window", None)),
+            layer_index=cache_index(transformer_layer),
+            num_heads=int(core.num_attention_heads_per_partition),
+            num_kv_heads=int(core.num_query_groups_per_partition),
+            head_dim=int(core.hidden_size_per_attention_head),
+            scale=softmax_scale(core),
+            sliding_window=_window(getattr(core.scale_mask_softmax, "sliding_window", None)),
         )
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_startend_row_indices=None,
                 attn_mask_type=None, attention_bias=None, packed_seq_params=None, use_rr_flash_attention=False,
                 **kwargs):
-        """``[1, s, heads, D]`` q and ``[1, s, kv_heads, D]`` k/v -> ``[1, s, heads * D]``; masks are unused."""
+        """``[1, s, heads, D]`` q and ``[1, s, kv_heads, D]`` k/v -> ``[1, s, heads * D]``; masks are unused
+        (the step's metadata says what each query sees)."""
         if attention_bias is not None:
             raise NotImplementedError("attention bias is not supported by the engine's paged attention")
         if query.ndim != 4 or query.shape[0] != 1:
@@ -105,62 +122,86 @@ class FleetPagedAttention(paddle.nn.Layer):
         if query.shape[2] != self.num_heads or key.shape[2] != self.num_kv_heads:
             raise ValueError(f"layer {self.layer_index}: got {query.shape[2]} query / {key.shape[2]} KV heads, "
                              f"expected {self.num_heads} / {self.num_kv_heads} per partition")
-        out = attend(query[0], key[0], value[0], self.layer_index, scale=self.softmax_scale,
+        out = attend(query[0], key[0], value[0], self.layer_index, scale=self.scale,
                      sliding_window=self.sliding_window)
         return out.reshape([1, out.shape[0], self.num_heads * self.head_dim])
 
 
+def _is(layer, class_name: str) -> bool:
+    return type(layer).__name__ == class_name
+
+
 def transformer_layers(model) -> list:
-    """The layers of a Fleet model that own a ``self_attn.core_attention``, in execution order."""
-    layers = getattr(model, "run_function", None)
-    if layers is None:
-        layers = [m for _, m in model.named_sublayers()]
-    return [m for m in layers if getattr(getattr(m, "self_attn", None), "core_attention", None) is not None]
+    """The layers of ``run_function`` that own a ``self_attn.core_attention``, in execution order."""
+    return [m for m in model.run_function
+            if getattr(getattr(m, "self_attn", None), "core_attention", None) is not None]
 
 
 def patch_core_attention(model) -> list[FleetPagedAttention]:
-    """Replace every layer's core attention with a `FleetPagedAttention`; the adapters, by layer index."""
+    """Replace every ``TransformerLayer``'s core attention with a `FleetPagedAttention`; the adapters, by cache."""
     adapters = []
     for layer in transformer_layers(model):
-        adapter = FleetPagedAttention.replacing(layer.self_attn.core_attention)
+        adapter = FleetPagedAttention.replacing(layer)
         layer.self_attn.core_attention = adapter
         adapters.append(adapter)
-    indices = sorted(a.layer_index for a in adapters)
-    if indices != list(range(len(adapters))) or not adapters:
-        raise ValueError(f"core attention layer indices {indices} are not 0..{len(adapters) - 1}; "
-                         "cannot map layers to KV caches")
-    return sorted(adapters, key=lambda a: a.layer_index)
+    indices = [a.layer_index for a in adapters]
+    if not adapters or indices != list(range(len(adapters))):
+        raise ValueError(f"transformer layers give KV cache indices {indices} in execution order, not "
+                         f"0..{len(adapters) - 1}; cannot map layers to KV caches")
+    return adapters
 
 
 class PaddleFleetModel:
-    """The engine's model interface around a PaddleFleet ``GPTModel`` (see `engine.model_runner`)."""
+    """The engine's model interface (`engine.models.EngineModel`) around a PaddleFleet ``GPTModel``."""
 
     def __init__(self, model, vocab_size: int):
         self.model = model
         self.vocab_size = vocab_size
         self.adapters = patch_core_attention(model)
-        first = self.adapters[0]
-        self._layout = (len(self.adapters), first.num_kv_heads, first.head_dim)
+        layouts = sorted({(a.num_kv_heads, a.head_dim) for a in self.adapters})
+        if len(layouts) > 1:  # e.g. sliding-window layers with their own swa_head_dim / swa_num_key_value_heads
+            raise NotImplementedError(f"{type(model).__name__}'s layers have different KV layouts (kv heads, "
+                                      f"head_dim) {layouts}; the engine's paged KV cache has one layout")
+        self._layout = (len(self.adapters), *layouts[0])
 
     def kv_layout(self) -> tuple[int, int, int]:
         return self._layout
 
     def forward(self, input_ids, positions, meta, kv_caches):
-        """Run embedding and transformer layers (not the LM head) on the packed batch as one sequence."""
-        from paddlefleet.models.gpt.lm_head import GPTLMHead
-
-        state = {"input_ids": input_ids.unsqueeze(0), "position_ids": positions.unsqueeze(0)}
-        with bind_step(meta, kv_caches):
+        """Embedding, transformer layers and final norm (not the LM head) on the packed batch as one sequence."""
+        embeds = self.model.get_input_embeddings()(input_ids.unsqueeze(0))  # [1, T, hidden]
+        state = {"input_ids": None, "position_ids": positions}
+        with bind_step(meta, kv_caches), every_layer_attends(type(self.model).__name__, kv_caches, UNPATCHED):
             for layer in self.model.run_function:
-                if not isinstance(layer, GPTLMHead):
-                    state = layer(state)
-        return state["hidden_states"].reshape([-1, state["hidden_states"].shape[-1]])
+                if _is(layer, "GPTLMHead"):
+                    continue
+                state = layer(state, decoder_input=embeds) if _is(layer, "GPTEmbedding") else layer(state)
+        hidden = state["hidden_states"]
+        return hidden.reshape([-1, hidden.shape[-1]])
 
     def compute_logits(self, hidden):
         head = self.model.get_lm_head()
         logits = head({"hidden_states": hidden.unsqueeze(1)})  # Fleet's head takes [s, b, h]
         logits = logits.reshape([hidden.shape[0], -1]).astype("float32")
         return logits[:, : self.vocab_size]  # Fleet pads the vocabulary for tensor parallelism
+
+
+def init_single_device() -> None:
+    """Fleet's hybrid parallel state for one process on one device (every degree 1), and PaddleFleet's
+    tensor-parallel group of that one rank, which its parallel linears and attention read."""
+    import paddle.distributed as dist
+    from paddle.distributed import fleet
+    from paddlefleet import parallel_state
+
+    strategy = fleet.DistributedStrategy()
+    strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": 1, "pp_degree": 1, "sep_degree": 1,
+                               "sharding_degree": 1, "ep_degree": 1, "cp_degree": 1, "moe_sharding_degree": 1,
+                               "order": ["pp", "moe_sharding", "ep", "dp", "sharding", "sep", "cp", "mp"]}
+    fleet.init(is_collective=True, strategy=strategy)
+    if parallel_state._TENSOR_MODEL_PARALLEL_GROUP is None:
+        ranks = [dist.get_rank()]
+        parallel_state._TENSOR_MODEL_PARALLEL_GROUP = dist.new_group(ranks=ranks)
+        parallel_state._TENSOR_MODEL_PARALLEL_GLOBAL_RANKS = ranks
 
 
 def build_paddlefleet_model(checkpoint, dtype: str, device: str) -> PaddleFleetModel:
@@ -173,11 +214,13 @@ def build_paddlefleet_model(checkpoint, dtype: str, device: str) -> PaddleFleetM
 
     from .hf_export import export_hf_directory
 
+    init_single_device()
     with tempfile.TemporaryDirectory(prefix="fleet-") as tmp:
         directory = checkpoint.path if checkpoint.format == "hf" else export_hf_directory(checkpoint, tmp)
         config = AutoConfig.from_pretrained(directory)
         config.tensor_model_parallel_size = 1
         config.sequence_parallel = False
+        config.parallel_output = True
         model = AutoModelForCausalLM.from_pretrained(directory, config=config, dtype=dtype, convert_from_hf=True,
                                                      load_via_cpu=True, load_checkpoint_format="flex_checkpoint")
     model.eval()

@@ -27,6 +27,7 @@ import logging
 import numpy as np
 import paddle
 
+from ..attention import every_layer_attends
 from . import attention_adapter
 from .fixups import apply_fixups
 from .hf_config import paddleformers_class, paddleformers_config
@@ -35,6 +36,9 @@ from .step_context import bind_step
 from .weights import attach_hf_blocks, lm_head_blocks, load_hf_weights
 
 logger = logging.getLogger("engine")
+
+BYPASS = ("the model bypasses PaddleFormers' attention interface, so its attention would not see the "
+          "cached context")
 
 
 class PaddleFormersModel:
@@ -61,7 +65,7 @@ class PaddleFormersModel:
 
     def forward(self, input_ids: paddle.Tensor, positions: paddle.Tensor, meta, kv_caches) -> paddle.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm for the packed batch."""
-        with bind_step(meta, kv_caches) as step:
+        with bind_step(meta, kv_caches), every_layer_attends(type(self.model).__name__, kv_caches, BYPASS):
             out = self.body(
                 input_ids=input_ids.unsqueeze(0),
                 position_ids=positions.unsqueeze(0),
@@ -69,11 +73,6 @@ class PaddleFormersModel:
                 use_cache=False,
                 return_dict=False,
             )
-        if sorted(step.attended) != list(range(self.num_layers)):
-            raise RuntimeError(
-                f"{type(self.model).__name__}: {len(step.attended)} attention calls reached the engine's KV cache "
-                f"for {self.num_layers} layers (layers {sorted(set(step.attended))}); the model bypasses "
-                "PaddleFormers' attention interface, so its attention would not see the cached context")
         hidden = out[0] if isinstance(out, (tuple, list)) else out
         return hidden.squeeze(0)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from ..attention import AttentionMetadata, KVCache
@@ -32,17 +32,10 @@ from ..attention import AttentionMetadata, KVCache
 
 @dataclass(frozen=True)
 class StepContext:
-    """The current step's batch description and the per-layer paged caches.
-
-    ``attended`` collects the layer index of every paged-attention call made
-    during the step, so the wrapper can check that each layer of the borrowed
-    model really reached the engine's cache (a library silently falling back to
-    its own attention would otherwise attend to this step's tokens only).
-    """
+    """The current step's batch description and the per-layer paged caches."""
 
     meta: AttentionMetadata
     kv_caches: Sequence[KVCache]
-    attended: list[int] = field(default_factory=list)
 
 
 _CURRENT: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar("engine_step", default=None)

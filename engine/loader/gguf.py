@@ -26,8 +26,13 @@ def load_gguf(path: str) -> Checkpoint:
     engine does not know (the message names the file and lists what is supported).
     """
     f = GGUFFile(path)
-    config = config_from_gguf(f)
-    tokenizer = tokenizer_from_gguf(f)
+    try:
+        config = config_from_gguf(f)
+        tokenizer = tokenizer_from_gguf(f)
+    except (ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, OverflowError) as exc:
+        if isinstance(exc, ValueError) and path in str(exc):
+            raise
+        raise ValueError(f"{path}: corrupt GGUF metadata ({type(exc).__name__}: {exc})") from exc
     return Checkpoint(
         path=path,
         format="gguf",

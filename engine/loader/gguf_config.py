@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from .checkpoint import validate_config
 from .gguf_file import GGUFFile
+from .gguf_names import SKIPPED, hf_name
 
 # GGUF general.architecture -> (HF class, HF model_type)
 GGUF_ARCHITECTURES = {
@@ -39,6 +41,16 @@ def _rope_scaling(f: GGUFFile) -> dict | None:
     return scaling
 
 
+def _int(f: GGUFFile, key: str, default=None) -> int:
+    """A positive integer ``<arch>.<key>`` (``default`` when absent; absent without one is an error)."""
+    value = f.arch_get(key, default)
+    if value is None:
+        raise ValueError(f"{f.path}: metadata key {f.architecture}.{key} is missing")
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{f.path}: metadata key {f.architecture}.{key} must be a positive integer; got {value!r}")
+    return int(value)
+
+
 def config_from_gguf(f: GGUFFile) -> dict:
     """HF-style config dict for the model in `f` (raises ValueError for unknown architectures)."""
     arch = f.architecture
@@ -48,10 +60,10 @@ def config_from_gguf(f: GGUFFile) -> dict:
             f"(supported: {', '.join(sorted(GGUF_ARCHITECTURES))})")
     hf_class, model_type = GGUF_ARCHITECTURES[arch]
 
-    hidden = int(f.arch_get("embedding_length"))
-    heads = int(f.arch_get("attention.head_count"))
-    kv_heads = f.arch_get("attention.head_count_kv", heads)
-    head_dim = int(f.arch_get("attention.key_length", hidden // heads))
+    hidden = _int(f, "embedding_length")
+    heads = _int(f, "attention.head_count")
+    kv_heads = _int(f, "attention.head_count_kv", heads)
+    head_dim = _int(f, "attention.key_length", hidden // heads)
     vocab_size = f.arch_get("vocab_size") or len(f.get("tokenizer.ggml.tokens", ()))
     if not vocab_size and "token_embd.weight" in f.tensors:
         vocab_size = f.tensors["token_embd.weight"].shape[0]
@@ -60,8 +72,8 @@ def config_from_gguf(f: GGUFFile) -> dict:
         "architectures": [hf_class],
         "model_type": model_type,
         "hidden_size": hidden,
-        "intermediate_size": int(f.arch_get("feed_forward_length")),
-        "num_hidden_layers": int(f.arch_get("block_count")),
+        "intermediate_size": _int(f, "feed_forward_length"),
+        "num_hidden_layers": _int(f, "block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": int(kv_heads),
         "head_dim": head_dim,
@@ -69,7 +81,7 @@ def config_from_gguf(f: GGUFFile) -> dict:
         "rope_theta": float(f.arch_get("rope.freq_base", 10000.0)),
         "rope_scaling": _rope_scaling(f),
         "vocab_size": int(vocab_size),
-        "max_position_embeddings": int(f.arch_get("context_length", 2048)),
+        "max_position_embeddings": _int(f, "context_length", 2048),
         "tie_word_embeddings": "output.weight" not in f.tensors,
         "bos_token_id": f.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": f.get("tokenizer.ggml.eos_token_id"),
@@ -83,6 +95,14 @@ def config_from_gguf(f: GGUFFile) -> dict:
         config["use_sliding_window"] = False
     if arch == "gemma3":
         config.update(_gemma3_extras(f, config))
+    shapes = {}
+    for t in f.tensors.values():
+        if t.name not in SKIPPED:
+            try:
+                shapes[hf_name(t.name, arch)] = t.shape
+            except ValueError:  # named when the weights are read
+                pass
+    validate_config(f.path, config, shapes)
     return config
 
 

@@ -11,7 +11,9 @@ array element: on Gemma 3's 262,144-token vocabulary that takes ~10 s, this
 takes a fraction of a second.  Type constants, block sizes and dequantization
 still come from the `gguf` package.
 
-A truncated or corrupt file raises `ValueError` naming the file.
+A truncated or corrupt file raises `ValueError` naming the file: every count
+and size read from it is checked against the bytes that are actually there
+before anything is allocated from it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ _SCALARS = {
     GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
     GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
 }
+MAX_ARRAY_NESTING = 8  # real files nest at most once; deeper means a corrupt header
+MAX_DIMS = 8
 
 
 @dataclass(frozen=True)
@@ -67,11 +71,20 @@ class _Cursor:
         self.pos += length
         return value
 
-    def value(self, vtype: int):
+    def count(self, n: int, min_bytes_each: int, what: str) -> int:
+        """A count read from the file, refused when its items cannot fit in the bytes left."""
+        if n * min_bytes_each > len(self.buf) - self.pos:
+            raise ValueError(f"{what} count {n:,} does not fit in the {len(self.buf) - self.pos:,} bytes left")
+        return n
+
+    def value(self, vtype: int, depth: int = 0):
         if vtype == GGUFValueType.STRING:
             return self.string()
         if vtype == GGUFValueType.ARRAY:
+            if depth >= MAX_ARRAY_NESTING:
+                raise ValueError(f"metadata arrays nested more than {MAX_ARRAY_NESTING} deep")
             etype, count = self.scalar("<I"), self.scalar("<Q")
+            self.count(count, 1 if etype in _SCALARS else 8, "array element")
             if etype in _SCALARS:  # numeric array: one NumPy read
                 dtype = np.dtype(_SCALARS[etype].replace("?", "b1"))
                 if self.pos + count * dtype.itemsize > len(self.buf):
@@ -79,7 +92,7 @@ class _Cursor:
                 array = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos).copy()
                 self.pos += count * dtype.itemsize
                 return array
-            return [self.value(etype) for _ in range(count)]
+            return [self.value(etype, depth + 1) for _ in range(count)]
         if vtype not in _SCALARS:
             raise ValueError(f"unknown metadata value type {vtype}")
         return self.scalar(_SCALARS[vtype])
@@ -97,7 +110,8 @@ class GGUFFile:
             self.buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         try:
             self._parse()
-        except (ValueError, struct.error, UnicodeDecodeError, OverflowError, KeyError) as exc:
+        except (ValueError, struct.error, UnicodeDecodeError, OverflowError, KeyError, TypeError,
+                ZeroDivisionError, RecursionError, MemoryError) as exc:
             raise ValueError(f"cannot read GGUF file {path} ({len(self.buf):,} bytes): "
                              f"it is truncated or corrupt ({exc})") from exc
         self.architecture: str = self.metadata.get("general.architecture", "")
@@ -110,7 +124,8 @@ class GGUFFile:
         self.version = cur.scalar("<I")
         if self.version not in (2, 3):
             raise ValueError(f"unsupported GGUF version {self.version} (big-endian files are not supported)")
-        n_tensors, n_kv = cur.scalar("<Q"), cur.scalar("<Q")
+        n_tensors = cur.count(cur.scalar("<Q"), 24, "tensor")
+        n_kv = cur.count(cur.scalar("<Q"), 12, "metadata key")
         self.metadata: dict = {}
         for _ in range(n_kv):
             key = cur.string()
@@ -118,14 +133,24 @@ class GGUFFile:
         infos = []
         for _ in range(n_tensors):
             name = cur.string()
-            dims = [cur.scalar("<Q") for _ in range(cur.scalar("<I"))]
+            n_dims = cur.scalar("<I")
+            if not 1 <= n_dims <= MAX_DIMS:
+                raise ValueError(f"tensor {name} has {n_dims} dimensions (1 to {MAX_DIMS} accepted)")
+            dims = [cur.scalar("<Q") for _ in range(n_dims)]
             infos.append((name, tuple(reversed(dims)), GGMLQuantizationType(cur.scalar("<I")), cur.scalar("<Q")))
-        alignment = int(self.metadata.get("general.alignment", 32))
+        alignment = self.metadata.get("general.alignment", 32)
+        if isinstance(alignment, bool) or not isinstance(alignment, int) or not 0 < alignment <= 1 << 20:
+            raise ValueError(f"general.alignment must be a positive integer; got {alignment!r}")
         data_start = -(-cur.pos // alignment) * alignment
         self.tensors: dict[str, GGUFTensor] = {}
         for name, shape, qtype, offset in infos:
             block, type_size = GGML_QUANT_SIZES[qtype]
-            nbytes = int(np.prod(shape, dtype=np.int64)) // block * type_size
+            elements = 1
+            for d in shape:
+                elements *= int(d)
+            if elements == 0 or int(shape[-1]) % block:
+                raise ValueError(f"tensor {name} has shape {shape}, not a whole number of {qtype.name} blocks")
+            nbytes = elements // block * type_size
             start = data_start + offset
             if start + nbytes > len(self.buf):
                 raise ValueError(f"tensor {name} ends at byte {start + nbytes:,}, past the end of the file")

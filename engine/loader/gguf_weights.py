@@ -26,7 +26,7 @@ import numpy as np
 from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
-from .checkpoint import numpy_dtype
+from .checkpoint import check_finite, numpy_dtype
 from .gguf_file import GGUFFile, GGUFTensor
 from .gguf_names import SKIPPED, hf_name, undo_rope_permutation
 
@@ -51,6 +51,7 @@ def iter_gguf_weights(f: GGUFFile, config: dict, dtype: str = "float32",
         except Exception as exc:
             raise ValueError(f"{f.path}: cannot dequantize tensor {tensor.name} "
                              f"({tensor.tensor_type.name}): {exc}") from exc
+        check_finite(f.path, tensor.name, w)
         w = undo_rope_permutation(tensor.name, arch, config, w)
         if arch.startswith("gemma") and tensor.name.endswith("norm.weight"):
             w = w - 1.0

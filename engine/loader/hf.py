@@ -25,15 +25,22 @@ from tokenizers import Tokenizer as HFTokenizer
 from tqdm.auto import tqdm
 
 from ..tokenizer import Tokenizer
-from .checkpoint import Checkpoint, numpy_dtype
+from .checkpoint import Checkpoint, check_finite, numpy_dtype, validate_config
 from .gguf_tokenizer import GEMMA_CHAT_TEMPLATE
 
 
 def _read_json(path: str) -> dict:
+    """The JSON object in ``path`` ({} when the file is absent); anything else is a ValueError naming it."""
     if not os.path.isfile(path):
         return {}
-    with open(path, encoding="utf-8") as fh:
-        return json.load(fh)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            value = json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object; it holds a {type(value).__name__}")
+    return value
 
 
 def _token_content(value) -> str | None:
@@ -95,7 +102,10 @@ def safetensors_files(directory: str) -> list[str]:
     """The weight files of `directory`, in shard order."""
     index = _read_json(os.path.join(directory, "model.safetensors.index.json"))
     if index:
-        names = sorted(set(index["weight_map"].values()))
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{directory}/model.safetensors.index.json has no weight_map of tensor -> file")
+        names = sorted(set(weight_map.values()))
     else:
         names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
     if not names:
@@ -110,18 +120,40 @@ def iter_safetensors(files: list[str], config: dict, dtype: str = "float32",
     skip_lm_head = bool(config.get("tie_word_embeddings", False))
     names = []
     for path in files:
-        with safe_open(path, framework="np") as fh:
+        with _open_safetensors(path) as fh:
             names.extend((path, key) for key in fh.keys())
     bar = tqdm(total=len(names), desc=f"loading {config['architectures'][0]}", unit="tensor",
                disable=not progress, leave=False)
     for path in files:
-        with safe_open(path, framework="np") as fh:
+        with _open_safetensors(path) as fh:
             for key in fh.keys():
                 bar.update(1)
                 if skip_lm_head and key == "lm_head.weight":
                     continue
-                yield key, np.require(fh.get_tensor(key), out_dtype, ["C", "W"])
+                try:
+                    array = fh.get_tensor(key)
+                except Exception as exc:
+                    raise ValueError(f"{path}: cannot read tensor {key}: {exc}") from exc
+                check_finite(path, key, array)
+                yield key, np.require(array, out_dtype, ["C", "W"])
     bar.close()
+
+
+def _open_safetensors(path: str):
+    try:
+        return safe_open(path, framework="np")
+    except Exception as exc:  # safetensors raises its own SafetensorError for a corrupt header
+        raise ValueError(f"{path} is not a readable safetensors file: {exc}") from exc
+
+
+def tensor_shapes(files: list[str]) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape, from the safetensors headers (no tensor data is read)."""
+    shapes = {}
+    for path in files:
+        with _open_safetensors(path) as fh:
+            for key in fh.keys():
+                shapes[key] = tuple(fh.get_slice(key).get_shape())
+    return shapes
 
 
 def _complete_config(config: dict) -> dict:
@@ -131,8 +163,9 @@ def _complete_config(config: dict) -> dict:
         config = {**config["text_config"], "architectures": config.get("architectures")}
     heads = config.get("num_attention_heads")
     config.setdefault("num_key_value_heads", heads)
-    if config.get("head_dim") is None and heads:
-        config["head_dim"] = config["hidden_size"] // heads
+    hidden = config.get("hidden_size")
+    if config.get("head_dim") is None and isinstance(heads, int) and isinstance(hidden, int) and heads > 0:
+        config["head_dim"] = hidden // heads
     config.setdefault("rope_theta", 10000.0)
     config.setdefault("rope_scaling", None)
     config.setdefault("tie_word_embeddings", config.get("model_type", "").startswith("gemma"))
@@ -141,11 +174,13 @@ def _complete_config(config: dict) -> dict:
 
 def load_hf_dir(directory: str) -> Checkpoint:
     """Open the HF model directory `directory` (ValueError if it lacks what is needed)."""
-    config = _complete_config(_read_json(os.path.join(directory, "config.json")))
+    path = os.path.join(directory, "config.json")
+    config = _complete_config(_read_json(path))
     architectures = config.get("architectures") or []
-    if not architectures:
+    if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
         raise ValueError(f"{directory}/config.json names no architecture (\"architectures\": [...])")
     files = safetensors_files(directory)
+    validate_config(path, config, tensor_shapes(files))
     return Checkpoint(
         path=directory,
         format="hf",

@@ -1,14 +1,38 @@
-"""Native model registry and HF-weight → native-parameter loading."""
+"""The model contract (`EngineModel`), the native model registry, and HF-weight → native-parameter loading."""
 
 from __future__ import annotations
 
 import re
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import paddle
 
 from ..block_linear import BlockWeight, attach_blocks, fused_blocks
 from .llama import DecoderConfig, LlamaForCausalLM
+
+@runtime_checkable
+class EngineModel(Protocol):
+    """What the model runner drives: native models and the PaddleFormers / PaddleFleet wrappers alike.
+
+    Each runs its layers inside ``engine.attention.every_layer_attends``, so a
+    step in which some layer did not attend through the paged KV cache raises.
+    """
+
+    def kv_layout(self) -> tuple[int, int, int]:
+        """``(num_layers, num_kv_heads, head_dim)``: what the runner sizes the paged cache by."""
+        ...
+
+    def forward(self, input_ids: paddle.Tensor, positions: paddle.Tensor, meta, kv_caches) -> paddle.Tensor:
+        """Hidden states ``[num_tokens, hidden]`` (after the final norm) for the packed batch ``input_ids``
+        ``[num_tokens]`` at ``positions``, attending through ``kv_caches[i]`` in layer ``i``
+        (``meta``: the step's ``AttentionMetadata``)."""
+        ...
+
+    def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
+        """float32 logits ``[rows, vocab]`` of the rows the sampler needs."""
+        ...
+
 
 NATIVE_ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -20,7 +20,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
-from ..attention import AttentionMetadata, KVCache, dense_causal_attention, paged_attention
+from ..attention import AttentionMetadata, KVCache, dense_causal_attention, every_layer_attends, paged_attention
 from .rope import RotaryEmbedding
 
 
@@ -175,8 +175,9 @@ class LlamaForCausalLM(nn.Layer):
         """
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope.tables(positions, x.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, meta, None if kv_caches is None else kv_caches[i])
+        with every_layer_attends(type(self).__name__, kv_caches):
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, meta, None if kv_caches is None else kv_caches[i])
         return self.norm(x)
 
     def kv_layout(self) -> tuple[int, int, int]:
