@@ -54,10 +54,10 @@ def _stop_on_sigterm() -> None:
 
 
 def _warm_up(llm) -> None:
-    """Pay the first request's one-time costs now: Numba compiles (or loads from its cache) the
-    attention kernels for this model's dtypes, Paddle builds its kernels, and matplotlib (which
-    Gradio imports for every request when installed) builds its font cache. The prompt is shorter
-    than a KV block, so nothing enters the prefix cache."""
+    """Pay the first request's one-time costs now (the engine's own warm-up at load covers the
+    model's forward pass): the engine thread, sampling and detokenizing, and matplotlib, which
+    Gradio imports for every request when it is installed and which builds its font cache on
+    first import. The prompt is shorter than a KV block, so nothing enters the prefix cache."""
     from engine import SamplingParams
 
     llm.generate("Hi", SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)
@@ -81,11 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     demo = llm = None
     try:
         config = config_from_args(args)
-        _say(f"Loading {config.model} (model_impl={config.model_impl}, device={config.device}) ...")
+        _say(f"Loading {config.model} (model_impl={config.model_impl}, device={config.device}); the first "
+             "run after an install also compiles the attention kernels ...")
         t0 = time.perf_counter()
         llm = LLM(**vars(config))
         _say(f"Loaded {llm.model_name} with model_impl={llm.model_impl} in {time.perf_counter() - t0:.1f} s")
-        _say("Warming up (compiling kernels on the first run after an install, then cached) ...")
+        _say("Warming up: one short request through the engine, and the libraries the first chat loads ...")
         t0 = time.perf_counter()
         _warm_up(llm)
         _say(f"Warmed up in {time.perf_counter() - t0:.1f} s")
