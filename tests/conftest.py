@@ -151,7 +151,9 @@ except OSError:   # not glibc
 
 # ------------------------------------------------- the CUDA simulator's subprocess
 
-SIMULATOR_TEST = "test_kernels_cudasim.py::test_cuda_kernels_in_the_simulator"
+# tests that re-run their own file under NUMBA_ENABLE_CUDASIM=1 through `cudasim_run`
+SIMULATOR_TESTS = ("test_kernels_cudasim.py::test_cuda_kernels_in_the_simulator",
+                   "test_engine_on_cuda_kernels.py::test_engine_on_cuda_kernels_in_the_simulator")
 
 
 class _Output:
@@ -186,32 +188,42 @@ class _Output:
                 return "".join(self._chunks)
 
 
-def cudasim_run(config):
-    """``(process, output)`` of ``NUMBA_ENABLE_CUDASIM=1 pytest tests/test_kernels_cudasim.py``,
-    started once per session (at the end of collection when its test was collected)."""
-    run = getattr(config, "_cudasim_run", None)
-    if run is None:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+def cudasim_run(config, path: str):
+    """``(process, output)`` of ``NUMBA_ENABLE_CUDASIM=1 pytest PATH``, started once per session:
+    at the end of collection when its test was collected, so that it runs beside the others."""
+    runs = config.__dict__.setdefault("_cudasim_runs", {})
+    path = os.path.abspath(path)
+    if path not in runs:
+        root = os.path.dirname(os.path.dirname(path))
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-             os.path.join(root, "tests", "test_kernels_cudasim.py")],
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path],
             env=dict(os.environ, NUMBA_ENABLE_CUDASIM="1"), cwd=root,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        run = config._cudasim_run = (proc, _Output(proc.stdout))
-    proc, out = run
-    return proc, out
+        runs[path] = (proc, _Output(proc.stdout))
+    return runs[path]
+
+
+def relay_cudasim_run(config, path: str, capsys) -> tuple[int, str]:
+    """Wait for `cudasim_run`'s process, writing its progress to the terminal as it comes;
+    return its exit code and output."""
+    proc, output = cudasim_run(config, path)
+    with capsys.disabled():
+        sys.stdout.write(f"\n[{os.path.basename(path)} in the CUDA simulator] ")
+        out = output.relay(sys.stdout)
+        sys.stdout.write("\n")
+    return proc.wait(), out
 
 
 def pytest_collection_finish(session):
-    """Start the simulator's subprocess now, so that it runs beside the other tests."""
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" or session.config.option.collectonly:
         return
-    if any(item.nodeid.endswith(SIMULATOR_TEST) for item in session.items):
-        cudasim_run(session.config)
+    for item in session.items:
+        if item.nodeid.endswith(SIMULATOR_TESTS):
+            cudasim_run(session.config, str(item.path))
 
 
 def pytest_sessionfinish(session):
-    run = getattr(session.config, "_cudasim_run", None)
-    if run is not None and run[0].poll() is None:
-        run[0].kill()
-        run[0].wait()
+    for proc, _ in session.config.__dict__.get("_cudasim_runs", {}).values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -19,8 +19,6 @@ chunks and decodes in one batch, interior and masked key tiles, row padding,
 strided queries; write_kv with padding slots.
 """
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -31,16 +29,11 @@ if not IN_SIMULATOR:
 
     @pytest.mark.slow
     def test_cuda_kernels_in_the_simulator(request, capsys):
-        from conftest import cudasim_run
+        from conftest import relay_cudasim_run
 
-        proc, log = cudasim_run(request.config)
-        with capsys.disabled():         # the subprocess's progress, as it comes
-            sys.stdout.write("\n[cuda simulator] ")
-            out = log.relay(sys.stdout)
-            sys.stdout.write("\n")
-        proc.wait()
+        returncode, out = relay_cudasim_run(request.config, __file__, capsys)
         summary = out.strip().splitlines()[-1] if out.strip() else ""
-        assert proc.returncode == 0, out[-6000:]
+        assert returncode == 0, out[-6000:]
         assert "passed" in summary and "skipped" not in summary, summary
 
 else:
