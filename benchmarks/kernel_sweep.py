@@ -14,9 +14,9 @@ from .kernels import contiguous, resources
 #: (threads, ring stages, stage bytes, register cap, blocks per SM aimed at)
 DECODE_VARIANTS = [(128, 2, 4096, 128, 4), (128, 2, 4096, None, 4), (256, 2, 2048, 128, 3)]
 DECODE_SHAPES = [(64, 8192), (16, 2048), (1, 512), (1, 8192)]
-#: (register cap, (threads, query rows, keys) of the head_dim-128 prefill tile)
-PREFILL_VARIANTS = [(None, (256, 128, 64)), (128, (256, 64, 64)), (128, (512, 128, 64)),
-                    (None, (128, 64, 64)), (128, (256, 128, 32)), (None, (256, 64, 128))]
+#: tensor-core prefill tiles for head_dim 128: (warps, 16-row tiles per warp, keys, K/V stages)
+PREFILL_VARIANTS = [(4, 2, 32, 2), (4, 2, 32, 3), (4, 1, 32, 2), (4, 1, 64, 2), (2, 2, 32, 2),
+                    (4, 2, 16, 2)]
 
 
 def _set_decode(threads, stages, stage_bytes, regs, per_sm):
@@ -56,8 +56,8 @@ def sweep_prefill(torch, timer, decode_case, scale, fp32_peak):
     import torch.nn.functional as F
 
     from gpu_kernels.cuda.launch import launcher as get_launcher
-    defaults = (cuda_backend.PREFILL_MAX_REGISTERS, dict(cuda_backend.PREFILL_TILES))
-    print("prefill variants: ms at 1x4096, 16x512 (TFLOP/s), max error vs SDPA")
+    defaults = dict(cuda_backend.PREFILL_MMA_TILES)
+    print("tensor-core prefill tiles (fp16): ms at 1x4096, 16x512 (TFLOP/s), max error vs SDPA")
     cases = []
     for seqs, prompt in [(1, 4096), (16, 512)]:
         q, kc, vc, bt, lens = decode_case(torch, seqs, prompt)
@@ -70,10 +70,9 @@ def sweep_prefill(torch, timer, decode_case, scale, fp32_peak):
                                              enable_gqa=True)
         ref = ref.transpose(1, 2).reshape(seqs * prompt, 32, 128).float()
         cases.append((q, kc, vc, bt, qsl, lens, torch.empty_like(q), flops, ref))
-    for regs, tile in PREFILL_VARIANTS:
-        cuda_backend.PREFILL_MAX_REGISTERS = regs
-        cuda_backend.PREFILL_TILES[128] = tile
-        threads = tile[0]
+    for tile in PREFILL_VARIANTS:
+        cuda_backend.PREFILL_MMA_TILES[128] = tile
+        threads = 32 * tile[0]
         cells, err = [], 0.0
         try:
             for q, kc, vc, bt, qsl, lens, out, flops, ref in cases:
@@ -89,9 +88,8 @@ def sweep_prefill(torch, timer, decode_case, scale, fp32_peak):
             info = resources(kernel, threads, get_launcher(kernel).shared)
         except Exception as exc:                            # noqa: BLE001 - report, go on
             info = f"FAILED: {type(exc).__name__}: {str(exc)[:300]}"
-        print(f"  regs={regs} (threads, rows, keys)={tile}: {' '.join(cells)} err {err:.1e} "
+        print(f"  (warps, m-tiles, keys, stages)={tile}: {' '.join(cells)} err {err:.1e} "
               f"| {info}", flush=True)
-    cuda_backend.PREFILL_MAX_REGISTERS = defaults[0]
-    cuda_backend.PREFILL_TILES.clear()
-    cuda_backend.PREFILL_TILES.update(defaults[1])
+    cuda_backend.PREFILL_MMA_TILES.clear()
+    cuda_backend.PREFILL_MMA_TILES.update(defaults)
     print()

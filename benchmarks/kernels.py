@@ -14,8 +14,9 @@ With a GPU (needs torch) it prints, for the ``cuda`` backend on torch tensors:
   every call), effective KV bandwidth (K and V bytes read / time), and torch's
   ``scaled_dot_product_attention`` on the same sizes in a contiguous cache;
 * host time per call of ``gpu_kernels.paged_decode`` (Python + launch);
-* prefill TFLOP/s (causal FLOPs only) against the FP32 CUDA-core peak
-  (SMs x 128 lanes x 2 FLOP x clock).
+* prefill (float16 and bfloat16, causal) on tensor cores: TFLOP/s of useful FLOPs beside
+  torch's SDPA on the same data in a contiguous cache, the float32 CUDA-core kernel on the
+  same data, and host time per call.
 
 GPU time is measured with CUDA events around one call queued behind a
 ``torch.cuda._sleep`` kernel, so host-side overhead does not count; it is
@@ -249,36 +250,56 @@ def bench_gpu_decode(torch, F, timer, bw, scale):
     print(f"\ndecode kernel: {used}")
 
 
+def prefill_case(torch, seqs, prompt, dtype):
+    """decode_case's paged cache in ``dtype`` with a prompt of queries per sequence."""
+    q, kc, vc, bt, lens = decode_case(torch, seqs, prompt)
+    q = torch.randn(seqs * prompt, 32, 128, dtype=dtype, device="cuda")
+    qsl = torch.arange(0, seqs + 1, dtype=torch.int32, device="cuda") * prompt
+    return q, kc.to(dtype), vc.to(dtype), bt, qsl, lens
+
+
 def bench_gpu_prefill(torch, F, timer, scale, fp32_peak):
     from gpu_kernels.cuda import backend as cuda_backend
     from gpu_kernels.cuda.launch import launcher
-    print("\nprefill, 32 q heads / 8 KV heads, d=128, fp16, causal (useful FLOPs only)")
-    print("| sequences x prompt | ours ms | TFLOP/s | % of FP32 peak | SDPA (tensor cores) ms "
-          "| max err vs SDPA |")
-    print("|---|---|---|---|---|---|")
-    for seqs, prompt in [(1, 4096), (4, 1024), (16, 512)]:
-        q, kc, vc, bt, lens = decode_case(torch, seqs, prompt)
-        q = torch.randn(seqs * prompt, 32, 128, dtype=torch.float16, device="cuda")
-        qsl = torch.arange(0, seqs + 1, dtype=torch.int32, device="cuda") * prompt
-        out = torch.empty_like(q)
-        ms = timer(lambda: gpu_kernels.paged_prefill(q, kc, vc, bt, qsl, lens, scale,
-                                                     out=out), reps=5) / 1e3
-        flops = cuda_backend.prefill_flops([prompt] * seqs, [prompt] * seqs, 32, 128)
-        k4, v4 = contiguous(torch, kc, bt), contiguous(torch, vc, bt)
-        q4 = q.reshape(seqs, prompt, 32, 128).transpose(1, 2)
-        sdpa = lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True,  # noqa
-                                                      enable_gqa=True)
-        peer = timer(sdpa, reps=5) / 1e3
-        ref = sdpa().transpose(1, 2).reshape(seqs * prompt, 32, 128)
-        err = (out.float() - ref.float()).abs().max().item()
-        tf = flops / ms / 1e9
-        print(f"| {seqs} x {prompt} | {ms:.2f} | {tf:.1f} | {100 * tf / fp32_peak:.0f}% | "
-              f"{peer:.3f} | {err:.1e} |")
-        del q, kc, vc, bt, out, k4, v4
-        torch.cuda.empty_cache()
-    kernel = cuda_backend.last_kernels["prefill"]
-    used = resources(kernel, cuda_backend.PREFILL_TILES[128][0], launcher(kernel).shared)
-    print(f"\nprefill kernel: {used}")
+    from gpu_kernels.cuda.prefill_mma import default_mma_tile
+    print("\nprefill, 32 q heads / 8 KV heads, d=128, causal, block 16, shuffled block tables "
+          "(TFLOP/s of useful FLOPs only); tensor cores vs SDPA, and the float32 CUDA-core "
+          "kernel (what float32 caches/queries use) on the same data")
+    print("| cache | sequences x prompt | ours ms | TFLOP/s | SDPA ms | SDPA TFLOP/s "
+          "| ours / SDPA speed | CUDA-core kernel ms | host µs/call | max err vs SDPA |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for dtype in (torch.float16, torch.bfloat16):
+        for seqs, prompt in [(1, 4096), (4, 1024), (16, 512)]:
+            q, kc, vc, bt, qsl, lens = prefill_case(torch, seqs, prompt, dtype)
+            out = torch.empty_like(q)
+            call = lambda: gpu_kernels.paged_prefill(q, kc, vc, bt, qsl, lens, scale,  # noqa
+                                                     out=out)
+            ms = timer(call, reps=7) / 1e3
+            mma_kernel = cuda_backend.last_kernels["prefill"]
+            host = _host_time(call, 50)
+            torch.cuda.synchronize()
+            flops = cuda_backend.prefill_flops([prompt] * seqs, [prompt] * seqs, 32, 128)
+            k4, v4 = contiguous(torch, kc, bt), contiguous(torch, vc, bt)
+            q4 = q.reshape(seqs, prompt, 32, 128).transpose(1, 2)
+            sdpa = lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True,  # noqa
+                                                          enable_gqa=True)
+            peer = timer(sdpa, reps=7) / 1e3
+            ref = sdpa().transpose(1, 2).reshape(seqs * prompt, 32, 128)
+            err = (out.float() - ref.float()).abs().max().item()
+            cuda_backend.prefill_mma_mode = "off"
+            try:
+                fp32_kernel = timer(call, reps=3) / 1e3
+            finally:
+                cuda_backend.prefill_mma_mode = "auto"
+            name = str(dtype).replace("torch.", "")
+            print(f"| {name} | {seqs} x {prompt} | {ms:.3f} | {flops / ms / 1e9:.0f} | "
+                  f"{peer:.3f} | {flops / peer / 1e9:.0f} | {peer / ms:.2f}x | {fp32_kernel:.2f} | "
+                  f"{host:.0f} | {err:.1e} |", flush=True)
+            del q, kc, vc, bt, out, k4, v4
+            torch.cuda.empty_cache()
+    tile = default_mma_tile(128)
+    used = resources(mma_kernel, tile.threads, launcher(mma_kernel).shared)
+    print(f"\nprefill kernel (tensor cores, bf16): {tile}: {used}")
 
 
 def bench_gpu(sweep, only=None):

@@ -51,7 +51,8 @@ class _Died:
 
 class LLM:
     """``LLM(model=..., model_impl=..., dtype=..., block_size=..., kv_cache_memory=...,
-    enable_prefix_caching=..., max_num_seqs=..., max_num_batched_tokens=..., max_model_len=..., device=...)``"""
+    enable_prefix_caching=..., max_num_seqs=..., max_num_batched_tokens=..., max_model_len=..., device=...,
+    quantization=..., attention_backend=..., seed=...)``; see ``EngineConfig``."""
 
     def __init__(self, model: str | None = None, **engine_args):
         if model is not None:

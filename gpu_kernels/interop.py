@@ -170,7 +170,11 @@ def _device_interface(x):
         import torch
         t = x.detach()
         key = (t.data_ptr(), tuple(t.shape), t.dtype, None if t.is_contiguous() else t.stride())
-        return key, dict((t.view(torch.int16) if t.dtype == torch.bfloat16 else t).__cuda_array_interface__)
+        bf16 = t.dtype == torch.bfloat16
+        cai = dict((t.view(torch.int16) if bf16 else t).__cuda_array_interface__)
+        if bf16:                 # the int16 view reports '<i2'; bf16 travels as uint16
+            cai["typestr"] = "<u2"
+        return key, cai
     cai = dict(x.__cuda_array_interface__)
     return (cai["data"][0], tuple(cai["shape"]), cai["typestr"], cai.get("strides")), cai
 

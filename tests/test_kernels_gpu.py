@@ -148,3 +148,50 @@ def test_split_k_extremes(monkeypatch, target_blocks):
                         num_kv_heads=8, group=4, head_dim=128, dtype="float16")
     for _ in range(3):
         assert_close(gpu_run("decode", prob, None), ref_run("decode", prob, None), "float16")
+
+
+@pytest.mark.parametrize("dtype, head_dim, group, window", [("float16", 128, 4, None),
+                                                             ("bfloat16", 64, 8, 100),
+                                                             ("float16", 256, 1, None)])
+def test_tensor_core_prefill_agrees_with_its_numba_twin(monkeypatch, dtype, head_dim, group,
+                                                        window):
+    """mma.sync through the linked CUDA C++ vs the plain-Numba products of the same tiling (the
+    simulator's path): the same function up to float32 summation order (which can move a
+    probability across a rounding boundary of the half format: one unit in its last place).
+    Outputs in float32 (``out`` has its own format), so that rounding the output to the half
+    format does not hide a difference."""
+    from gpu_kernels.cuda import mma
+    assert mma.mma_supported(), "this GPU should run mma.sync (compute capability >= 8.0)"
+    prob = make_problem(np.random.default_rng(7), context_lens=[700, 33, 1],
+                        query_lens=[300, 33, 1], num_kv_heads=2, group=group, head_dim=head_dim,
+                        block_size=16, dtype=dtype)
+    prob.query = prob.query[:prob.query_start_loc[-1]]
+    outs = {}
+    for mode in ("auto", "numba"):
+        monkeypatch.setattr(cuda_backend, "prefill_mma_mode", mode)
+        args = {k: to_torch(getattr(prob, k)) for k in
+                ("query", "k_cache", "v_cache", "block_tables", "context_lens", "query_start_loc")}
+        out = torch.full(prob.query.shape, float("nan"), dtype=torch.float32, device="cuda")
+        gpu_kernels.paged_prefill(args["query"], args["k_cache"], args["v_cache"],
+                                  args["block_tables"], args["query_start_loc"],
+                                  args["context_lens"], prob.scale, sliding_window=window, out=out)
+        torch.cuda.synchronize()
+        outs[mode] = out.cpu().numpy()
+    assert np.isfinite(outs["auto"]).all()
+    np.testing.assert_allclose(outs["auto"], outs["numba"], rtol=0,
+                               atol={"float16": 5e-4, "bfloat16": 4e-3}[dtype])
+    ref = np.full(prob.query.shape, np.nan, np.float32)
+    gpu_kernels.paged_prefill(prob.query, prob.k_cache, prob.v_cache, prob.block_tables,
+                              prob.query_start_loc, prob.context_lens, prob.scale,
+                              sliding_window=window, out=ref, backend="reference")
+    assert_close(outs["auto"], ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_tensor_core_prefill_window_across_a_warps_rows(dtype):
+    """One head per block (GQA group 1): a warp's 32 rows are 32 consecutive queries, and a
+    key tile can lie inside the window of its first queries but before that of its last one
+    (chunk at positions 80..279, window 100). Such a tile must not be skipped."""
+    prob = make_problem(np.random.default_rng(9), context_lens=[280], query_lens=[200],
+                        num_kv_heads=2, group=1, head_dim=128, block_size=16, dtype=dtype)
+    assert_close(gpu_run("prefill", prob, 100), ref_run("prefill", prob, 100), dtype)

@@ -258,3 +258,38 @@ def test_layers_with_different_kv_layouts_are_refused():
     model.layers()[1].self_attn.core_attention.hidden_size_per_attention_head = 16  # a swa_head_dim layer
     with pytest.raises(NotImplementedError, match=r"different KV layouts .* \[\(2, 8\), \(2, 16\)\]"):
         PaddleFleetModel(model, vocab_size=32)
+
+
+def test_single_device_parallel_state(monkeypatch):
+    """``init_single_device`` does what FastDeploy's ``_init_paddlefleet_parallel_state`` does with
+    every degree 1: ``fleet.init(is_collective=True, strategy)`` and, when PaddleFleet has no
+    tensor-parallel group yet, a one-rank group in ``parallel_state._TENSOR_MODEL_PARALLEL_GROUP``
+    (the module attributes FastDeploy sets)."""
+    import sys
+    import types
+
+    import paddle.distributed as dist
+    from paddle.distributed import fleet
+
+    from engine.fallback.paddlefleet import init_single_device
+
+    calls = []
+    monkeypatch.setattr(fleet, "init", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(dist, "get_rank", lambda *a: 0)
+    monkeypatch.setattr(dist, "new_group", lambda ranks: ("group", tuple(ranks)))
+    state = types.ModuleType("paddlefleet.parallel_state")
+    state._TENSOR_MODEL_PARALLEL_GROUP, state._TENSOR_MODEL_PARALLEL_GLOBAL_RANKS = None, None
+    package = types.ModuleType("paddlefleet")
+    package.parallel_state = state
+    monkeypatch.setitem(sys.modules, "paddlefleet", package)
+    monkeypatch.setitem(sys.modules, "paddlefleet.parallel_state", state)
+
+    init_single_device()
+    (kwargs,) = calls
+    assert kwargs["is_collective"] is True
+    degrees = {k: v for k, v in kwargs["strategy"].hybrid_configs.items() if k.endswith("_degree")}
+    assert set(degrees.values()) == {1} and {"mp_degree", "pp_degree", "dp_degree"} <= set(degrees)
+    assert state._TENSOR_MODEL_PARALLEL_GROUP == ("group", (0,)) and state._TENSOR_MODEL_PARALLEL_GLOBAL_RANKS == [0]
+    state._TENSOR_MODEL_PARALLEL_GROUP = "existing"
+    init_single_device()
+    assert state._TENSOR_MODEL_PARALLEL_GROUP == "existing"  # an initialised group is left alone

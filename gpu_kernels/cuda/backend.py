@@ -24,7 +24,9 @@ from numba import cuda
 
 from .decode import MAX_SPLITS, ML_PAD, build_decode_kernel, stage_shape
 from .launch import launcher
+from . import mma
 from .prefill import PrefillTile, build_prefill_kernel, default_tile
+from .prefill_mma import MmaTile, build_prefill_mma_kernel, default_mma_tile
 from .primitives import F32, SIMULATED, from_f32, kind_of, to_f32
 
 THREADS = 64 if SIMULATED else 128    # threads per block (write_kv)
@@ -38,6 +40,14 @@ PREFILL_MAX_REGISTERS = None           # prefill: no cap (shared memory allows 1
 #: prefill tile (threads, query rows, keys) by head_dim; absent: prefill.default_tile
 PREFILL_TILES: dict = {} if SIMULATED else {64: (256, 128, 64), 128: (256, 128, 64),
                                             256: (256, 64, 64)}
+#: tensor-core prefill tile (warps, 16-row tiles per warp, keys[, stages[, register cap]]) by
+#: head_dim; absent:
+#: prefill_mma.default_mma_tile
+PREFILL_MMA_TILES: dict = {}
+#: prefill of float16/bfloat16 queries on float16/bfloat16 caches: "auto" (tensor cores where
+#: the GPU has mma.sync, else the same tiling in plain Numba), "numba" (that plain-Numba twin),
+#: "off" (the float32 CUDA-core kernel, as for float32 caches or queries)
+prefill_mma_mode = "auto"
 SPLIT_GRAIN = 16 if SIMULATED else 64  # decode: split lengths are multiples of this
 LOG2E = 1.4426950408889634
 
@@ -199,12 +209,20 @@ def paged_prefill(query, k_cache, v_cache, block_tables, query_start_loc, contex
     _check_row(head_dim, kind_kv)
     group = num_heads // num_kv_heads
     hpb = heads_per_block(group)
-    shape = PREFILL_TILES.get(head_dim)
-    tile = PrefillTile(*shape, head_dim) if shape else default_tile(head_dim)
+    kind_q = kind_of(query.dtype)
     q_words = _c_contiguous(query)
-    kernel, tile_tokens, shared = build_prefill_kernel(
-        tile, group, hpb, kind_of(query.dtype), kind_kv, kind_of(out.dtype), block_size,
-        q_words, PREFILL_MAX_REGISTERS)
+    if _use_mma_prefill(kind_q, kind_kv, head_dim):
+        shape = PREFILL_MMA_TILES.get(head_dim)
+        tile = MmaTile(*shape[:3], head_dim, *shape[3:]) if shape else default_mma_tile(head_dim)
+        kernel, tile_tokens, shared = build_prefill_mma_kernel(
+            tile, group, hpb, kind_q, kind_kv, kind_of(out.dtype), block_size, q_words,
+            prefill_mma_mode == "auto" and mma.mma_supported(), mma.LTO)
+    else:
+        shape = PREFILL_TILES.get(head_dim)
+        tile = PrefillTile(*shape, head_dim) if shape else default_tile(head_dim)
+        kernel, tile_tokens, shared = build_prefill_kernel(
+            tile, group, hpb, kind_q, kind_kv, kind_of(out.dtype), block_size,
+            q_words, PREFILL_MAX_REGISTERS)
     last_kernels["prefill"] = kernel
     num_seqs = context_lens.shape[0]
     max_tiles = -(-num_tokens // tile_tokens) + num_seqs
@@ -217,6 +235,15 @@ def paged_prefill(query, k_cache, v_cache, block_tables, query_start_loc, contex
         _words(k_cache), _words(v_cache), block_tables, query_start_loc, context_lens, out,
         np.float32(scale * LOG2E), np.int32(window), np.int32(num_kv_heads),
         np.int32(head_blocks), np.int32(max_tiles))
+
+
+def _use_mma_prefill(kind_q, kind_kv, head_dim):
+    """Half queries on half caches, head_dim a multiple of 16 (at most 256), unless turned off."""
+    if prefill_mma_mode not in ("auto", "numba", "off"):
+        raise ValueError(f"cuda backend: prefill_mma_mode must be 'auto', 'numba' or 'off', got "
+                         f"{prefill_mma_mode!r}")
+    return (prefill_mma_mode != "off" and kind_q != F32 and kind_kv != F32 and head_dim % 16 == 0
+            and head_dim <= 256)
 
 
 def prefill_flops(query_lens, context_lens, num_heads, head_dim, window=0):

@@ -27,6 +27,8 @@ Names:
 ``to_f32(x, KIND)``            an array element as float32
 ``from_f32(v, KIND)``          float32 -> a value to store in an array of KIND
                                (round to nearest even)
+``pack2(lo, hi, KIND)``         two float32 -> one uint32 word of two half elements (``lo`` in
+                               the low 16 bits; F16 or BF16, round to nearest even)
 ``exp2(x)``                    2**x in float32 (fast approximate instruction on the GPU)
 ``fmax32(a, b)``               max of two float32 (one instruction on the GPU)
 ``shfl_idx(v, src, scratch)``  v of lane ``src`` of the calling warp
@@ -114,6 +116,16 @@ if SIMULATED:
         if kind == F16:
             return np.float16(v)
         return np.float32(v)
+
+    def _half_bits(v, kind):
+        if kind == BF16:
+            bits = _bits(v)
+            return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+        return int(np.array([v], np.float32).astype(np.float16).view(np.uint16)[0])
+
+    @cuda.jit(device=True)
+    def pack2(lo, hi, kind):
+        return np.uint32(_half_bits(lo, kind) | (_half_bits(hi, kind) << 16))
 
     @cuda.jit(device=True)
     def exp2(x):
@@ -226,6 +238,27 @@ else:
                                "cvt.rn.f16.f32 $0, $1;", "=h,f")
             return builder.call(asm, [args[0]])     # Numba-CUDA keeps float16 values as i16
         return types.float16(value), codegen
+
+    @intrinsic
+    def _f32_to_half_bits(typingctx, value):
+        """float32 -> IEEE half bits in a uint32 (cvt.rn.f16.f32, round to nearest even)."""
+        def codegen(context, builder, signature, args):
+            asm = ir.InlineAsm(ir.FunctionType(ir.IntType(16), [ir.FloatType()]),
+                               "cvt.rn.f16.f32 $0, $1;", "=h,f")
+            return builder.zext(builder.call(asm, [args[0]]), ir.IntType(32))
+        return types.uint32(value), codegen
+
+    @cuda.jit(device=True)
+    def _half_bits(v, kind):
+        if kind == BF16:
+            bits = _as_u32(np.float32(v))
+            return (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) \
+                >> np.uint32(16)
+        return _f32_to_half_bits(np.float32(v))
+
+    @cuda.jit(device=True)
+    def pack2(lo, hi, kind):
+        return np.uint32(_half_bits(lo, kind) | (_half_bits(hi, kind) << np.uint32(16)))
 
     @intrinsic
     def _ex2(typingctx, x):

@@ -22,8 +22,8 @@ little register cost.
     float32, one 16-byte load (``i`` a multiple of 4).
 ``sts4f(arr, i, a, b, c, d)``
     ``arr[i:i+4] = a, b, c, d``, one 16-byte store (``i`` a multiple of 4).
-``shared_vectors(n)``
-    a device function returning a 16-byte-aligned float32 shared array of ``n``
+``shared_vectors(n, dtype=float32)``
+    a device function returning a 16-byte-aligned shared array of ``n`` 4-byte
     elements, for the buffers these accesses touch (Numba aligns shared arrays
     to their element size only). Call it once per kernel and carve the
     buffers from the result at offsets that are multiples of 4.
@@ -43,24 +43,24 @@ from numba import cuda, float32
 from .primitives import SIMULATED
 
 
-def shared_vectors(n):
+def shared_vectors(n, dtype=float32):
     """See the module docstring."""
     if SIMULATED:
         @cuda.jit(device=True)
         def alloc():
-            return cuda.shared.array(n, float32)
+            return cuda.shared.array(n, dtype)
     else:
         @cuda.jit(device=True, inline="always")
         def alloc():
-            return cuda.shared.array(n, float32, alignment=16)
+            return cuda.shared.array(n, dtype, alignment=16)
     return alloc
 
 
-def dynamic_shared_vectors():
+def dynamic_shared_vectors(dtype=float32):
     """See the module docstring."""
     @cuda.jit(device=True, inline="always")
     def alloc():
-        return cuda.shared.array(0, float32, alignment=16)
+        return cuda.shared.array(0, dtype, alignment=16)
     return alloc
 
 

@@ -1,0 +1,114 @@
+"""gpu_kernels: the tensor-core prefill's tiling (``cuda/prefill_mma.py``) in Numba's CUDA simulator.
+
+The simulator cannot run the linked CUDA C++ (``cuda/mma.cu``); it runs the kernel with the
+plain-Numba twin of the two matrix products (``cuda/mma.py``), same tiling, layouts, masking
+and online softmax. ``tests/test_kernels_gpu.py`` checks on a GPU that the two agree. Like
+``test_kernels_cudasim.py``, the outer test re-runs this file in a subprocess with
+``NUMBA_ENABLE_CUDASIM=1``; shapes are the smallest that reach each case.
+"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+IN_SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+
+if not IN_SIMULATOR:
+
+    @pytest.mark.slow
+    def test_tensor_core_prefill_in_the_simulator():
+        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+            env=env, capture_output=True, text=True, timeout=900,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+        assert "passed" in summary and "skipped" not in summary, summary
+
+else:
+    import gpu_kernels
+    from gpu_kernels.cuda import backend as cuda_backend
+    from gpu_kernels.cuda import prefill_mma
+    from gpu_kernels.testing import assert_close, make_problem
+
+    def run(prob, window, backend):
+        out = prob.out()
+        gpu_kernels.paged_prefill(prob.query, prob.k_cache, prob.v_cache, prob.block_tables,
+                                  prob.query_start_loc, prob.context_lens, prob.scale,
+                                  sliding_window=window, out=out, backend=backend)
+        return out
+
+    def built_tensor_core_kernels():
+        return prefill_mma.build_prefill_mma_kernel.cache_info().currsize
+
+    @pytest.mark.parametrize("dtype, group, block_size, window, tile", [
+        # 3 heads in a 16-row tile: row 15 is padding; ragged chunks with a decode
+        ("float16", 3, 4, None, (1, 1, 16)),
+        # a window that starts inside a key tile and masks whole tiles for later rows;
+        # three K/V buffers
+        ("bfloat16", 4, 1, 5, (1, 1, 16, 3)),
+        # two warps, two 16-row tiles each, 32-key tiles
+        ("float16", 1, 16, 20, (2, 2, 32)),
+    ])
+    def test_matches_reference(monkeypatch, dtype, group, block_size, window, tile):
+        monkeypatch.setattr(cuda_backend, "PREFILL_MMA_TILES", {16: tile})
+        prob = make_problem(np.random.default_rng(3), context_lens=[37, 6, 20],
+                            query_lens=[37, 1, 9], num_kv_heads=1, group=group, head_dim=16,
+                            block_size=block_size, dtype=dtype, query_dtype=dtype)
+        prob.query = prob.query[:prob.query_start_loc[-1]]
+        before = built_tensor_core_kernels()
+        got = run(prob, window, "cuda")
+        assert built_tensor_core_kernels() == before + 1       # this kernel, not the fp32 one
+        assert_close(got, run(prob, window, "reference"), dtype)
+
+    def test_query_in_another_half_format_is_converted():
+        """A float16 query on a bfloat16 cache: Q is converted element by element to bf16."""
+        prob = make_problem(np.random.default_rng(4), context_lens=[18], query_lens=[18],
+                            num_kv_heads=1, group=2, head_dim=16, block_size=4, dtype="bfloat16",
+                            query_dtype="float16")
+        assert_close(run(prob, None, "cuda"), run(prob, None, "reference"), "bfloat16")
+
+    def test_float32_queries_keep_the_cuda_core_kernel(monkeypatch):
+        """Half caches with float32 queries (and strided ones: element-by-element load) stay
+        on the float32 kernel, which keeps the query's precision."""
+        monkeypatch.setattr(cuda_backend, "_c_contiguous", lambda arr: False)
+        prob = make_problem(np.random.default_rng(8), context_lens=[20, 9], query_lens=[20, 1],
+                            num_kv_heads=2, group=4, head_dim=16, block_size=4, dtype="float16",
+                            query_dtype="float32")
+        prob.query = prob.query[:prob.query_start_loc[-1]]
+        before = built_tensor_core_kernels()
+        assert_close(run(prob, None, "cuda"), run(prob, None, "reference"), "float32")
+        assert built_tensor_core_kernels() == before
+
+    def test_warps_skip_only_key_tiles_none_of_their_rows_sees():
+        """The predicate by which a warp skips a key tile, against brute force: queries at
+        consecutive positions (a warp's rows), causal, with and without a window. (A window
+        test on the last query alone skipped tiles that the warp's first queries still see.)"""
+        for first in range(0, 12):
+            for last in range(first, first + 6):
+                for window in (0, 1, 3, 7):
+                    for kt0 in range(0, 20, 4):
+                        for nk in (1, 4):
+                            keys = range(kt0, kt0 + nk)
+                            seen = any(j <= p and (window <= 0 or j > p - window)
+                                       for p in range(first, last + 1) for j in keys)
+                            assert prefill_mma.tile_seen_by_rows(kt0, nk, first, last,
+                                                                 window) == seen, \
+                                (kt0, nk, first, last, window)
+
+    def test_bad_mode_is_refused(monkeypatch):
+        monkeypatch.setattr(cuda_backend, "prefill_mma_mode", "fast")
+        prob = make_problem(np.random.default_rng(6), context_lens=[5], query_lens=[5],
+                            num_kv_heads=1, group=1, head_dim=16, block_size=4, dtype="float16")
+        with pytest.raises(ValueError, match="prefill_mma_mode must be 'auto', 'numba' or 'off'"):
+            run(prob, None, "cuda")
+
+    def test_tile_it_cannot_lay_out_is_refused(monkeypatch):
+        monkeypatch.setattr(cuda_backend, "PREFILL_MMA_TILES", {16: (1, 1, 24)})
+        prob = make_problem(np.random.default_rng(6), context_lens=[5], query_lens=[5],
+                            num_kv_heads=1, group=1, head_dim=16, block_size=4, dtype="float16")
+        with pytest.raises(NotImplementedError, match="keys per tile .24. must be multiples of 16"):
+            run(prob, None, "cuda")
