@@ -153,6 +153,7 @@ except OSError:   # not glibc
 
 # tests that re-run their own file under NUMBA_ENABLE_CUDASIM=1 through `cudasim_run`
 SIMULATOR_TESTS = ("test_kernels_cudasim.py::test_cuda_kernels_in_the_simulator",
+                   "test_kernels_mma.py::test_tensor_core_prefill_in_the_simulator",
                    "test_engine_on_cuda_kernels.py::test_engine_on_cuda_kernels_in_the_simulator")
 
 
