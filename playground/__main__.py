@@ -37,6 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     web.add_argument("--max-input-chars", type=int, default=Limits.max_input_chars,
                      help="longest accepted chat message")
     web.add_argument("--max-batch", type=int, default=Limits.max_batch, help="largest batch demo")
+    web.add_argument("--allow-engine-admin", action="store_true",
+                     help="enable actions that affect every visitor (reset the prefix cache, load a second "
+                          "backend for the consistency check)")
     return parser.parse_args(argv)
 
 
@@ -91,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         _warm_up(llm)
         _say(f"Warmed up in {time.perf_counter() - t0:.1f} s")
         limits = Limits(max_input_chars=args.max_input_chars, max_batch=args.max_batch)
-        demo = build_app(llm, limits=limits, queue_size=args.queue_size)
+        demo = build_app(llm, limits=limits, queue_size=args.queue_size,
+                         allow_engine_admin=args.allow_engine_admin)
         launch(demo, server_name=args.host, server_port=args.port, share=args.share,
                prevent_thread_lock=True)
         _say("Ready. Press Ctrl-C to stop.")

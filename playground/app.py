@@ -17,8 +17,12 @@ import gradio as gr
 
 from . import render
 from .chat import ChatSession
+from .chatview import META_CSS
 from .handlers import Handlers, Limits
 from .monitor import EngineMonitor
+from .inspector import BLOCK_CLICK_JS, block_inspector_html
+from .serve_commands import serve_commands_html
+from .timeline import timeline_html
 
 __all__ = ["build_app", "launch", "DEFAULT_SYSTEM_PROMPT", "THEME", "CSS"]
 
@@ -33,16 +37,39 @@ element.addEventListener('click', (e) => {
 });
 """
 
+# The ‹ › arrows under replies live inside the Chatbot's messages, which run no
+# scripts; one document-level listener (installed once per page) sends their
+# clicks through this hidden bridge component's click event.
+NAV_JS = """
+if (!window.__pgNav) {
+  window.__pgNav = true;
+  document.addEventListener('click', (e) => {
+    const nav = e.target.closest('#chat .pg-nav');
+    if (nav && !nav.classList.contains('off')) {
+      const id = [...nav.classList].find((c) => c.startsWith('pg-node-'));
+      trigger('click', {node: Number(id.slice(8)), step: nav.classList.contains('pg-prev') ? -1 : 1});
+    }
+  });
+}
+"""
+
 THEME = gr.themes.Soft(primary_hue="indigo", neutral_hue="slate")
 CSS = """
 .pg-title h1{margin:0;font-size:22px;font-weight:700}.pg-title p{margin:2px 0 0;color:#64748b}
+.pg-notice{margin:6px 0 0;padding:6px 10px;border-radius:6px;background:#fef3c7;color:#78350f}
 .pg-badge{display:inline-block;background:#eef2ff;color:#3730a3;border-radius:999px;padding:1px 9px;
  margin-right:6px;font-size:12px;font-weight:600}
 #kv-map, #prefix-panel, #engine-panel, #logprobs, #batch-view{padding:6px 4px}
-"""
+#nav-bridge{display:none}
+#chat .bubble-wrap{padding-top:34px}
+""" + META_CSS
 
 
-def _header(snapshot: dict, limits: Limits) -> str:
+def _header(snapshot: dict, limits: Limits, base_model: bool = False) -> str:
+    notice = ('<p class="pg-notice" id="base-model-notice">This is a <b>base model</b>: it has no chat template, '
+              "so it was not trained to hold a conversation. The page starts in <b>completion</b> mode: your "
+              "text is continued as it is. Chat mode wraps turns in a generic format the model does not know."
+              "</p>") if base_model else ""
     badges = "".join(
         f'<span class="pg-badge">{escape(str(v))}</span>'
         for v in (snapshot.get("model"), snapshot.get("model_impl"), snapshot.get("device"),
@@ -51,7 +78,7 @@ def _header(snapshot: dict, limits: Limits) -> str:
     return (
         '<div class="pg-title"><h1>Fleet Playground</h1>'
         f"<p>{badges} Chat, then watch the paged KV cache, the prefix cache and every token's "
-        f"probability. Messages up to {limits.max_input_chars} characters.</p></div>"
+        f"probability. Messages up to {limits.max_input_chars} characters.</p>{notice}</div>"
     )
 
 
@@ -66,8 +93,9 @@ def build_app(
     limits: Limits | None = None,
     queue_size: int = 32,
     concurrency: int | None = None,
-    refresh_every: float = 1.0,
+    refresh_every: float = 0.25,
     system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+    allow_engine_admin: bool = False,
 ) -> gr.Blocks:
     """Build the playground page for ``llm``.
 
@@ -79,31 +107,42 @@ def build_app(
             ``max_num_seqs``, so they all batch together).
         refresh_every: seconds between live-panel refreshes.
         system_prompt: the initial system prompt.
+        allow_engine_admin: enable the actions that affect every visitor
+            (resetting the prefix cache, loading a second backend for the
+            consistency check); off by default, since anyone who can open the
+            page could use them.
     """
     limits = limits or Limits()
     config = getattr(llm, "config", None)
     concurrency = concurrency or getattr(config, "max_num_seqs", None) or 8
-    monitor = EngineMonitor(llm)
-    h = Handlers(llm, monitor, limits)
+    monitor = EngineMonitor(llm, interval=min(refresh_every, 0.2))
+    h = Handlers(llm, monitor, limits, allow_engine_admin=allow_engine_admin)
     snap = monitor.snapshot()
+    base_model = h.default_mode == "completion"
 
-    with gr.Blocks(title="Fleet Playground", fill_width=True) as demo:
+    # Gradio sends usage analytics unless told not to: off unless GRADIO_ANALYTICS_ENABLED=True.
+    analytics = os.environ.get("GRADIO_ANALYTICS_ENABLED", "False") == "True"
+    with gr.Blocks(title="Fleet Playground", fill_width=True, analytics_enabled=analytics) as demo:
         # A plain function, not the bound method: Gradio deep-copies the page
         # config (which lists this callback) on every page load.
         session = gr.State(lambda: ChatSession(), delete_callback=lambda s: h.stop(s))
-        _html(_header(snap, limits), "header")
+        _html(_header(snap, limits, base_model), "header")
         with gr.Row(equal_height=False):
             with gr.Column(scale=5, min_width=420):
-                chatbot = gr.Chatbot(label="Chat", height=420, elem_id="chat", buttons=["copy"])
+                chatbot = gr.Chatbot(label="Chat", height=440, elem_id="chat", buttons=["copy"])
+                nav = _html("", "nav-bridge", js=NAV_JS)
                 with gr.Row():
                     msg = gr.Textbox(placeholder="Type a message and press Enter", show_label=False,
                                      scale=8, max_lines=6, elem_id="msg")
                     send = gr.Button("Send", variant="primary", scale=1, min_width=80, elem_id="send")
                 with gr.Row():
                     stop = gr.Button("Stop", size="sm", elem_id="stop")
-                    regen = gr.Button("Regenerate", size="sm", elem_id="regenerate")
+                    regen = gr.Button("Regenerate (new branch)", size="sm", elem_id="regenerate")
                     clear = gr.Button("Clear", size="sm", elem_id="clear")
-                with gr.Accordion("System prompt and sampling", open=False):
+                with gr.Accordion("Mode, system prompt and sampling", open=base_model):
+                    mode = gr.Radio(["chat", "completion"], value=h.default_mode, label="mode", elem_id="mode",
+                                    info="chat: the model's chat template; completion: your text is continued "
+                                         "as it is (base models)")
                     system = gr.Textbox(label="System prompt", value=system_prompt, lines=2)
                     with gr.Row():
                         temperature = gr.Slider(0.0, 2.0, value=0.7, step=0.05, label="temperature")
@@ -114,26 +153,41 @@ def build_app(
                                                step=1, label="max tokens")
                         seed = gr.Number(value=-1, precision=0, label="seed (-1 = random)")
                         n_logprobs = gr.Slider(0, 20, value=5, step=1, label="logprobs (top-k alternatives)")
-                gr.Markdown("**Logprobs of the last reply** — hover a token for its alternatives, "
-                            "click it to branch from there.")
+                gr.Markdown("**Logprobs of the reply shown last** — hover a token for its alternatives, "
+                            "click it to branch from there (the original reply is kept: ‹ › under it).")
+                lp_metric = gr.Radio(["probability", "logprob", "rank"], value="probability", show_label=False,
+                                     container=False, elem_id="lp-metric")
                 lp_view = _html(render.logprob_html([]), "logprobs", js=TOKEN_CLICK_JS)
                 with gr.Row(equal_height=False):
                     token_index = gr.Number(label="branch at token #", precision=0, minimum=0, scale=1)
-                    alternative = gr.Dropdown(label="forcing the alternative", choices=[],
-                                              allow_custom_value=True, scale=2)
+                    alternative = gr.Dropdown(label="forcing the alternative (or type text)", choices=[],
+                                              allow_custom_value=True, scale=2, elem_id="alternative")
                     branch = gr.Button("Branch ↳", scale=1, min_width=100, elem_id="branch")
+                with gr.Accordion("Compare branches", open=False, elem_id="compare-box"):
+                    compare_btn = gr.Button("Compare the shown reply with another branch", size="sm",
+                                            elem_id="compare")
+                    compare_view = _html("", "compare-view")
             with gr.Column(scale=4, min_width=380):
-                gr.Markdown("**KV cache blocks** — one cell per physical block, live")
-                block_map = _html(render.block_map_html(snap), "kv-map")
+                gr.Markdown("**KV cache blocks** — one cell per physical block, live; click one to inspect it, "
+                            "hover a legend entry to find its blocks")
+                block_map = _html(render.block_map_html(snap), "kv-map", js=BLOCK_CLICK_JS)
+                inspector = _html(block_inspector_html(None, None), "block-inspector")
                 with gr.Tabs():
                     with gr.Tab("Prefix cache"):
                         prefix = _html(render.prefix_cache_html(snap), "prefix-panel")
-                        reset = gr.Button("Reset prefix cache", size="sm")
+                        reset = gr.Button("Reset prefix cache", size="sm", interactive=allow_engine_admin,
+                                          elem_id="reset-prefix")
                     with gr.Tab("Engine"):
                         engine = _html(render.engine_panel_html(snap), "engine-panel")
-                        align = gr.Button(f"Run accuracy alignment: {h.llm.model_impl} vs {h.aligner.impl}",
-                                          size="sm", elem_id="align")
+                        timeline = _html(timeline_html(monitor.timeline.series()), "timeline")
+                        align = gr.Button(f"Check backend consistency: {h.llm.model_impl} vs {h.aligner.impl}",
+                                          size="sm", elem_id="align", interactive=allow_engine_admin)
+                        if not allow_engine_admin:
+                            gr.Markdown("Engine-wide actions (reset, consistency check) are off: start the app "
+                                        "with `--allow-engine-admin` to enable them.")
                         align_view = _html(render.alignment_html(None), "align-view")
+                        gr.Markdown("**Take it further** — the same model and settings on a serving stack:")
+                        _html(serve_commands_html(llm), "serve-commands")
                     with gr.Tab("Batch demo"):
                         gr.Markdown("Fire N concurrent requests that share the system prompt: the block map "
                                     "shows their shared prefix blocks, the Engine tab their batched steps.")
@@ -144,29 +198,46 @@ def build_app(
                         batch_view = _html(render.batch_table_html([]), "batch-view")
         timer = gr.Timer(refresh_every)
 
+        T = h.tabs.wrap
         sampling = [temperature, top_p, top_k, max_tokens, seed, n_logprobs]
-        chat_out = [chatbot, msg, lp_view, prefix]
-        engine_q = dict(concurrency_limit=concurrency, concurrency_id="engine", show_progress_on=[chatbot])
+        chat_out = [chatbot, msg, lp_view, prefix, token_index, alternative]
+        # preprocess=False: handlers check the raw values themselves (playground.inputs), so a bad
+        # value from the HTTP API is a readable error, not a failure inside a component.
+        engine_q = dict(concurrency_limit=concurrency, concurrency_id="engine", show_progress="hidden",
+                        preprocess=False)
         chat_events = [
-            send.click(h.send, [msg, session, system, *sampling], chat_out, api_name="chat", **engine_q),
-            msg.submit(h.send, [msg, session, system, *sampling], chat_out, api_visibility="private", **engine_q),
-            regen.click(h.regenerate, [session, system, *sampling], chat_out, api_name="regenerate", **engine_q),
-            branch.click(h.branch, [token_index, alternative, session, *sampling], chat_out, api_name="branch",
+            # trigger_mode="multiple": a message sent while a reply streams is queued by the handler
+            # (Gradio's default, "once", would silently drop the second submission).
+            send.click(T(h.send), [msg, session, system, *sampling, mode], chat_out, api_name="chat",
+                       trigger_mode="multiple", **engine_q),
+            msg.submit(T(h.send), [msg, session, system, *sampling, mode], chat_out, api_visibility="private",
+                       trigger_mode="multiple", **engine_q),
+            regen.click(T(h.regenerate), [session, system, *sampling, mode], chat_out, api_name="regenerate",
+                        **engine_q),
+            branch.click(T(h.branch), [token_index, alternative, session, *sampling], chat_out, api_name="branch",
                          **engine_q),
-            fire.click(h.batch_demo, [n_batch, session, system, *sampling], [batch_view], api_name="batch_demo",
-                       concurrency_limit=1, concurrency_id="batch"),
+            fire.click(T(h.batch_demo), [n_batch, session, system, *sampling], [batch_view], api_name="batch_demo",
+                       concurrency_limit=1, concurrency_id="batch", preprocess=False),
         ]
         # Stop skips the queue, so it works even when the queue is full.
-        stop.click(h.stop, [session], None, cancels=chat_events, api_name="stop", queue=False)
-        clear.click(h.clear, [session], chat_out, cancels=chat_events, api_name="clear")
-        lp_view.click(h.pick_token, [session], [token_index, alternative, lp_view], api_visibility="private")
-        reset.click(h.reset_prefix_cache, [session], [prefix], api_name="reset_prefix_cache")
-        align.click(h.align, [session, system], [align_view], api_name="align", concurrency_limit=1,
-                    concurrency_id="align")
-        panels = dict(fn=h.refresh, inputs=[session], outputs=[block_map, prefix, engine],
+        stop.click(T(h.stop), [session], chat_out, cancels=chat_events, api_name="stop", queue=False)
+        clear.click(T(h.clear), [session], chat_out, cancels=chat_events, api_name="clear")
+        # The Chatbot's own trash icon clears the same way (not just the display).
+        chatbot.clear(T(h.clear), [session], chat_out, cancels=chat_events, api_visibility="private")
+        lp_view.click(T(h.pick_token, event_data=True), [session], [token_index, alternative, lp_view], api_visibility="private")
+        nav.click(T(h.navigate, event_data=True), [session], chat_out, api_visibility="private")
+        block_map.click(T(h.inspect_block, event_data=True), [session], [inspector], api_visibility="private")
+        compare_btn.click(T(h.compare), [session], [compare_view], api_name="compare")
+        lp_metric.change(T(h.set_metric), [session, lp_metric], [lp_view], api_name="logprob_metric",
+                         preprocess=False)
+        reset.click(T(h.reset_prefix_cache), [session], [prefix], api_name="reset_prefix_cache")
+        align.click(T(h.align), [session, system], [align_view], api_name="align", concurrency_limit=1,
+                    concurrency_id="align", preprocess=False)
+        panels = dict(fn=T(h.refresh), inputs=[session], outputs=[block_map, prefix, engine, timeline],
                       show_progress="hidden", concurrency_limit=None, api_visibility="private")
         timer.tick(**panels)
         demo.load(**panels)
+        demo.unload(h.tabs.forget)
     demo.queue(max_size=queue_size, default_concurrency_limit=concurrency)
     demo.playground_monitor = monitor   # so callers can close it
     return demo

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from .conversation import Conversation
 from .logprobs import forced_record, token_records
 
 __all__ = ["ChatSession", "Reply", "stream_reply", "reply_stats", "branch_prompt", "start_branch"]
@@ -42,6 +43,8 @@ class Reply:
     error: str | None = None
     ttft: float | None = None
     decode_tps: float | None = None
+    state: str = "queued"                                       # queued · prefill n / m · decoding · done
+    stopped: bool = False                                       # ended by Stop (or a closed tab)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -59,9 +62,14 @@ class ChatSession:
     turns: list[dict] = field(default_factory=list)      # prefix-cache history, one per reply
     last: Reply | None = None
     selected: int | None = None                          # token picked in the logprob view
+    selected_node: int | None = None                     # the reply that token belongs to (app)
     active_request_id: str | None = None
+    queued: int | None = None                            # a user message waiting for the streaming reply (app)
+    tree: Conversation = field(default_factory=Conversation)   # every reply and branch (app)
     labels: dict[str, str] = field(default_factory=dict)  # this tab's recent requests → legend name
     last_render_key: Any = None
+    timeline_at: float = 0.0                              # when this tab last drew the engine timeline
+    lp_metric: str = "probability"                        # the logprob view's probability / logprob / rank
 
     def new_request_id(self, kind: str = "chat", label: str = "this chat") -> str:
         """A fresh engine request id for this tab, remembered with its legend name."""
@@ -80,6 +88,7 @@ class ChatSession:
 
     def reset(self) -> None:
         self.messages, self.display, self.turns, self.last, self.selected = [], [], [], None, None
+        self.selected_node, self.tree = None, Conversation()
 
 
 def _field(obj: Any, name: str) -> Any:
@@ -142,22 +151,27 @@ def stream_reply(
             stream.close()   # aborts the request if it is still running
 
 
-def branch_prompt(last: Reply, index: int, token_id: int) -> list[int]:
-    """Token ids that regenerate ``last`` from token ``index``, with ``token_id`` forced there."""
+def branch_prompt(last: Reply, index: int, token_ids: int | list[int]) -> list[int]:
+    """Token ids that regenerate ``last`` from token ``index``, with ``token_ids`` forced there."""
     if not 0 <= index < len(last.all_token_ids):
         raise ValueError(f"token index {index} is outside the last reply ({len(last.all_token_ids)} tokens)")
-    return list(last.prompt_token_ids) + last.all_token_ids[:index] + [int(token_id)]
+    forced = [int(token_ids)] if isinstance(token_ids, int) else [int(t) for t in token_ids]
+    return list(last.prompt_token_ids) + last.all_token_ids[:index] + forced
 
 
-def start_branch(last: Reply, index: int, token_id: int, request_id: str, text: str) -> Reply:
-    """A new ``Reply`` that already holds the kept tokens and the forced one.
+def start_branch(last: Reply, index: int, token_ids: int | list[int], request_id: str, text: str,
+                 decode: Any = None) -> Reply:
+    """A new ``Reply`` that already holds the kept tokens and the forced one(s).
 
     ``text`` is the decoded text of those tokens. The new request's prompt is
     ``branch_prompt(...)``; its tokens stream after them.
     """
-    kept = last.all_token_ids[:index] + [int(token_id)]
+    forced = [int(token_ids)] if isinstance(token_ids, int) else [int(t) for t in token_ids]
+    kept = last.all_token_ids[:index] + forced
     records = [dict(r) for r in last.records[:index]]
     source = last.records[index] if index < len(last.records) else None
-    records.append(forced_record(index, token_id, "", source))
+    for j, tid in enumerate(forced):
+        piece = decode(tid) if decode is not None else ""
+        records.append(forced_record(index + j, tid, piece, source if j == 0 else None))
     return Reply(request_id=request_id, prompt_token_ids=list(last.prompt_token_ids),
                  prefix_token_ids=kept, text=text, records=records)

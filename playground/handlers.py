@@ -1,223 +1,461 @@
 """What each control of the page does (the Gradio event handlers).
 
 ``Handlers`` holds the shared ``LLM`` and ``EngineMonitor``; every method
-takes the tab's ``ChatSession`` plus the values of its input components and
-returns (or, for streaming, yields) the new values of its outputs. The page
-layout and the wiring live in ``app.py``.
+takes the tab's ``ChatSession`` plus the raw values of its input components
+(events run with ``preprocess=False``, so ``inputs`` checks them and a bad
+value is a readable ``gr.Error``) and returns (or, for streaming, yields) the
+new values of its outputs. The page layout and the wiring live in ``app.py``.
+
+The chat outputs are always ``(chat, message box, logprob view, prefix
+panel, branch token #, branch alternative)``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
+import threading
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import gradio as gr
 
-from engine import SamplingParams
-
-from . import render
+from . import inputs, render
 from .alignment import Aligner
 from .batch_demo import run_batch
 from .chat import ChatSession, Reply, branch_prompt, start_branch, stream_reply
+from .chatview import chat_messages, compare_html
+from .colors import OwnerColors
+from .conversation import Node
+from .inputs import InputError, Limits
+from .inspector import block_inspector_html
+from .logprobs import METRICS
 from .monitor import EngineMonitor
+from .tabs import Tabs
+from .timeline import timeline_html
 
 __all__ = ["Limits", "Handlers"]
 
+SKIP6 = (gr.skip(),) * 6
 
-@dataclass
-class Limits:
-    """Caps that keep one visitor from monopolising the server."""
 
-    max_input_chars: int = 4000
-    max_tokens: int = 512
-    max_batch: int = 8
-    batch_max_tokens: int = 48
+MODES = ("chat", "completion")
+
+
+def default_mode(tokenizer: Any) -> str:
+    """Chat for models with a chat template; raw text completion for base models without one."""
+    return "chat" if getattr(tokenizer, "chat_template", None) else "completion"
 
 
 def _system(system: str) -> list[dict]:
     return [{"role": "system", "content": system}] if system and system.strip() else []
 
 
+def checked(fn):
+    """Turn an ``InputError`` raised by a handler (plain or streaming) into a ``gr.Error``."""
+    if inspect.isgeneratorfunction(fn):
+        @functools.wraps(fn)
+        def gen(*args, **kwargs):
+            try:
+                yield from fn(*args, **kwargs)
+            except InputError as exc:
+                raise gr.Error(str(exc)) from None
+        return gen
+
+    @functools.wraps(fn)
+    def plain(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except InputError as exc:
+            raise gr.Error(str(exc)) from None
+    return plain
+
+
 class Handlers:
     """Event handlers bound to one ``LLM`` (shared by every tab)."""
 
-    def __init__(self, llm: Any, monitor: EngineMonitor, limits: Limits):
+
+    def __init__(self, llm: Any, monitor: EngineMonitor, limits: Limits, *, allow_engine_admin: bool = False):
         self.llm, self.monitor, self.limits = llm, monitor, limits
+        self.allow_engine_admin = allow_engine_admin
         self.tokenizer = llm.get_tokenizer()
+        self.vocab_size = int(self.tokenizer.vocab_size)
         self.aligner = Aligner(llm)
+        self.colors = OwnerColors()
+        engine = getattr(llm, "engine", None)
+        self.max_model_len = getattr(engine, "max_model_len", None) or getattr(llm.config, "max_model_len", None)
+        self.default_mode = default_mode(self.tokenizer)
+        self.tabs = Tabs(on_close=self._tab_closed)
+        self._turn_lock = threading.RLock()
+
+    def _tab_closed(self, session: ChatSession) -> None:
+        if session.active_request_id:
+            self.llm.abort(session.active_request_id)
 
     # -- helpers ------------------------------------------------------------------
-    def sampling(self, temperature, top_p, top_k, max_tokens, seed, n_logprobs, *, cap=None) -> SamplingParams:
-        """SamplingParams from the controls; bad values become a visible error."""
-        try:
-            return SamplingParams(
-                max_tokens=max(1, min(int(max_tokens), cap or self.limits.max_tokens)),
-                temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
-                seed=None if seed in (None, "") or int(seed) < 0 else int(seed),
-                logprobs=int(n_logprobs) if n_logprobs else None,
-            )
-        except (TypeError, ValueError) as exc:
-            raise gr.Error(f"Invalid sampling setting: {exc}") from exc
+    def _mode(self, mode: Any) -> str:
+        if mode is None or mode == "":
+            return self.default_mode
+        if mode not in MODES:
+            raise InputError(f"mode must be one of {', '.join(MODES)}; got {mode!r:.40}")
+        return mode
+
+    def _prompt(self, session: ChatSession, node: Node, system: str, mode: str) -> Any:
+        """What the engine is asked for ``node``: chat messages, or the text so far (completion mode)."""
+        if mode == "completion":
+            return {"prompt": session.tree.text_before(node.node_id)}
+        return _system(system) + session.tree.messages_before(node.node_id)
+
+    def sampling(self, *values, cap: int | None = None):
+        return inputs.sampling(*values, max_tokens_cap=cap or self.limits.max_tokens, vocab_size=self.vocab_size)
 
     def _decode(self, token_id: int) -> str:
         return self.tokenizer.decode([int(token_id)])
 
     def prefix_html(self, session: ChatSession) -> str:
-        return render.prefix_cache_html(self.monitor.snapshot(), session.turns)
+        return render.prefix_cache_html(self.monitor.snapshot(), self.turns(session))
+
+    @staticmethod
+    def turns(session: ChatSession) -> list[dict]:
+        """Prefix-cache history: every reply of this tab whose prompt the engine has read."""
+        return [{"label": n.label, "num_prompt_tokens": n.reply.num_prompt_tokens,
+                 "num_cached_tokens": n.reply.num_cached_tokens}
+                for n in session.tree.replies() if n.reply.num_prompt_tokens]
 
     def logprob_html(self, session: ChatSession) -> str:
-        records = session.last.records if session.last else []
-        return render.logprob_html(records, selected=session.selected)
+        node = session.tree.last_reply()
+        records = node.reply.records if node else []
+        selected = session.selected if session.selected_node == (node.node_id if node else None) else None
+        return render.logprob_html(records, selected=selected, metric=session.lp_metric)
+
+    def chat(self, session: ChatSession) -> list[dict]:
+        return chat_messages(session.tree, self.max_model_len)
+
+    def _outputs(self, session: ChatSession, *, msg: Any = gr.skip(), panels: bool = True,
+                 reset_controls: bool = False) -> tuple:
+        """The chat outputs; ``reset_controls`` empties the branch controls (a new reply is shown)."""
+        controls = (None, gr.Dropdown(choices=[], value=None)) if reset_controls else (gr.skip(), gr.skip())
+        return (self.chat(session), msg, self.logprob_html(session) if panels else gr.skip(),
+                self.prefix_html(session) if panels else gr.skip(), *controls)
+
+    def _reply_state(self, reply: Reply) -> None:
+        """Queued (position) / prefill n / m / decoding, from the latest snapshot."""
+        if reply.token_ids or reply.finished:
+            reply.state = "decoding"
+            return
+        requests = self.monitor.snapshot().get("requests") or []
+        waiting = [r["request_id"] for r in requests if r["status"] in ("waiting", "preempted")]
+        mine = next((r for r in requests if r["request_id"] == reply.request_id), None)
+        if mine is None or mine["request_id"] in waiting:
+            ahead = waiting.index(reply.request_id) if reply.request_id in waiting else len(waiting)
+            reply.state = f"queued ({ahead} ahead)" if ahead else "queued"
+        else:
+            reply.state = f"prefill {mine['num_computed_tokens']} / {mine['num_prompt_tokens']} tokens"
 
     # -- streaming one reply -------------------------------------------------------------
-    def _run(self, session: ChatSession, prompt: Any, params: SamplingParams, reply: Reply,
-             commit, label: str) -> Iterator[tuple]:
-        """Stream ``reply`` into the last chat bubble; finish the turn however it ends."""
+    def _run(self, session: ChatSession, node: Node, prompt: Any, params: Any, first: tuple = ()) -> Iterator[tuple]:
+        """Generate ``node``'s reply, yielding ``first`` and then the chat outputs as it grows; finish the
+        turn however it ends (the tab's streaming slot is released even if cancelled at ``first``)."""
+        reply: Reply = node.reply
         session.active_request_id = reply.request_id
-        gen = stream_reply(self.llm, prompt, params, reply, decode=self._decode)
-        try:
-            for i, _ in enumerate(gen):
-                session.display[-1] = {"role": "assistant", "content": reply.text + " ▌"}
-                lp = render.logprob_html(reply.records) if i % 8 == 0 else gr.skip()
-                yield list(session.display), "", lp, gr.skip()
-        finally:
-            gen.close()
-            session.active_request_id = None
-            self._finish_turn(session, reply, commit, label)
-        yield list(session.display), "", self.logprob_html(session), self.prefix_html(session)
+        changed, done, cancelled = threading.Event(), threading.Event(), threading.Event()
 
-    def _finish_turn(self, session: ChatSession, reply: Reply, commit, label: str) -> None:
-        if reply.error:
-            session.display[-1] = {"role": "assistant",
-                                   "content": f"⚠️ **Engine error:** {reply.error}"}
-            return
-        stopped = not reply.finished or reply.finish_reason == "abort"
-        session.display[-1] = {"role": "assistant",
-                               "content": reply.text + (" ⏹ *(stopped)*" if stopped else "")}
-        commit(reply.text)
-        session.last, session.selected = reply, None
-        session.record_turn(reply, label)
+        def consume() -> None:
+            try:
+                for _ in stream_reply(self.llm, prompt, params, reply, decode=self._decode):
+                    changed.set()
+                    if cancelled.is_set():    # closing the stream aborts the request
+                        break
+            finally:
+                done.set()
+                changed.set()
+
+        worker = threading.Thread(target=consume, name=f"stream-{reply.request_id}", daemon=True)
+        worker.start()
+        try:
+            if first:
+                yield first
+            sent, lp_at = None, 0.0
+            while not done.is_set():
+                changed.wait(0.25)
+                changed.clear()
+                self._reply_state(reply)
+                key = (len(reply.token_ids), reply.state, reply.num_prompt_tokens)
+                if key == sent or done.is_set():
+                    continue
+                now = time.monotonic()
+                lp = gr.skip()
+                if reply.records and now - lp_at >= 0.5:     # the logprob view twice a second
+                    lp, lp_at = render.logprob_html(reply.records, metric=session.lp_metric), now
+                prefix = self.prefix_html(session) if sent is None or sent[2] != key[2] else gr.skip()
+                sent = key
+                yield self.chat(session), gr.skip(), lp, prefix, gr.skip(), gr.skip()
+        finally:
+            if not done.is_set():           # cancelled (Stop, closed tab): abort, let the stream end
+                reply.stopped = True
+                cancelled.set()
+                self.llm.abort(reply.request_id)
+                done.wait(10)
+            if session.active_request_id == reply.request_id:
+                session.active_request_id = None
+            reply.state = "done"
+        yield self._outputs(session)
+
+    def _claim(self, session: ChatSession, parent_id: int, reply: Reply | None = None) -> Node | None:
+        """A new reply under ``parent_id`` that holds the tab's one streaming slot, or None if it is taken.
+
+        Checking and taking the slot happen under one lock, so two events of a tab never stream at once.
+        """
+        with self._turn_lock:
+            if session.active_request_id is not None:
+                return None
+            node = session.tree.add_reply(parent_id, reply or Reply(request_id=session.new_request_id("chat")))
+            session.active_request_id = node.reply.request_id
+            session.selected = session.selected_node = None
+            return node
+
+    def _wait_and_claim(self, session: ChatSession, parent_id: int, timeout: float = 600.0) -> Node:
+        """Wait for this tab's streaming reply to end, then claim the slot for a reply to ``parent_id``."""
+        deadline = time.monotonic() + timeout
+        while (node := self._claim(session, parent_id)) is None:
+            if time.monotonic() > deadline:
+                raise gr.Error("The reply above did not end in time; your message was not sent.")
+            time.sleep(0.05)
+        return node
 
     # -- chat controls -------------------------------------------------------------------
-    def send(self, message: str, session: ChatSession, system: str, *sampling) -> Iterator[tuple]:
-        """Send a user message and stream the reply."""
-        message = (message or "").strip()
-        if not message:
-            yield gr.skip(), gr.skip(), gr.skip(), gr.skip()
-            return
-        if len(message) > self.limits.max_input_chars:
-            raise gr.Error(f"Your message is {len(message)} characters long; the limit is "
-                           f"{self.limits.max_input_chars}. Please shorten it.")
+    @checked
+    def send(self, message: Any, session: ChatSession, system: Any, *sampling_and_mode) -> Iterator[tuple]:
+        """Send a user message and stream the reply (queued behind one still streaming).
+
+        In completion mode the message is text for the model to continue (no chat template);
+        it is not stripped, since a trailing space or newline changes the continuation.
+        """
+        sampling, mode = sampling_and_mode[:6], self._mode(sampling_and_mode[6] if len(sampling_and_mode) > 6 else None)
+        message = inputs.text(message, "message", max_chars=self.limits.max_input_chars)
+        message = message.strip() if mode == "chat" else message
+        system = inputs.text(system, "system prompt", max_chars=self.limits.max_input_chars)
         params = self.sampling(*sampling)
-        user = {"role": "user", "content": message}
-        session.display += [user, {"role": "assistant", "content": "▌"}]
-        prompt = _system(system) + session.messages + [user]
-
-        def commit(text: str) -> None:
-            session.messages += [user, {"role": "assistant", "content": text}]
-
-        reply = Reply(request_id=session.new_request_id("chat"))
-        yield from self._run(session, prompt, params, reply, commit, str(len(session.turns) + 1))
-
-    def regenerate(self, session: ChatSession, system: str, *sampling) -> Iterator[tuple]:
-        """Drop the last reply and generate it again."""
-        users = [i for i, m in enumerate(session.display) if m["role"] == "user"]
-        if not users:
-            yield gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        if not message.strip():
+            yield SKIP6
             return
-        message = session.display[users[-1]]["content"]
-        del session.display[users[-1]:]
-        if len(session.messages) >= 2 and session.messages[-2]["content"] == message:
-            del session.messages[-2:]
-        yield from self.send(message, session, system, *sampling)
+        with self._turn_lock:
+            if session.active_request_id is not None and session.queued is not None:
+                raise gr.Error("A message is already waiting for the reply above: wait for it, or press Stop.")
+            user = session.tree.add_user(message)
+            node = self._claim(session, user.node_id) if session.active_request_id is None else None
+            if node is None:
+                session.queued = user.node_id
+        started = node is not None
+        try:
+            if node is None:                    # the previous reply is still streaming: queue this one
+                gr.Info("Your message is queued: it is sent when the reply above ends.")
+                yield self._outputs(session, msg="", panels=False)
+                node = self._wait_and_claim(session, user.node_id)
+                started = True
+            prompt = self._prompt(session, node, system, mode)
+            yield from self._run(session, node, prompt, params, self._outputs(session, msg="", reset_controls=True))
+        finally:
+            if session.queued == user.node_id:
+                session.queued = None
+            if not started and user.node_id in session.tree.nodes:   # cancelled while queued
+                session.tree.remove(user.node_id)
 
-    def stop(self, session: ChatSession) -> None:
-        """Abort this tab's running request (its event is cancelled too)."""
-        if session.active_request_id:
-            self.llm.abort(session.active_request_id)
+    @checked
+    def regenerate(self, session: ChatSession, system: Any, *sampling_and_mode) -> Iterator[tuple]:
+        """Generate another reply to the last message; the earlier ones stay as branches (‹ 1/2 ›)."""
+        sampling, mode = sampling_and_mode[:6], self._mode(sampling_and_mode[6] if len(sampling_and_mode) > 6 else None)
+        system = inputs.text(system, "system prompt", max_chars=self.limits.max_input_chars)
+        params = self.sampling(*sampling)
+        self._refuse_while_streaming(session, "regenerating")
+        path = session.tree.path()
+        user = next((n for n in reversed(path) if n.role == "user"), None)
+        if user is None:
+            raise gr.Error("Nothing to regenerate yet: send a message first.")
+        node = self._claim(session, user.node_id)
+        if node is None:
+            self._refuse_while_streaming(session, "regenerating")
+        prompt = self._prompt(session, node, system, mode)
+        yield from self._run(session, node, prompt, params, self._outputs(session, reset_controls=True))
+
+    def _refuse_while_streaming(self, session: ChatSession, what: str) -> None:
+        if session.active_request_id is not None:
+            raise gr.Error(f"A reply is still being generated: press Stop or wait for it to end before {what}.")
+
+    def stop(self, session: ChatSession) -> tuple:
+        """Abort this tab's running request; the reply keeps its text, marked "(stopped)"."""
+        rid = session.active_request_id
+        if rid:
+            for node in session.tree.replies():
+                if node.reply.request_id == rid:
+                    node.reply.stopped = True
+            self.llm.abort(rid)
+        return self._outputs(session)
 
     def clear(self, session: ChatSession) -> tuple:
-        self.stop(session)
+        if session.active_request_id:
+            self.llm.abort(session.active_request_id)
+        session.active_request_id = None
         session.reset()
-        session.display = []
-        return [], "", self.logprob_html(session), self.prefix_html(session)
+        return self._outputs(session, msg="", reset_controls=True)
 
     # -- branching -------------------------------------------------------------------------
     def pick_token(self, session: ChatSession, evt: gr.EventData) -> tuple:
         """A click on a token of the logprob view: offer its alternatives."""
-        index = int(getattr(evt, "_data", {}).get("index", -1)) if evt is not None else -1
-        if session.last is None or not 0 <= index < len(session.last.records):
+        index = int((getattr(evt, "_data", None) or {}).get("index", -1)) if evt is not None else -1
+        node = session.tree.last_reply()
+        if node is None or session.active_request_id or not 0 <= index < len(node.reply.records):
             return gr.skip(), gr.skip(), gr.skip()
-        session.selected = index
-        rec = session.last.records[index]
+        session.selected, session.selected_node = index, node.node_id
+        rec = node.reply.records[index]
         choices = [(f"{a['text']!r} · {a['prob'] * 100:.1f}%", a["token_id"])
                    for a in rec["alternatives"] if a["token_id"] != rec["token_id"]]
         dropdown = gr.Dropdown(choices=choices, value=choices[0][1] if choices else None)
         return index, dropdown, self.logprob_html(session)
 
-    def branch(self, token_index, alternative, session: ChatSession, *sampling) -> Iterator[tuple]:
-        """Regenerate the last reply from ``token_index`` with ``alternative`` forced there."""
-        last = session.last
-        if last is None or alternative in (None, ""):
-            raise gr.Error("Click a token of the last reply and choose an alternative first.")
-        index, token_id = int(token_index), int(alternative)
-        try:
-            prompt = {"prompt_token_ids": branch_prompt(last, index, token_id)}
-        except ValueError as exc:
-            raise gr.Error(str(exc)) from exc
+    @checked
+    def branch(self, token_index: Any, alternative: Any, session: ChatSession, *sampling) -> Iterator[tuple]:
+        """A new branch of the shown reply: its first ``token_index`` tokens, then ``alternative`` forced.
+
+        The original reply stays (``‹ 1/2 ›`` under the reply moves between them).
+        """
+        self._refuse_while_streaming(session, "branching")
+        target = session.tree.last_reply()
+        if target is None or not target.reply.finished or target.reply.error:
+            raise gr.Error("Nothing to branch from: chat first, then click a token of the reply.")
+        if session.selected_node is not None and session.selected_node != target.node_id:
+            raise gr.Error("The token you picked belongs to a reply that is no longer shown; pick a token "
+                           "of the reply in the logprob view again.")
+        last = target.reply
+        index = inputs.number(token_index, "branch token #", 0, len(last.all_token_ids) - 1, integer=True)
+        forced = inputs.alternative_tokens(alternative, lambda t: self.tokenizer.encode(t, add_special_tokens=False),
+                                           self.vocab_size)
         params = self.sampling(*sampling)
-        kept = last.all_token_ids[:index] + [token_id]
-        reply = start_branch(last, index, token_id, session.new_request_id("chat"),
-                             self.tokenizer.decode(kept))
-        reply.records[-1]["text"] = reply.records[-1]["text"] or self._decode(token_id)
-        session.display[-1] = {"role": "assistant", "content": reply.text + " ▌"}
+        prompt = {"prompt_token_ids": branch_prompt(last, index, forced)}
+        kept = last.all_token_ids[:index] + forced
+        reply = start_branch(last, index, forced, session.new_request_id("chat"), self.tokenizer.decode(kept),
+                             decode=self._decode)
+        node = self._claim(session, target.parent, reply)
+        if node is None:
+            self._refuse_while_streaming(session, "branching")
+        yield from self._run(session, node, prompt, params, self._outputs(session, reset_controls=True))
 
-        def commit(text: str) -> None:
-            if session.messages and session.messages[-1]["role"] == "assistant":
-                session.messages[-1] = {"role": "assistant", "content": text}
+    def navigate(self, session: ChatSession, evt: gr.EventData) -> tuple:
+        """A click on ‹ or › under a reply: show its previous or next branch."""
+        data = (getattr(evt, "_data", None) or {}) if evt is not None else {}
+        try:
+            node_id, step = int(data.get("node")), int(data.get("step"))
+        except (TypeError, ValueError):
+            return SKIP6
+        if session.active_request_id is not None or not session.tree.navigate(node_id, step):
+            return SKIP6
+        session.selected = session.selected_node = None
+        return self._outputs(session, reset_controls=True)
 
-        yield from self._run(session, prompt, params, reply, commit, f"{len(session.turns)}↳")
+    def compare(self, session: ChatSession) -> str:
+        """The shown reply beside another branch of it, with the token where they part."""
+        return compare_html(session.tree, session.tree.last_reply(),
+                            lambda records, selected: render.logprob_html(records, selected=selected,
+                                                                          metric=session.lp_metric))
+
+    @checked
+    def set_metric(self, session: ChatSession, metric: Any) -> str:
+        """The logprob view's toggle: probability, raw logprob or rank."""
+        if metric not in METRICS:
+            raise InputError(f"the logprob view shows one of {', '.join(METRICS)}; got {metric!r:.40}")
+        session.lp_metric = metric
+        return self.logprob_html(session)
 
     # -- panels ------------------------------------------------------------------------------
+    def labels(self, session: ChatSession, snap: dict) -> dict[str, str]:
+        ids = {r["request_id"] for r in snap.get("requests") or []}
+        for b in snap.get("blocks") or []:
+            ids.update(b.get("owners") or [])
+        names = {rid: self.colors.name(rid, session.session_id) for rid in ids}
+        names.update({rid: name for rid, name in session.labels.items() if rid in ids and name != "this chat"})
+        return names
+
     def refresh(self, session: ChatSession) -> tuple:
         """Timer tick: re-render the live panels if the engine or this tab changed."""
-        key = (self.monitor.version, len(session.turns), id(session.last))
+        last = session.tree.last_reply()
+        key = (self.monitor.version, len(session.tree.nodes), id(last), self.monitor.num_steps)
+        timeline = gr.skip()
+        if time.monotonic() - session.timeline_at >= 1.0:     # the timeline moves on even when idle
+            session.timeline_at = time.monotonic()
+            timeline = timeline_html(self.monitor.timeline.series())
         if key == session.last_render_key:
-            return gr.skip(), gr.skip(), gr.skip()
+            return gr.skip(), gr.skip(), gr.skip(), timeline
         session.last_render_key = key
         snap = self.monitor.snapshot()
-        last = session.last
-        stats = {"ttft": last.ttft, "decode_tps": last.decode_tps} if last else None
+        reply = last.reply if last else None
+        stats = {"ttft": reply.ttft, "decode_tps": reply.decode_tps} if reply else None
+        colors = self.colors.colors(self._owner_ids(snap))
         return (
-            render.block_map_html(snap, labels=session.labels),
-            render.prefix_cache_html(snap, session.turns),
+            render.block_map_html(snap, labels=self.labels(session, snap), colors=colors),
+            render.prefix_cache_html(snap, self.turns(session)),
             render.engine_panel_html(snap, self.monitor.steps(120), stats),
+            timeline,
         )
 
+    @staticmethod
+    def _owner_ids(snap: dict) -> list[str]:
+        ids = [r["request_id"] for r in snap.get("requests") or []]
+        for b in snap.get("blocks") or []:
+            ids.extend(b.get("owners") or [])
+        return ids
+
+    def inspect_block(self, session: ChatSession, evt: gr.EventData) -> str:
+        """A click on the block map: what that block holds."""
+        data = (getattr(evt, "_data", None) or {}) if evt is not None else {}
+        try:
+            block_id = int(data.get("block"))
+        except (TypeError, ValueError):
+            return gr.skip()
+        snap = self.monitor.refresh()
+        own = {n.reply.request_id: list(n.reply.prompt_token_ids) + n.reply.all_token_ids
+               for n in session.tree.replies()}
+        names = self.labels(session, snap)
+        return block_inspector_html(snap, block_id, name=lambda rid: names.get(rid, rid), own_tokens=own,
+                                    decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False))
+
+    def _admin(self, what: str) -> None:
+        if not self.allow_engine_admin:
+            raise gr.Error(f"{what} affects every visitor of this server; start the app with "
+                           "--allow-engine-admin to enable it.")
+
     def reset_prefix_cache(self, session: ChatSession) -> str:
+        self._admin("Resetting the prefix cache")
         self.llm.reset_prefix_cache()
         self.monitor.refresh()
         gr.Info("Prefix cache reset: cached blocks were evicted.")
         return self.prefix_html(session)
 
-    def batch_demo(self, n, session: ChatSession, system: str, *sampling) -> Iterator[str]:
+    @checked
+    def batch_demo(self, n: Any, session: ChatSession, system: Any, *sampling) -> Iterator[str]:
         """Fire ``n`` concurrent requests that share the system prompt."""
-        n = max(1, min(int(n), self.limits.max_batch))
-        params = self.sampling(*sampling, cap=self.limits.batch_max_tokens)
+        n = inputs.number(n, "requests", 1, self.limits.max_batch, integer=True)
+        system = inputs.text(system, "system prompt", max_chars=self.limits.max_input_chars)
+        params = self.sampling(*sampling)
+        params = dataclasses.replace(params, max_tokens=min(params.max_tokens, self.limits.batch_max_tokens))
         ids = [session.new_request_id("batch", f"batch #{i + 1}") for i in range(n)]
         for rows in run_batch(self.llm, system, params, ids):
-            yield render.batch_table_html(rows)
+            yield render.batch_table_html(rows, colors=self.colors.colors(r["request_id"] for r in rows))
 
-    def align(self, session: ChatSession, system: str) -> str:
-        """Compare the serving backend with the other implementation on this conversation."""
-        if not session.messages:
-            raise gr.Error("Chat first: the alignment runs on the current conversation.")
-        prompt = self.tokenizer.apply_chat_template(_system(system) + session.messages,
-                                                    add_generation_prompt=True)
-        gr.Info(f"Running {self.llm.model_impl} vs {self.aligner.impl} (the first run loads the second backend).")
+    @checked
+    def align(self, session: ChatSession, system: Any) -> str:
+        """Backend consistency: the serving backend vs the other one on this conversation."""
+        self._admin("The backend-consistency check (it loads a second copy of the model)")
+        system = inputs.text(system, "system prompt", max_chars=self.limits.max_input_chars)
+        last = session.tree.last_reply()
+        if last is None or not last.reply.finished or last.reply.error:
+            raise gr.Error("Chat first: the backend-consistency check runs on the current conversation.")
+        messages = session.tree.messages_before(last.node_id) + [{"role": "assistant", "content": last.reply.text}]
+        prompt = self.tokenizer.apply_chat_template(_system(system) + messages, add_generation_prompt=True)
+        gr.Info(f"Checking {self.llm.model_impl} against {self.aligner.impl} (the first run loads the second backend).")
         try:
             report = self.aligner.run(prompt)
         except Exception as exc:  # e.g. the other backend cannot load this model
-            raise gr.Error(f"Alignment failed: {type(exc).__name__}: {exc}") from exc
+            raise gr.Error(f"Backend-consistency check failed: {type(exc).__name__}: {exc}") from exc
         return render.alignment_html(report)

@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["token_records", "forced_record", "entropy_bits", "token_tooltip_rows"]
+__all__ = ["token_records", "forced_record", "entropy_bits", "token_tooltip_rows", "metric_text", "METRICS"]
 
 
 def _field(obj: Any, name: str, default: Any = None) -> Any:
@@ -121,8 +121,26 @@ def _show(text: str) -> str:
     return repr(text)[1:-1] if text.strip() == "" or "\n" in text else text
 
 
-def token_tooltip_rows(record: Mapping[str, Any]) -> list[dict]:
-    """Rows for a token's hover table: its alternatives, the chosen one marked."""
+METRICS = ("probability", "logprob", "rank")
+
+
+def metric_text(entry: Mapping[str, Any], metric: str = "probability") -> str:
+    """One alternative's (or record's) value as the logprob view shows it."""
+    if metric == "logprob":
+        value = entry.get("logprob")
+        return "?" if value is None else f"{value:.3f}"
+    if metric == "rank":
+        value = entry.get("rank")
+        return "?" if value is None else f"#{value}"
+    value = entry.get("prob")
+    return "?" if value is None else f"{value * 100:.2f}%"
+
+
+def token_tooltip_rows(record: Mapping[str, Any], metric: str = "probability") -> list[dict]:
+    """Rows for a token's hover table: its alternatives, the chosen one marked.
+
+    ``metric`` picks what each row shows: probability (%), raw logprob (nats) or rank.
+    """
     rows = []
     seen = False
     for alt in record.get("alternatives") or []:
@@ -131,15 +149,14 @@ def token_tooltip_rows(record: Mapping[str, Any]) -> list[dict]:
         rows.append({
             "token_id": alt["token_id"],
             "text": _show(alt["text"]),
-            "prob_text": f"{alt['prob'] * 100:.2f}%",
+            "prob_text": metric_text(alt, metric),
             "chosen": chosen,
         })
     if not seen:
-        prob = record.get("prob")
         rows.insert(0, {
             "token_id": record.get("token_id"),
             "text": _show(str(record.get("text", ""))),
-            "prob_text": "?" if prob is None else f"{prob * 100:.2f}%",
+            "prob_text": metric_text(record, metric),
             "chosen": True,
         })
     return rows

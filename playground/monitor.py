@@ -16,15 +16,28 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Any
+from collections.abc import Callable
+from typing import Protocol
+
+from engine.snapshot import EngineEvent, EngineSnapshot
+
+from .timeline import Timeline
 
 __all__ = ["EngineMonitor"]
+
+
+class Observable(Protocol):
+    """What the monitor needs of an ``engine.LLM``."""
+
+    def snapshot(self) -> EngineSnapshot: ...
+
+    def subscribe(self, callback: Callable[[EngineEvent], None]) -> Callable[[], None]: ...
 
 
 class EngineMonitor:
     """Latest snapshot dict + ring buffer of the last ``capacity`` engine steps."""
 
-    def __init__(self, llm: Any, *, capacity: int = 200, interval: float = 0.5):
+    def __init__(self, llm: Observable, *, capacity: int = 200, interval: float = 0.5):
         self.llm = llm
         self.interval = interval
         self._steps: deque[dict] = deque(maxlen=capacity)
@@ -33,29 +46,32 @@ class EngineMonitor:
         self._stop = threading.Event()
         self.num_steps = 0
         self.version = 0            # bumps with every new snapshot: a view's cheap "did anything change"
+        self.timeline = Timeline()
         self._snapshot = llm.snapshot().to_dict()
+        self.timeline.on_snapshot(time.time(), self._snapshot)
         self._unsubscribe = llm.subscribe(self._on_event)
         self._thread = threading.Thread(target=self._poll, name="playground-monitor", daemon=True)
         self._thread.start()
 
     # -- engine thread ------------------------------------------------------------
-    def _on_event(self, event: Any) -> None:
-        if getattr(event, "kind", None) == "step":
-            data = dict(getattr(event, "data", {}) or {})
+    def _on_event(self, event: EngineEvent) -> None:
+        if event.kind == "step":
+            data = event.data
             record = {
-                "step": getattr(event, "step", None),
-                "batch_size": int(data.get("batch_size", 0)),
-                "num_tokens": data.get("num_tokens"),
-                "duration_s": data.get("duration_s"),
+                "step": event.step,
+                "time": event.time,
+                "batch_size": int(data["batch_size"]),
+                "num_tokens": data["num_tokens"],
+                "duration_s": data["duration_s"],
+                "num_prefill": len(data["prefill"]),
+                "num_decode": len(data["decode"]),
             }
-            if "prefill" in data:
-                record["num_prefill"] = len(data["prefill"] or {})
-            elif record["num_tokens"] is not None:
-                # A step that ran more tokens than requests ran prompt tokens.
-                record["prefill"] = record["num_tokens"] > record["batch_size"]
             with self._lock:
                 self._steps.append(record)
                 self.num_steps += 1
+            self.timeline.on_step(event.time, record["num_tokens"], record["num_decode"])
+        elif event.kind == "request_preempted":
+            self.timeline.on_preempt(event.time)
         self._changed.set()
 
     # -- poller thread ------------------------------------------------------------
@@ -65,8 +81,10 @@ class EngineMonitor:
             if self._stop.is_set():
                 return
             self._changed.clear()
+            started = time.monotonic()
             self.refresh()
-            self._stop.wait(self.interval)
+            # At most one snapshot per interval, counting the time the snapshot itself took.
+            self._stop.wait(max(0.0, self.interval - (time.monotonic() - started)))
 
     def refresh(self) -> dict:
         """Take a fresh snapshot now (blocks until the engine lets us) and return it."""
@@ -74,6 +92,7 @@ class EngineMonitor:
         with self._lock:
             self._snapshot = snap
             self.version += 1
+        self.timeline.on_snapshot(time.time(), snap)
         return snap
 
     # -- readers (any thread) -------------------------------------------------------

@@ -53,7 +53,8 @@ __all__ = ["Playground", "show_blocks", "show_logprobs", "show_prefix_stats", "s
 DEFAULT_SYSTEM_PROMPT = "You are a concise, friendly assistant. Answer in a few sentences."
 
 # The renderers' hint mentions clicking a token to branch, which is a Gradio app feature.
-_BRANCH_HINT = "<span>· hover a token for alternatives · click it to branch</span>"
+_BRANCH_HINT = ('<span class="lp-hint-hover">· hover a token for alternatives · click it to branch</span>'
+                '<span class="lp-hint-tap">· tap a token for its alternatives and to branch from it</span>')
 _HOVER_HINT = "<span>· hover a token for its top-k alternatives</span>"
 
 _CHAT_CSS = """<style>
@@ -114,7 +115,10 @@ def _logprob_records(output: Any, decode: Any = None) -> list[dict]:
 
 
 def _logprob_view(records: Sequence[Mapping[str, Any]]) -> str:
-    return render.logprob_html(records).replace(_BRANCH_HINT, _HOVER_HINT)
+    # A notebook's output area clips what overflows it: keep room under the text for the
+    # hover table of the last line (top-k rows + entropy).
+    html = render.logprob_html(records).replace(_BRANCH_HINT, _HOVER_HINT)
+    return f'<div class="lp-room" style="padding-bottom:{"12em" if records else "0"}">{html}</div>'
 
 
 def show_logprobs(output: Any, *, tokenizer: Any = None) -> HTML:
@@ -213,11 +217,15 @@ class Playground:
         self.reset_button = W.Button(description="Reset prefix cache")
         self.status = W.HTML("ready")
         self.system_prompt = W.Textarea(value=system_prompt, description="system", rows=2, layout=L(width="100%"))
-        self.max_tokens = W.IntSlider(value=max_tokens, min=1, max=1024, description="max tokens")
-        self.temperature = W.FloatSlider(value=temperature, min=0.0, max=2.0, step=0.05, description="temperature")
-        self.top_p = W.FloatSlider(value=top_p, min=0.05, max=1.0, step=0.05, description="top-p")
-        self.logprobs = W.IntSlider(value=logprobs, min=0, max=20, description="logprobs")
-        self.seed = W.IntText(value=-1 if seed is None else seed, description="seed (-1 random)")
+        # Labels at their natural width and sliders that share the row: JupyterLab's defaults
+        # give a fixed 80 px label column (cut labels) and squeeze the slider track.
+        knob = dict(style={"description_width": "initial"}, layout=L(flex="1 1 0", min_width="220px"))
+        self.max_tokens = W.IntSlider(value=max_tokens, min=1, max=1024, description="max tokens", **knob)
+        self.temperature = W.FloatSlider(value=temperature, min=0.0, max=2.0, step=0.05, description="temperature",
+                                         **knob)
+        self.top_p = W.FloatSlider(value=top_p, min=0.05, max=1.0, step=0.05, description="top-p", **knob)
+        self.logprobs = W.IntSlider(value=logprobs, min=0, max=20, description="logprobs", **knob)
+        self.seed = W.IntText(value=-1 if seed is None else seed, description="seed (-1 random)", **knob)
         settings = W.Accordion([W.VBox([self.system_prompt, W.HBox([self.max_tokens, self.temperature]),
                                         W.HBox([self.top_p, self.logprobs]), self.seed])])
         settings.set_title(0, "System prompt and sampling")
@@ -302,6 +310,7 @@ class Playground:
         with self._busy:                 # wait for the streaming thread to finish the turn
             self.session.reset()
             self.reply = None
+        self._set(self.status, "value", "ready")
         self.refresh()
 
     def reset_prefix_cache(self) -> None:
@@ -381,7 +390,7 @@ class Playground:
             self._set(self.status, "value", f"<span style='color:#b91c1c'>engine error: {escape(reply.error)}</span>")
             return
         stopped = reply.finish_reason == "abort" or not reply.finished
-        session.display[-1] = {"role": "assistant", "content": reply.text + (" ⏹ (stopped)" if stopped else "")}
+        session.display[-1] = {"role": "assistant", "content": reply.text + (" (stopped)" if stopped else "")}
         session.messages += [user, {"role": "assistant", "content": reply.text}]
         session.last = reply
         session.record_turn(reply, str(len(session.turns) + 1))

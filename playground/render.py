@@ -15,7 +15,7 @@ Views:
                         turning engine logprobs into records)
     engine_panel_html   model, backend, TTFT, decode tok/s, batch size per step
     batch_table_html    the batch demo's concurrent requests
-    alignment_html      an accuracy-alignment report (two model implementations)
+    alignment_html      a backend-consistency report (two model implementations)
 """
 
 from __future__ import annotations
@@ -110,6 +110,7 @@ def block_map_html(
     *,
     labels: Mapping[str, str] | None = None,
     columns: int | None = None,
+    colors: Mapping[str, str] | None = None,
 ) -> str:
     """Render the KV block map of a snapshot dict.
 
@@ -119,6 +120,9 @@ def block_map_html(
             (e.g. ``{"chat-1a2b": "this chat"}``).
         columns: cells per row; defaults to 32, 48 or 64 depending on how
             many blocks there are, so 1,000+ blocks stay readable.
+        colors: ``{request_id: colour}`` kept across snapshots by the caller
+            (``colors.OwnerColors``); by default ``owner_colors`` of this
+            snapshot alone.
 
     Each cell is a ``div.kv-cell.kv-<kind>`` with ``data-block``,
     ``data-ref`` and ``data-owners`` attributes and a hover ``title``.
@@ -128,7 +132,9 @@ def block_map_html(
     request_order = [r["request_id"] for r in snapshot.get("requests") or []]
     for b in blocks:
         request_order.extend(b.get("owners") or [])
-    colors = owner_colors(request_order)
+    if colors is None or any(rid not in colors for rid in request_order):
+        colors = {**owner_colors(request_order), **(colors or {})}
+    colors = {rid: colors[rid] for rid in dict.fromkeys(request_order)}
     counts = {"used": 0, "shared": 0, "cached": 0, "free": 0}
     per_owner: dict[str, int] = {}
     cells = []
@@ -257,13 +263,24 @@ def _visible(text: str) -> str:
     return text.replace("\n", "↵") or "∅"
 
 
-def logprob_html(records: Sequence[Mapping[str, Any]], *, selected: int | None = None) -> str:
+def _rank_color(rank: int | None) -> str:
+    """Rank 1 green, 2 yellow, 3 orange, lower red."""
+    if rank is None:
+        return prob_color(None)
+    return prob_color({1: 1.0, 2: 0.5, 3: 0.25}.get(int(rank), 0.0))
+
+
+def logprob_html(records: Sequence[Mapping[str, Any]], *, selected: int | None = None,
+                 metric: str = "probability") -> str:
     """Render a reply's tokens coloured by their probability.
 
     Args:
         records: token records from ``playground.logprobs.token_records``
             (``index``, ``text``, ``prob``, ``alternatives``, ``entropy``, ``forced``).
         selected: index of the token picked for branching (outlined).
+        metric: what colours the tokens and fills their hover tables:
+            ``probability`` (red → green), ``logprob`` (raw values, same colours)
+            or ``rank`` (the sampled token's rank among the alternatives).
 
     Each token is a ``span.lp-tok`` with ``data-index``, ``data-token-id`` and
     ``data-prob``; hovering shows a ``span.lp-tip`` table of the top-k
@@ -284,7 +301,7 @@ def logprob_html(records: Sequence[Mapping[str, Any]], *, selected: int | None =
         rows = "".join(
             f'<tr class="{"lp-chosen" if row["chosen"] else "lp-alt"}" data-token-id="{_e(row["token_id"])}">'
             f'<td>{_e(row["text"])}</td><td>{_e(row["prob_text"])}</td></tr>'
-            for row in token_tooltip_rows(rec)
+            for row in token_tooltip_rows(rec, metric)
         )
         entropy = rec.get("entropy")
         ent_text = "" if entropy is None else (
@@ -292,16 +309,23 @@ def logprob_html(records: Sequence[Mapping[str, Any]], *, selected: int | None =
         )
         forced = '<div>forced by branch</div>' if rec.get("forced") else ""
         prob_attr = "" if prob is None else f' data-prob="{prob:.6f}"'
+        if metric == "rank":
+            chosen = next((a for a in rec.get("alternatives") or [] if a["token_id"] == rec.get("token_id")), None)
+            color = _rank_color(None if chosen is None else chosen.get("rank"))
+        else:
+            color = prob_color(prob)
         text = str(rec.get("text", ""))
         spans.append(
             f'<span class="{" ".join(classes)}" data-index="{idx}" data-token-id="{_e(rec.get("token_id"))}"'
-            f'{prob_attr} style="background:{prob_color(prob)}">{_e(_visible(text))}'
+            f'{prob_attr} style="background:{color}">{_e(_visible(text))}'
             f'<span class="lp-tip">{forced}<table>{rows}</table>{ent_text}</span></span>'
             + ("<br>" if "\n" in text else "")
         )
+    ends = {"probability": ("0", "1"), "logprob": ("−∞", "0"), "rank": ("#4+", "#1")}.get(metric, ("0", "1"))
     scale = (
-        '<div class="lp-scale">probability <span>0</span><span class="bar"></span><span>1</span>'
-        "<span>· hover a token for alternatives · click it to branch</span></div>"
+        f'<div class="lp-scale">{_e(metric)} <span>{ends[0]}</span><span class="bar"></span><span>{ends[1]}</span>'
+        '<span class="lp-hint-hover">· hover a token for alternatives · click it to branch</span>'
+        '<span class="lp-hint-tap">· tap a token for its alternatives and to branch from it</span></div>'
     )
     return f'{_CSS}<div class="pg-panel lp-view"><div class="lp-text">{"".join(spans)}</div>{scale}</div>'
 
@@ -323,8 +347,8 @@ def engine_panel_html(
     Args:
         snapshot: a snapshot dict (model, model_impl, device, kv_usage, step).
         steps: recent per-step records (``step``, ``batch_size`` and optionally
-            ``num_tokens``, ``duration_s``, and ``num_prefill`` (count) or
-            ``prefill`` (bool): the step ran prompt tokens), oldest first.
+            ``num_tokens``, ``duration_s``, ``num_prefill`` and ``num_decode``:
+            how many requests ran prompt tokens / one decode token), oldest first.
         last_request: stats of this chat's last reply: ``ttft`` (s),
             ``decode_tps`` (tokens/s), ``num_output_tokens``.
     """
@@ -343,14 +367,15 @@ def engine_panel_html(
         _card("engine step", str(snapshot.get("step", 0)), "step"),
     ]
     values = [int(s.get("batch_size", 0)) for s in steps]
-    colors = ["#d97706" if s.get("num_prefill") or s.get("prefill") else "#6366f1" for s in steps]
+    colors = ["#d97706" if s.get("num_prefill") else "#6366f1" for s in steps]
     titles = []
     for s in steps:
         extra = f", {s['num_tokens']} tokens" if s.get("num_tokens") is not None else ""
         if s.get("duration_s") is not None:
             extra += f", {s['duration_s'] * 1000:.1f} ms"
-        pre = (f" ({s['num_prefill']} prefilling)" if s.get("num_prefill")
-               else " (with prefill)" if s.get("prefill") else "")
+        kinds = [f"{s[k]} {word}" for k, word in (("num_prefill", "prefilling"), ("num_decode", "decoding"))
+                 if s.get(k)]
+        pre = f" ({', '.join(kinds)})" if kinds else ""
         titles.append(f"step {s.get('step')}: batch {s.get('batch_size')}{pre}{extra}")
     chart = bar_chart_svg(
         values, labels=[str(s.get("step", "")) for s in steps], titles=titles, colors=colors,
@@ -372,15 +397,16 @@ def engine_panel_html(
 # --------------------------------------------------------------------------- #
 # Batch demo
 # --------------------------------------------------------------------------- #
-def batch_table_html(rows: Sequence[Mapping[str, Any]]) -> str:
+def batch_table_html(rows: Sequence[Mapping[str, Any]], colors: Mapping[str, str] | None = None) -> str:
     """Render the batch demo: one row per concurrent request.
 
     Each row dict has ``request_id``, ``question``, ``text`` (reply so far),
     ``num_prompt_tokens``, ``num_cached_tokens``, ``finished`` and ``error``.
+    ``colors`` are the block map's owner colours (so the two agree).
     """
     if not rows:
         return f'{_CSS}<div class="pg-panel batch-view"><i>Fire a batch to see concurrent requests here.</i></div>'
-    colors = owner_colors(r["request_id"] for r in rows)
+    colors = colors or owner_colors(r["request_id"] for r in rows)
     body = []
     for r in rows:
         state = "error" if r.get("error") else "done" if r.get("finished") else "streaming…"
@@ -400,14 +426,16 @@ def batch_table_html(rows: Sequence[Mapping[str, Any]]) -> str:
 
 
 # --------------------------------------------------------------------------- #
-# Accuracy alignment
+# Backend consistency
 # --------------------------------------------------------------------------- #
 def alignment_html(report: Mapping[str, Any] | None) -> str:
-    """Render an accuracy-alignment report (``AlignmentReport.to_dict()`` plus
+    """Render a backend-consistency report (two implementations of one checkpoint
+    that share kernels and weights: it checks consistency, not accuracy) (``AlignmentReport.to_dict()`` plus
     ``top1_agreement``/``max_abs_logprob_diff``/``all_greedy_identical``)."""
     if not report:
-        return (f'{_CSS}<div class="pg-panel align-view"><i>Compare the serving backend with the other '
-                "implementation on this conversation.</i></div>")
+        return (f'{_CSS}<div class="pg-panel align-view"><i>Backend consistency: compare the serving backend '
+                "with the other implementation of the same checkpoint on this conversation (they share kernels "
+                "and weights, so this checks consistency, not accuracy).</i></div>")
     rows = []
     for r in report.get("rows", []):
         greedy = ("identical" if r["greedy_identical"]
@@ -420,7 +448,7 @@ def alignment_html(report: Mapping[str, Any] | None) -> str:
         )
     verdict = "greedy outputs identical" if report.get("all_greedy_identical") else "greedy outputs differ"
     return (
-        f'{_CSS}<div class="pg-panel align-view"><div class="pg-head"><span><b>{_e(report.get("impl_a"))}</b> vs '
+        f'{_CSS}<div class="pg-panel align-view"><div class="pg-head"><span>Backend consistency: <b>{_e(report.get("impl_a"))}</b> vs '
         f'<b>{_e(report.get("impl_b"))}</b> on {_e(report.get("model"))}</span>'
         f'<span class="align-verdict">{verdict}</span></div>'
         '<table class="pg-stats batch-table"><tr><th>positions</th><th>top-1 agreement</th>'

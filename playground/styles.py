@@ -28,6 +28,8 @@ CSS = """<style>
 .kv-grid{display:grid;gap:2px;max-height:360px;overflow-y:auto;padding:2px}
 .kv-cell{aspect-ratio:1;border-radius:2px;min-width:0}
 .kv-shared{SHARED}.kv-cached{CACHED}.kv-free{FREE}OWNERS
+.kv-cell{cursor:pointer}.kv-dim .kv-cell{opacity:.3}.kv-dim .kv-cell.kv-hl{opacity:1;outline:2px solid #0f172a}
+.block-text{white-space:pre-wrap;background:#f1f5f9;border-radius:4px;padding:4px 6px;margin:2px 0;font-size:12px}
 .kv-legend{display:flex;flex-wrap:wrap;gap:4px 12px;margin-top:8px;color:#334155}
 .kv-legend-item{display:inline-flex;align-items:center;gap:4px;white-space:nowrap}
 .kv-swatch{display:inline-block;width:12px;height:12px;border-radius:2px}
@@ -50,8 +52,13 @@ CSS = """<style>
 .lp-tip{display:none;position:absolute;left:0;top:1.7em;z-index:50;background:#0f172a;color:#f8fafc;
  border-radius:6px;padding:6px 8px;font-size:12px;white-space:nowrap;line-height:1.4;pointer-events:none}
 .lp-tok:hover .lp-tip{display:block}
-.lp-tip table{border-collapse:collapse}.lp-tip td{padding:0 6px 0 0;color:#e2e8f0}
-.lp-tip .lp-chosen td{color:#a5b4fc;font-weight:600}
+.lp-hint-tap{display:none}
+@media (hover:none){.lp-hint-hover{display:none}.lp-hint-tap{display:inline}
+ .lp-tok.lp-selected .lp-tip{display:block}}
+.lp-tip table{border-collapse:collapse;background:transparent!important;margin:0!important;border:0!important}
+.lp-tip tr,.lp-tip tr:nth-child(odd),.lp-tip tr:nth-child(even),.lp-tip tr:hover{background:transparent!important}
+.lp-tip td{padding:0 6px 0 0!important;color:#e2e8f0!important;border:0!important;text-align:left!important}
+.lp-tip .lp-chosen td{color:#a5b4fc!important;font-weight:600}
 .lp-scale{display:flex;align-items:center;gap:6px;margin-top:6px;color:#64748b;font-size:11px}
 .lp-scale span.bar{width:120px;height:8px;border-radius:4px;
  background:linear-gradient(90deg,hsl(0,75%,82%),hsl(60,75%,82%),hsl(120,75%,82%))}

@@ -27,10 +27,20 @@ def greedy(max_tokens: int, logprobs: int = 3) -> tuple:
     return (0.0, 1.0, 0, max_tokens, 0, logprobs)   # temperature, top-p, top-k, max tokens, seed, logprobs
 
 
+def content(message: dict) -> str:
+    c = message["content"]
+    return c if isinstance(c, str) else "".join(part.get("text", "") for part in c)
+
+
 def reply_text(chat: list[dict]) -> str:
-    """Text of the last assistant message of a Chatbot value."""
-    content = [m for m in chat if m["role"] == "assistant"][-1]["content"]
-    return content if isinstance(content, str) else "".join(part.get("text", "") for part in content)
+    """Text of the last assistant message of a Chatbot value, without its stats line."""
+    return content([m for m in chat if m["role"] == "assistant"][-1]).split('\n\n<div class="pg-meta"')[0]
+
+
+def reply_meta(chat: list[dict]) -> str:
+    """The stats / branch line under the last reply."""
+    text = content([m for m in chat if m["role"] == "assistant"][-1])
+    return text[text.index('<div class="pg-meta"'):]
 
 
 class Events:
@@ -53,7 +63,7 @@ class Events:
 
 @pytest.fixture(scope="module")
 def app(smollm2_llm):
-    demo = build_app(smollm2_llm, limits=Limits(max_input_chars=MAX_CHARS, max_tokens=64))
+    demo = build_app(smollm2_llm, limits=Limits(max_input_chars=MAX_CHARS, max_tokens=64), allow_engine_admin=True)
     _, url, _ = launch(demo, prevent_thread_lock=True, quiet=True)
     yield demo, url
     demo.close()
@@ -85,12 +95,20 @@ def wait_idle(llm, timeout=20.0):
 def test_chat_streams_a_reply(client, smollm2_llm):
     job = client.submit("What is the capital of France?", SYSTEM, *greedy(16), api_name="/chat")
     updates = list(job)
-    chat, msg, logprobs_html, prefix_html = job.result()
+    chat, msg, logprobs_html, prefix_html, *_ = job.result()
     texts = [reply_text(u[0]) for u in updates]
     assert len(updates) >= 4, "the reply should arrive token by token"
-    assert texts[1].endswith("▌") and len(texts[1]) < len(texts[-2])   # growing, with a cursor
+    assert texts[0] == "▌" and 'class="pg-state">queued' in reply_meta(updates[0][0])   # shown at once
+    growing = [t for t in texts if t.endswith("▌") and len(t) > 1]
+    assert growing and len(growing[0]) < len(texts[-1]) + 1                  # growing, with a cursor
     assert "Paris" in reply_text(chat) and not reply_text(chat).endswith("▌")
-    assert msg == ""
+    # Bug 2: the message box is emptied once, when the message is taken; later updates leave it alone
+    # (every streamed update used to write "" there, wiping what the visitor was typing).
+    assert updates[0][1] == ""
+    assert all(u[1] == {"__type__": "update"} for u in updates[1:]) and msg == {"__type__": "update"}
+    meta = reply_meta(chat)                      # per-reply stats: tokens, TTFT, tok/s, cached, finish
+    assert re.search(r"<span>\d+ tokens</span>", meta) and "TTFT" in meta and "tok/s" in meta
+    assert "prompt tokens cached" in meta and "pg-finish-" in meta and "context" in meta
     # The logprob view holds one span per generated token, each with top-3 alternatives.
     n_tokens = len(re.findall(r'class="lp-tok[^"]*" data-index=', logprobs_html))
     assert 1 <= n_tokens <= 16
@@ -150,13 +168,13 @@ def test_message_too_long_is_refused_with_a_clear_message(client):
 
 
 def test_branch_forces_an_alternative_and_hits_the_prefix_cache(client, smollm2_llm):
-    chat, _, logprobs_html, _ = client.predict("What is the capital of France?", SYSTEM, *greedy(12),
-                                               api_name="/chat")
+    chat, _, logprobs_html, *_ = client.predict("What is the capital of France?", SYSTEM, *greedy(12),
+                                                api_name="/chat")
     original = reply_text(chat)
     # Token 2's alternatives, as the hover table lists them (the chosen one is marked lp-chosen).
     spans = logprobs_html.split('class="lp-tok')[1:]
     alternative = int(re.search(r'class="lp-alt" data-token-id="(\d+)"', spans[2]).group(1))
-    chat, _, branched_html, prefix_html = client.predict(2, alternative, *greedy(12), api_name="/branch")
+    chat, _, branched_html, prefix_html, *_ = client.predict(2, alternative, *greedy(12), api_name="/branch")
     branched = reply_text(chat)
     tokenizer = smollm2_llm.get_tokenizer()
     kept = re.findall(r'data-index="[01]" data-token-id="(\d+)"', logprobs_html)
@@ -166,15 +184,107 @@ def test_branch_forces_an_alternative_and_hits_the_prefix_cache(client, smollm2_
     # The branch re-reads the conversation prompt from the prefix cache.
     cached = int(re.search(r'class="cached-tokens">(\d+)<', prefix_html).group(1))
     assert cached >= 16
-    assert len(chat) == 2                     # the branch replaced the reply, it did not add one
+    assert len(chat) == 2                     # the branch is shown in the reply's place ...
+    assert '<span class="pg-pos">2/2</span>' in reply_meta(chat)   # ... and the original is kept: ‹ 2/2 ›
+    compare = client.predict(api_name="/compare")                  # side by side, parting at token 2
+    assert 'data-split="2"' in compare and compare.count('class="compare-col"') == 2
 
 
-def test_engine_error_shows_in_that_chat_and_the_app_keeps_serving(client, smollm2_llm):
-    client.predict("Say hi.", SYSTEM, *greedy(4), api_name="/chat")
-    chat, *_ = client.predict(0, 10**9, *greedy(4), api_name="/branch")   # token id out of the vocabulary
-    assert "Engine error" in reply_text(chat) and "prompt_token_ids" in reply_text(chat)
+BAD_VALUES = [   # (endpoint, arguments, words the error must contain): issue 13, defect 9
+    ("/chat", (None, SYSTEM, *greedy(4)), None),                       # empty: nothing happens
+    ("/chat", (12, SYSTEM, *greedy(4)), "message must be text"),
+    ("/chat", ("Hi", ["x"], *greedy(4)), "system prompt must be text"),
+    ("/chat", ("Hi", SYSTEM, "hot", 1.0, 0, 4, 0, 0), "temperature must be a number"),
+    ("/chat", ("Hi", SYSTEM, 5.0, 1.0, 0, 4, 0, 0), "temperature must be between 0 and 2"),
+    ("/chat", ("Hi", SYSTEM, 0.5, None, 0, 4, 0, 0), "top-p is missing"),
+    ("/chat", ("Hi", SYSTEM, 0.5, 1.0, -3, 4, 0, 0), "top-k must be between"),
+    ("/chat", ("Hi", SYSTEM, 0.5, 1.0, 0, 10**6, 0, 0), "max tokens must be between 1 and 64"),
+    ("/chat", ("Hi", SYSTEM, 0.5, 1.0, 0, 2.5, 0, 0), "max tokens must be a whole number"),
+    ("/chat", ("Hi", SYSTEM, 0.5, 1.0, 0, 4, {"a": 1}, 0), "seed must be a number"),
+    ("/chat", ("Hi", SYSTEM, 0.5, 1.0, 0, 4, 0, 99), "logprobs must be between 0 and 20"),
+    ("/branch", (-7, 5, *greedy(4)), "branch token # must be between 0"),
+    ("/branch", (10**12, 5, *greedy(4)), "branch token # must be between 0"),
+    ("/branch", (None, 5, *greedy(4)), "branch token # is missing"),
+    ("/branch", (0, 10**9, *greedy(4)), "alternative token id must be between 0"),
+    ("/branch", (0, None, *greedy(4)), "choose an alternative"),
+    ("/branch", (0, [1, 2], *greedy(4)), "alternative must be a token id or text"),
+    ("/batch_demo", ("many", SYSTEM, *greedy(4)), "requests must be a number"),
+    ("/batch_demo", (10**6, SYSTEM, *greedy(4)), "requests must be between 1 and 8"),
+    ("/batch_demo", (2, SYSTEM, "x", 1.0, 0, 4, 0, 0), "temperature must be a number"),
+]
+
+
+def test_bad_values_get_readable_errors_and_the_app_keeps_serving(client, smollm2_llm):
+    client.predict("Say hi.", SYSTEM, *greedy(4), api_name="/chat")      # something to branch from
+    for endpoint, args, words in BAD_VALUES:
+        if words is None:
+            client.predict(*args, api_name=endpoint)
+            continue
+        with pytest.raises(Exception) as info:
+            client.predict(*args, api_name=endpoint)
+        assert words in str(info.value), f"{endpoint}{args!r}: {info.value}"
+        assert "upstream Gradio app has raised an exception" not in str(info.value)
     chat, *_ = client.predict("What is the capital of France?", SYSTEM, *greedy(12), api_name="/chat")
     assert "Paris" in reply_text(chat)
+    assert not wait_idle(smollm2_llm)["requests"]
+
+
+def test_a_custom_alternative_is_forced_as_text(client, smollm2_llm):
+    """Bug 5: typing "Paris" into the alternative box crashed the chat (int('Paris'))."""
+    client.predict("What is the capital of France?", SYSTEM, *greedy(8), api_name="/chat")
+    chat, _, html, *_ = client.predict(0, "Bonjour! Paris", *greedy(6), api_name="/branch")
+    assert reply_text(chat).startswith("Bonjour! Paris")
+    forced = re.findall(r'class="lp-tok lp-forced" data-index="(\d+)"', html)
+    assert len(forced) >= 2 and forced[0] == "0"          # several tokens forced, from token 0
+    assert not wait_idle(smollm2_llm)["requests"]
+
+
+def test_branch_is_bound_to_the_reply_shown(client, smollm2_llm):
+    """Bug 1: a branch choice must not leak into a newer reply; branching while a reply streams is refused."""
+    first = client.submit("Say hello in French.", SYSTEM, *greedy(8), api_name="/chat")
+    first.result()
+    taken = first.outputs()[0]                                    # a new reply empties the branch controls
+    assert taken[4] is None and taken[5]["value"] is None and taken[5]["choices"] == []
+    job = client.submit("Count from one to fifty.", SYSTEM, *greedy(48, 0), api_name="/chat")
+    deadline = time.monotonic() + 60
+    while len(job.outputs()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with pytest.raises(Exception, match="still being generated"):
+        client.predict(1, 5, *greedy(4), api_name="/branch")
+    chat = job.result()[0]
+    assert len([m for m in chat if m["role"] == "assistant"]) == 2   # the streaming reply was not replaced
+    cleared = client.predict(api_name="/clear")
+    assert cleared[0] == [] and cleared[4] is None                # Clear empties the controls too
+    assert not wait_idle(smollm2_llm)["requests"]
+
+
+def test_stop_marks_the_reply_stopped_without_a_cursor(client, smollm2_llm):
+    """Bug 3: Stop left the ▌ cursor forever and no "(stopped)" marker."""
+    job = client.submit("Count from one to one hundred in words.", SYSTEM, *greedy(64, 0), api_name="/chat")
+    deadline = time.monotonic() + 60
+    while len(job.outputs()) < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    chat = client.predict(api_name="/stop")[0]
+    assert reply_text(chat).endswith("*(stopped)*") and "▌" not in reply_text(chat)
+    assert 'class="pg-finish pg-finish-abort"' in reply_meta(chat)
+    assert "⏹" not in content(chat[-1])                    # no glyph that needs an emoji font
+    wait_idle(smollm2_llm)
+
+
+def test_replies_cut_by_max_tokens_say_length(client):
+    chat = client.predict("Tell me a long story about a dragon.", SYSTEM, *greedy(5, 0), api_name="/chat")[0]
+    assert 'pg-finish-length' in reply_meta(chat) and "max tokens" in reply_meta(chat)
+
+
+def test_regenerate_and_branches_form_a_tree_with_turn_labels(client, smollm2_llm):
+    """Regenerate keeps the earlier reply (‹ 1/2 ›); turn labels count turns: 1, 2, 2b, 3."""
+    client.predict("Hi!", SYSTEM, *greedy(4, 0), api_name="/chat")
+    client.predict("Name a colour.", SYSTEM, *greedy(4, 0), api_name="/chat")
+    chat, _, _, prefix_html, *_ = client.predict(SYSTEM, 0.9, 1.0, 0, 4, 7, 0, api_name="/regenerate")
+    assert len(chat) == 4 and '<span class="pg-pos">2/2</span>' in reply_meta(chat)
+    chat, _, _, prefix_html, *_ = client.predict("And a fruit?", SYSTEM, *greedy(4, 0), api_name="/chat")
+    labels = re.findall(r"<title>turn (\w+):", prefix_html)
+    assert labels == ["1", "2", "2b", "3"]
     assert not wait_idle(smollm2_llm)["requests"]
 
 
@@ -238,16 +348,30 @@ def test_space_requirements_match_the_runtime_dependencies():
 
 
 @pytest.mark.slow
-def test_accuracy_alignment_on_the_conversation(client):
+def test_backend_consistency_on_the_conversation(client):
     with pytest.raises(Exception, match="Chat first"):
         client.predict(SYSTEM, api_name="/align")
     client.predict("What is the capital of France?", SYSTEM, *greedy(8), api_name="/chat")
     html = client.predict(SYSTEM, api_name="/align")
-    assert "<b>native</b> vs <b>paddleformers</b>" in html
+    assert "<b>native</b> vs <b>paddleformers</b>" in html and "consistency" in html
     row = re.search(r'<tr class="align-row" data-identical="(true|false)"><td>(\d+)</td><td>([\d.]+)%</td>', html)
     positions, agreement = int(row.group(2)), float(row.group(3))
     assert positions > 30                      # the whole chat prompt, teacher-forced, plus the reply
     assert agreement >= 90.0                   # two implementations of one checkpoint
+
+
+def test_engine_wide_actions_need_allow_engine_admin(smollm2_llm):
+    demo = build_app(smollm2_llm)
+    _, url, _ = launch(demo, prevent_thread_lock=True, quiet=True)
+    try:
+        client = gradio_client.Client(url, verbose=False)
+        for endpoint, args in (("/reset_prefix_cache", ()), ("/align", (SYSTEM,))):
+            with pytest.raises(Exception, match="--allow-engine-admin"):
+                client.predict(*args, api_name=endpoint)
+        assert demo.analytics_enabled is False
+    finally:
+        demo.close()
+        demo.playground_monitor.close()
 
 
 def test_full_queue_refuses_with_a_clear_message(smollm2_llm):
@@ -268,4 +392,77 @@ def test_full_queue_refuses_with_a_clear_message(smollm2_llm):
     finally:
         demo.close()
         demo.playground_monitor.close()
+    assert not wait_idle(smollm2_llm)["requests"]
+
+
+def test_completion_mode_continues_raw_text(client, smollm2_llm):
+    """Bug 8: a base model needs raw text continuation; the /chat endpoint takes the mode last."""
+    text = "The capital of France is"
+    chat, *_ = client.predict(text, SYSTEM, *greedy(4, 0), "completion", api_name="/chat")
+    expected = smollm2_llm.generate(text, SamplingParams(temperature=0.0, max_tokens=4))[0].outputs[0].text
+    assert reply_text(chat) == expected.lstrip()     # the Chatbot drops a message's leading space
+    n_prompt = len(smollm2_llm.get_tokenizer().encode(text))       # no chat template around it
+    assert re.search(rf"\d+/{n_prompt} prompt tokens cached", reply_meta(chat))
+    with pytest.raises(Exception, match="mode must be one of chat, completion"):
+        client.predict(text, SYSTEM, *greedy(4, 0), "poetry", api_name="/chat")
+
+
+def test_models_without_a_chat_template_start_in_completion_mode(smollm2_llm):
+    from engine.tokenizer import Tokenizer
+    from playground.handlers import default_mode
+
+    chat = smollm2_llm.get_tokenizer()
+    base = Tokenizer(chat.backend, bos_token_id=chat.bos_token_id, chat_template=None, name="base")
+    assert default_mode(chat) == "chat" and default_mode(base) == "completion"
+
+
+def test_logprob_view_shows_probability_logprob_or_rank(client):
+    client.predict("Say hi.", SYSTEM, *greedy(4), api_name="/chat")
+    assert re.search(r"<td>#1</td>", client.predict("rank", api_name="/logprob_metric"))
+    assert re.search(r"<td>-\d+\.\d{3}</td>", client.predict("logprob", api_name="/logprob_metric"))
+    with pytest.raises(Exception, match="one of probability, logprob, rank"):
+        client.predict("entropy", api_name="/logprob_metric")
+    assert "%</td>" in client.predict("probability", api_name="/logprob_metric")
+
+
+def test_a_tab_keeps_its_first_session():
+    """Gradio handed one tab's refresh a second State value at page load; every event gets the first."""
+    from types import SimpleNamespace
+
+    from playground.chat import ChatSession
+    from playground.tabs import Tabs
+
+    closed = []
+    tabs = Tabs(on_close=closed.append, capacity=2)
+    first, second = ChatSession(), ChatSession()
+    tab = SimpleNamespace(session_hash="abc")
+    assert tabs.session(tab, first) is first and tabs.session(tab, second) is first
+    seen = []
+    handler = tabs.wrap(lambda x, session: seen.append((x, session)))
+    handler(tab, 1, second)
+    assert seen == [(1, first)]
+    tabs.forget(tab)
+    assert closed == [first] and len(tabs) == 0
+    for key in "xyz":                                  # at most `capacity` tabs are remembered
+        tabs.session(SimpleNamespace(session_hash=key), ChatSession())
+    assert len(tabs) == 2
+
+
+def test_a_message_sent_while_a_reply_streams_is_queued_once(client, smollm2_llm):
+    """Bug 2: a message submitted mid-stream was lost; now it waits for the reply, and a second one is refused."""
+    first = client.submit("Count from one to thirty in words.", SYSTEM, *greedy(40, 0), api_name="/chat")
+    deadline = time.monotonic() + 60
+    while len(first.outputs()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    second = client.submit("Thanks!", SYSTEM, *greedy(4, 0), api_name="/chat")
+    deadline = time.monotonic() + 30
+    while not second.outputs() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with pytest.raises(Exception, match="already waiting"):
+        client.predict("And another?", SYSTEM, *greedy(4, 0), api_name="/chat")
+    chat = second.result(timeout=120)[0]
+    users = [content(m) for m in chat if m["role"] == "user"]
+    assert users[-2:] == ["Count from one to thirty in words.", "Thanks!"]
+    assert len([m for m in chat if m["role"] == "assistant"]) == len(users)   # both answered, in order
+    assert "pg-finish-" in reply_meta(chat) and first.result()[0]
     assert not wait_idle(smollm2_llm)["requests"]

@@ -11,6 +11,8 @@ from playwright.sync_api import expect, sync_playwright
 
 from playground.app import build_app, launch
 
+pytestmark = pytest.mark.browser
+
 CHROMIUM = "/usr/bin/chromium"
 pytestmark = pytest.mark.browser
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -68,7 +70,8 @@ def test_chat_reply_block_map_and_screenshot(page, smollm2_llm, tmp_path):
     expect(page.locator('#kv-map .kv-legend-item[data-kind="owner"]').first).to_contain_text("this chat")
     # The reply streams to its end (no cursor) and the logprob view shows its tokens.
     reply = page.locator('#chat [data-testid="bot"]').last
-    expect(reply).not_to_contain_text("▌", timeout=120_000)
+    expect(reply.locator(".pg-finish")).to_have_count(1, timeout=120_000)
+    expect(reply).not_to_contain_text("▌")
     assert len(reply.inner_text().strip()) > 10
     n_tokens = page.locator("#logprobs .lp-tok").count()
     assert n_tokens > 5
@@ -88,19 +91,78 @@ def test_chat_reply_block_map_and_screenshot(page, smollm2_llm, tmp_path):
 
 def test_click_a_token_and_branch(page, smollm2_llm):
     send(page, "What is the capital of France?")
-    page.wait_for_selector('#chat [data-testid="bot"]', timeout=30_000)
-    expect(page.locator('#chat [data-testid="bot"]').last).not_to_contain_text("▌", timeout=120_000)
+    bot = page.locator('#chat [data-testid="bot"]')
+    expect(bot.last.locator(".pg-finish")).to_have_count(1, timeout=120_000)
+    original = bot.last.locator("p").first.inner_text()
     page.locator('#logprobs .lp-tok[data-index="1"]').click()
     # The click selects the token and offers its alternatives.
     expect(page.locator('#logprobs .lp-tok.lp-selected[data-index="1"]')).to_have_count(1, timeout=10_000)
     expect(page.locator("#branch")).to_be_enabled()
     page.click("#branch")
     expect(page.locator('#logprobs .lp-tok.lp-forced[data-index="1"]')).to_have_count(1, timeout=60_000)
-    expect(page.locator('#chat [data-testid="bot"]')).to_have_count(1)
-    expect(page.locator('#chat [data-testid="bot"]').last).not_to_contain_text("▌", timeout=60_000)
+    expect(bot).to_have_count(1)
+    expect(bot.last.locator(".pg-finish")).to_have_count(1, timeout=60_000)
     # The branch's prompt (conversation + kept tokens) came from the prefix cache.
     cached = int(page.inner_text("#prefix-panel .cached-tokens"))
     assert cached >= 16
+    # The original is kept: ‹ 2/2 › under the reply moves between the two branches.
+    expect(bot.last.locator(".pg-pos")).to_have_text("2/2")
+    branched = bot.last.locator("p").first.inner_text()
+    assert branched != original
+    bot.last.locator(".pg-nav.pg-prev").click()
+    expect(bot.last.locator(".pg-pos")).to_have_text("1/2", timeout=10_000)
+    expect(bot.last.locator("p").first).to_have_text(original)
+    expect(page.locator("#logprobs .lp-tok.lp-forced")).to_have_count(0, timeout=10_000)  # its own logprobs
+    bot.last.locator(".pg-nav.pg-next").click()
+    expect(bot.last.locator(".pg-pos")).to_have_text("2/2", timeout=10_000)
+    expect(bot.last.locator("p").first).to_have_text(branched)
+    # The compare view puts both branches' logprob strips side by side, parting at the branch token.
+    page.locator("#compare-box").get_by_text("Compare branches").click()
+    page.click("#compare")
+    expect(page.locator("#compare-view .compare-split")).to_have_attribute("data-split", "1", timeout=10_000)
+    expect(page.locator("#compare-view .compare-col")).to_have_count(2)
+
+
+def test_stop_marks_the_reply_and_removes_the_cursor(page, smollm2_llm):
+    greedy_long_replies(page)
+    send(page, "Count from one to two hundred in words, one number per line.")
+    bot = page.locator('#chat [data-testid="bot"]').last
+    expect(bot.locator(".pg-state")).to_have_text("decoding", timeout=60_000)
+    page.click("#stop")
+    expect(bot).to_contain_text("(stopped)", timeout=10_000)
+    expect(bot).not_to_contain_text("▌")
+    expect(bot.locator(".pg-finish-abort")).to_have_count(1)
+    page.wait_for_timeout(1500)                 # no late streamed update brings the cursor back
+    expect(bot).not_to_contain_text("▌")
+    assert page.inner_text("#stop").strip() == "Stop"
+    wait_engine_idle(smollm2_llm)
+
+
+def greedy_long_replies(page) -> None:
+    """Greedy sampling and room for long replies (the page's defaults sample at temperature 0.7)."""
+    page.get_by_text("Mode, system prompt and sampling").click()
+    for label, value in (("temperature", "0"), ("max tokens", "200")):
+        box = page.get_by_label(f"number input for {label}")
+        box.fill(value)
+        box.press("Tab")
+        expect(box).to_have_value(value)
+
+
+def test_typing_during_a_reply_is_kept_and_the_message_is_queued(page, smollm2_llm):
+    greedy_long_replies(page)
+    send(page, "Count from one to forty in words, one number per line.")
+    bot = page.locator('#chat [data-testid="bot"]')
+    expect(bot.last.locator(".pg-state")).to_have_text("decoding", timeout=60_000)
+    page.fill("#msg textarea", "And now in French?")
+    page.wait_for_timeout(1500)                  # several streamed updates arrive meanwhile
+    assert page.input_value("#msg textarea") == "And now in French?"
+    page.press("#msg textarea", "Enter")
+    # The message shows at once and is answered after the first reply.
+    expect(page.locator('#chat [data-testid="user"]')).to_have_count(2, timeout=5_000)
+    expect(bot).to_have_count(2, timeout=120_000)
+    expect(bot.nth(1).locator(".pg-finish")).to_have_count(1, timeout=120_000)
+    expect(bot.nth(0).locator(".pg-finish")).to_have_count(1)
+    assert page.input_value("#msg textarea") == ""
 
 
 def test_closing_the_tab_mid_stream_aborts_its_request(page, smollm2_llm):
@@ -122,3 +184,45 @@ def test_closing_the_tab_mid_stream_aborts_its_request(page, smollm2_llm):
     assert not [b for b in snap["blocks"] if b["ref_cnt"] > 0]
     reasons = {d["request_id"]: d["finish_reason"] for d in finished}
     assert reasons[rid] == "abort"
+
+
+def test_block_inspector_and_legend_highlight(page, smollm2_llm):
+    send(page, "Write a short poem about the sea.")
+    cell = page.locator('#kv-map .kv-cell.kv-used[data-owners^="chat-"]').first
+    cell.wait_for(timeout=30_000)
+    # Hovering this chat's legend entry outlines exactly its blocks.
+    legend = page.locator('#kv-map .kv-legend-item[data-kind="owner"]', has_text="this chat")
+    legend.hover()
+    n_owned = int(legend.inner_text().rsplit("(", 1)[1].rstrip(")"))
+    highlighted = page.locator("#kv-map .kv-grid.kv-dim .kv-cell.kv-hl").count()
+    assert highlighted >= 1 and abs(highlighted - n_owned) <= 1      # the map may move on by a block
+    # Clicking a block of this chat shows its state, owner and the text of its tokens.
+    page.locator('#kv-map .kv-cell.kv-used[data-owners^="chat-"]').first.click()
+    inspector = page.locator("#block-inspector .block-inspector")
+    expect(inspector).to_contain_text("this chat", timeout=10_000)
+    expect(inspector.locator('tr[data-field="state"]')).to_contain_text("used")
+    assert len(inspector.locator(".block-text").inner_text()) > 5
+    expect(page.locator('#chat [data-testid="bot"]').last.locator(".pg-finish")).to_have_count(1, timeout=120_000)
+    wait_engine_idle(smollm2_llm)
+    # A finished chat's full blocks stay in the prefix cache: reusable, no owner.
+    page.locator("#kv-map .kv-cell.kv-cached").first.click()
+    expect(inspector).to_contain_text("cached, reusable", timeout=10_000)
+
+
+def test_on_a_phone_a_tap_shows_the_alternatives(browser, app_url, smollm2_llm):
+    context = browser.new_context(viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True)
+    phone = context.new_page()
+    try:
+        phone.goto(app_url)
+        phone.wait_for_selector("#kv-map .kv-cell")
+        send(phone, "What is the capital of France?")
+        expect(phone.locator('#chat [data-testid="bot"]').last.locator(".pg-finish")).to_have_count(1,
+                                                                                                  timeout=120_000)
+        expect(phone.locator("#logprobs .lp-hint-tap")).to_be_visible()       # the hint says "tap" there
+        expect(phone.locator("#logprobs .lp-hint-hover")).to_be_hidden()
+        phone.locator('#logprobs .lp-tok[data-index="2"]').tap()
+        expect(phone.locator("#logprobs .lp-tok.lp-selected .lp-tip")).to_be_visible(timeout=10_000)
+        expect(phone.locator("#logprobs .lp-tok.lp-selected .lp-tip")).to_contain_text("%")
+    finally:
+        context.close()
+    wait_engine_idle(smollm2_llm)

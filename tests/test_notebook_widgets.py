@@ -100,8 +100,10 @@ def test_the_send_button_sends_the_input_box(pg):
     while len(pg.messages) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert pg.messages[0]["content"] == QUESTION and pg.messages[1]["content"]
+    assert "tokens" in pg.status.value
     pg.clear()
     assert pg.messages == [] and "Type a message" in pg.chat.value
+    assert pg.status.value == "ready"            # bug 9: the last reply's stats stayed after Clear
 
 
 def test_the_app_is_plain_widgets_without_output_capture(pg):
@@ -115,6 +117,21 @@ def test_the_app_is_plain_widgets_without_output_capture(pg):
     for panel in (pg.chat, pg.block_map, pg.prefix_panel, pg.logprob_view, pg.engine_panel, pg.input):
         assert panel in everything
     assert "application/vnd.jupyter.widget-view+json" in pg._repr_mimebundle_()
+
+
+def test_sliders_show_their_whole_label_and_share_the_row(pg):
+    """Bug 9: JupyterLab gave the sliders a fixed 80 px label column and a ~40 px track."""
+    for knob in (pg.max_tokens, pg.temperature, pg.top_p, pg.logprobs, pg.seed):
+        assert knob.style.description_width == "initial"
+        assert knob.layout.flex == "1 1 0" and knob.layout.min_width == "220px"
+
+
+def test_logprob_tooltips_have_room_and_ignore_notebook_table_css(smollm2_llm):
+    """Bug 9: tooltips were clipped by the output area and striped by JupyterLab's table CSS."""
+    out = smollm2_llm.generate("Hi", SamplingParams(max_tokens=3, logprobs=3))[0]
+    html = show_logprobs(out).data
+    assert 'class="lp-room" style="padding-bottom:12em"' in html
+    assert ".lp-tip tr:nth-child(odd)" in html and "background:transparent!important" in html
 
 
 def test_show_functions_render_snapshots_and_outputs(smollm2_llm):

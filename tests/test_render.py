@@ -228,9 +228,9 @@ def test_logprob_view_empty():
 
 
 def test_engine_panel(snapshot):
-    steps = [{"step": 40, "batch_size": 1, "num_tokens": 30, "num_prefill": 1, "duration_s": 0.05},
-             {"step": 41, "batch_size": 3, "num_tokens": 3, "duration_s": 0.01},
-             {"step": 42, "batch_size": 2, "num_tokens": 9, "prefill": True}]
+    steps = [{"step": 40, "batch_size": 1, "num_tokens": 30, "num_prefill": 1, "num_decode": 0, "duration_s": 0.05},
+             {"step": 41, "batch_size": 3, "num_tokens": 3, "num_prefill": 0, "num_decode": 3, "duration_s": 0.01},
+             {"step": 42, "batch_size": 2, "num_tokens": 9, "num_prefill": 1, "num_decode": 1}]
     doc = Elements(render.engine_panel_html(snapshot, steps, {"ttft": 0.25, "decode_tps": 42.5}))
     cards = {c["attrs"]["data-card"]: c["text"] for c in doc.items if "data-card" in c["attrs"]}
     assert cards["model"].endswith("smollm2-135m-instruct")
@@ -241,8 +241,8 @@ def test_engine_panel(snapshot):
     assert [b["attrs"]["data-value"] for b in bars] == ["1", "3", "2"]
     assert bars[0]["attrs"]["fill"] != bars[1]["attrs"]["fill"]       # prefill steps stand out
     assert bars[2]["attrs"]["fill"] == bars[0]["attrs"]["fill"]
-    assert "step 41: batch 3, 3 tokens, 10.0 ms" in bars[1]["text"]
-    assert "step 42: batch 2 (with prefill), 9 tokens" in bars[2]["text"]
+    assert "step 41: batch 3 (3 decoding), 3 tokens, 10.0 ms" in bars[1]["text"]
+    assert "step 42: batch 2 (1 prefilling, 1 decoding), 9 tokens" in bars[2]["text"]
 
 
 def test_engine_panel_before_any_request(snapshot):
@@ -275,4 +275,91 @@ def test_alignment_table():
     assert "97.5%" in row["text"] and "1.50e-04" in row["text"] and "differs at token 7 (16 tokens)" in row["text"]
     assert doc.by_class("align-verdict")[0]["text"] == "greedy outputs differ"
     assert "native" in doc.by_class("pg-head")[0]["text"]
-    assert "Compare the serving backend" in render.alignment_html(None)
+    assert "Backend consistency" in render.alignment_html(None) and "not accuracy" in render.alignment_html(None)
+
+
+def _colliding_ids():
+    """Two request ids whose hashes pick the same palette slot."""
+    import zlib
+    seen = {}
+    for i in range(1000):
+        rid = f"batch-{i}"
+        slot = zlib.crc32(rid.encode()) % len(render.PALETTE)
+        if slot in seen:
+            return seen[slot], rid
+        seen[slot] = rid
+
+
+def test_owner_colours_never_change_during_a_request():
+    """Bug 6: a hash collision re-resolved each frame moved a running request to another colour."""
+    from playground.colors import OwnerColors
+
+    a, b = _colliding_ids()
+    book = OwnerColors()
+    mine = book.colors([a])[a]
+    assert book.colors([b, a])[a] == mine             # b arrived first in a later snapshot: a keeps its colour
+    assert book.colors([b, a])[b] != mine
+    # A chat keeps one colour across its turns; another tab's chat is named "chat N", not by its id.
+    assert book.colors(["chat-abc123-1"])["chat-abc123-1"] == book.colors(["chat-abc123-7"])["chat-abc123-7"]
+    book.colors(["chat-def456-2"])
+    assert book.name("chat-abc123-7", own_session="abc123") == "this chat"
+    assert book.name("chat-def456-2", own_session="abc123") == "chat 2"
+    # The block map paints with the colours it is given, so the map and the batch table agree.
+    snap = {"blocks": [_block(0, "used", 1, [a]), _block(1, "used", 1, [b])], "requests": [], "block_size": 16}
+    colors = book.colors([a, b])
+    html = render.block_map_html(snap, colors=colors)
+    assert f"kv-o{render.PALETTE.index(colors[a])}" in html and f"kv-o{render.PALETTE.index(colors[b])}" in html
+    table = render.batch_table_html([{"request_id": a, "question": "q", "text": "", "finished": False}],
+                                    colors=colors)
+    assert colors[a] in table
+
+
+def test_last_axis_label_stays_inside_the_chart():
+    """Bug 7: the last x-axis label was centred on the right edge and clipped."""
+    from playground.svgchart import bar_chart_svg
+
+    svg = bar_chart_svg([1] * 120, labels=[str(1000 + i) for i in range(120)], width=420)
+    texts = re.findall(r'<text x="([\d.]+)" y="[\d.]+" text-anchor="(\w+)"[^>]*>(\d{4})</text>', svg)
+    x, anchor, label = texts[-1]
+    right = float(x) + (0 if anchor == "end" else 3.0 * len(label))
+    assert label == "1119" and right <= 420
+
+
+def test_conversation_tree_keeps_every_branch():
+    from playground.conversation import Conversation
+
+    class R:   # the fields of chat.Reply that the tree reads
+        def __init__(self, text, error=None):
+            self.text, self.error = text, error
+
+    tree = Conversation()
+    u1 = tree.add_user("Hi")
+    a1 = tree.add_reply(u1.node_id, R("Hello!"))
+    u2 = tree.add_user("Name a colour.")
+    first = tree.add_reply(u2.node_id, R("Blue."))
+    second = tree.add_reply(u2.node_id, R("Red."))
+    assert [n.label for n in tree.replies()] == ["1", "2", "2b"]
+    assert tree.siblings(second.node_id) == (2, 2) and tree.last_reply() is second
+    u3 = tree.add_user("Why?")                       # continues the branch shown
+    assert u3.parent == second.node_id
+    assert tree.messages_before(u3.node_id)[-1] == {"role": "assistant", "content": "Red."}
+    assert tree.navigate(second.node_id, -1) and tree.last_reply() is first   # the other branch, no "Why?"
+    assert [n.text for n in tree.path()] == ["Hi", "Hello!", "Name a colour.", "Blue."]
+    assert not tree.navigate(first.node_id, -1)      # nothing before the first branch
+    tree.navigate(first.node_id, 1)
+    assert [n.text for n in tree.path()][-2:] == ["Red.", "Why?"]   # the path below follows the branch
+    failed = tree.add_reply(u3.node_id, R("", error="boom"))
+    u4 = tree.add_user("Again?")
+    assert {"role": "assistant", "content": ""} not in tree.messages_before(u4.node_id)   # errors are not context
+    assert failed.parent == u3.node_id and a1.label == "1"
+
+
+def test_logprob_view_toggles_probability_logprob_rank(records):
+    prob = render.logprob_html(records)
+    raw = render.logprob_html(records, metric="logprob")
+    rank = render.logprob_html(records, metric="rank")
+    assert "<td>90.00%</td>" in prob and f"<td>{math.log(0.9):.3f}</td>" in raw and "<td>#1</td>" in rank
+    # Rank colours: token 1 (","), sampled at rank 2, is no longer coloured like its 20% probability.
+    tok = [t for t in Elements(rank).by_class("lp-tok") if t["attrs"]["data-index"] == "1"][0]
+    assert render.prob_color(0.5) in tok["attrs"]["style"]
+    assert "rank <span>#4+</span>" in rank and "logprob <span>−∞</span>" in raw

@@ -1,0 +1,131 @@
+"""The chat as the page shows it: the shown path of the conversation tree.
+
+``chat_messages`` turns the path into ``gr.Chatbot`` messages. Under each
+reply sits one line (``div.pg-meta``): ``‹ 2/3 ›`` to move between the
+reply's branches (when it has any), its state while it is generated (queued,
+prefill n / m, decoding) and its stats once done: tokens, time to first
+token, decode tok/s, prompt tokens from the prefix cache, why it ended, and a
+context gauge (tokens used of ``max_model_len``). The arrows are
+``span.pg-nav.pg-prev|pg-next.pg-node-<id>`` elements (classes, since the
+Chatbot's sanitizer drops ``data-*`` attributes); a click listener of the
+page (``app.NAV_JS``) sends them to the server.
+"""
+
+from __future__ import annotations
+
+from html import escape
+
+from .conversation import Conversation, Node
+
+__all__ = ["chat_messages", "reply_meta_html", "compare_html", "CURSOR", "META_CSS", "strip_meta"]
+
+CURSOR = "▌"
+FINISH_TEXT = {"stop": "end of reply", "length": "length: max tokens reached", "abort": "stopped",
+               "error": "error"}
+
+META_CSS = """
+.pg-meta{display:flex;flex-wrap:wrap;align-items:center;gap:2px 10px;margin-top:6px;font-size:12px;
+ color:#64748b;font-variant-numeric:tabular-nums}
+.pg-meta .pg-nav{cursor:pointer;user-select:none;padding:0 6px;border-radius:4px;font-weight:700;color:#4338ca}
+.pg-meta .pg-nav:hover{background:#e0e7ff}.pg-meta .pg-nav.off{color:#cbd5e1;cursor:default;background:none}
+.pg-meta .pg-state{color:#b45309;font-weight:600}.pg-meta .pg-finish-length{color:#b45309;font-weight:600}
+.pg-meta .pg-finish-abort,.pg-meta .pg-finish-error{color:#b91c1c;font-weight:600}
+.pg-meta .pg-ctx{display:inline-flex;align-items:center;gap:4px}
+.pg-meta .pg-ctx i{display:inline-block;width:60px;height:6px;border-radius:3px;background:#e2e8f0;overflow:hidden}
+.pg-meta .pg-ctx i b{display:block;height:100%;background:#6366f1}
+"""
+
+
+def _nav(tree: Conversation, node: Node) -> str:
+    pos, count = tree.siblings(node.node_id)
+    if count < 2:
+        return ""
+    # The Chatbot's sanitizer drops data-* attributes but keeps classes: the target rides in them.
+    prev_cls = f"pg-nav pg-prev pg-node-{node.node_id}" + ("" if pos > 1 else " off")
+    next_cls = f"pg-nav pg-next pg-node-{node.node_id}" + ("" if pos < count else " off")
+    return (f'<span class="pg-branches"><span class="{prev_cls}" title="previous branch">‹</span>'
+            f'<span class="pg-pos">{pos}/{count}</span>'
+            f'<span class="{next_cls}" title="next branch">›</span></span>')
+
+
+def reply_meta_html(tree: Conversation, node: Node, max_model_len: int | None = None) -> str:
+    """The line under one reply: branch navigation, state or stats, context gauge."""
+    r = node.reply
+    parts = [_nav(tree, node)]
+    if not r.finished and not r.stopped:
+        parts.append(f'<span class="pg-state">{escape(r.state)}</span>')
+        if r.token_ids:
+            parts.append(f"<span>{len(r.all_token_ids)} tokens</span>")
+    else:
+        reason = "abort" if r.stopped else (r.finish_reason or "abort")
+        parts.append(f"<span>{len(r.all_token_ids)} tokens</span>")
+        if r.ttft is not None:
+            parts.append(f"<span>TTFT {r.ttft * 1000:.0f} ms</span>")
+        if r.decode_tps is not None:
+            parts.append(f"<span>{r.decode_tps:.1f} tok/s</span>")
+        if r.num_prompt_tokens:
+            parts.append(f'<span title="prompt tokens read from the prefix cache">{r.num_cached_tokens}/'
+                         f"{r.num_prompt_tokens} prompt tokens cached</span>")
+        parts.append(f'<span class="pg-finish pg-finish-{escape(reason)}">{escape(FINISH_TEXT.get(reason, reason))}'
+                     "</span>")
+    if max_model_len and r.num_prompt_tokens:
+        used = r.num_prompt_tokens + len(r.token_ids)
+        pct = min(used / max_model_len, 1.0) * 100
+        parts.append(f'<span class="pg-ctx" title="context: {used} of {max_model_len} tokens (max_model_len)">'
+                     f'context <i><b style="width:{pct:.1f}%"></b></i>{used}/{max_model_len}</span>')
+    return f'<div class="pg-meta">{"".join(p for p in parts if p)}</div>'
+
+
+def _reply_text(node: Node) -> str:
+    r = node.reply
+    if r.error:
+        return f"**Error:** {r.error}"
+    if r.stopped or (r.finished and r.finish_reason == "abort"):
+        return r.text + " *(stopped)*"
+    if not r.finished:
+        return r.text + CURSOR
+    return r.text
+
+
+def chat_messages(tree: Conversation, max_model_len: int | None = None) -> list[dict]:
+    """``gr.Chatbot`` messages of the shown path, each reply followed by its meta line."""
+    out = []
+    for node in tree.path():
+        if node.role == "user":
+            out.append({"role": "user", "content": node.content})
+        else:
+            out.append({"role": "assistant",
+                        "content": _reply_text(node) + "\n\n" + reply_meta_html(tree, node, max_model_len)})
+    return out
+
+
+def strip_meta(content: str) -> str:
+    """A reply's text without its meta line (what an API client usually wants)."""
+    return content.split('\n\n<div class="pg-meta"', 1)[0]
+
+
+def compare_html(tree: Conversation, node: Node | None, render_logprobs) -> str:
+    """The shown reply beside its previous (or next) branch: both logprob strips, and where they part.
+
+    ``render_logprobs(records, selected=i)`` draws one strip (``render.logprob_html``);
+    the first token where the two differ is outlined in both.
+    """
+    if node is None or tree.siblings(node.node_id)[1] < 2:
+        return ('<div class="pg-panel compare-view" style="font-family:ui-sans-serif,system-ui,sans-serif;'
+                'font-size:13px"><i>Branch or regenerate a reply to compare two of its branches here.</i></div>')
+    pos, count = tree.siblings(node.node_id)
+    brothers = tree.nodes[node.parent].children
+    other = tree.nodes[brothers[pos - 2] if pos > 1 else brothers[1]]
+    a, b = (other, node) if pos > 1 else (node, other)
+    ids_a, ids_b = a.reply.all_token_ids, b.reply.all_token_ids
+    split = next((i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y), min(len(ids_a), len(ids_b)))
+    same = split == len(ids_a) == len(ids_b)
+    cols = "".join(
+        f'<div class="compare-col" data-branch="{tree.siblings(n.node_id)[0]}"><div class="pg-sub">branch '
+        f'{tree.siblings(n.node_id)[0]}/{count} · {len(n.reply.all_token_ids)} tokens</div>'
+        f'{render_logprobs(n.reply.records, selected=None if same else split)}</div>'
+        for n in (a, b))
+    verdict = "identical tokens" if same else f"they share {split} tokens and part at token #{split}"
+    return ('<div class="pg-panel compare-view" style="font-family:ui-sans-serif,system-ui,sans-serif;'
+            f'font-size:13px"><div class="compare-split" data-split="{split}">{escape(verdict)}</div>'
+            f'<div style="display:grid;grid-template-columns:1fr 1fr;gap:10px">{cols}</div></div>')

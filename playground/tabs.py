@@ -1,0 +1,76 @@
+"""One ``ChatSession`` per browser tab, whatever Gradio's ``gr.State`` hands an event.
+
+Gradio may give the events of one tab two different ``gr.State`` values
+around page load (seen: a refresh tick held another session than the chat it
+should draw, so the block map called the tab's own chat "chat 1"). ``Tabs``
+keeps the first ``ChatSession`` seen for each session hash, and ``wrap`` turns
+a handler into one whose ``ChatSession`` argument is always that one. A
+closed tab (``demo.unload``) is forgotten; at most ``capacity`` tabs are kept.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import gradio as gr
+
+from .chat import ChatSession
+
+__all__ = ["Tabs"]
+
+
+class Tabs:
+    """The ``ChatSession`` of every open tab, by Gradio session hash."""
+
+    def __init__(self, on_close: Callable[[ChatSession], None] | None = None, capacity: int = 1000):
+        self.on_close, self.capacity = on_close, capacity
+        self._sessions: OrderedDict[str, ChatSession] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def session(self, request: Any, session: ChatSession) -> ChatSession:
+        """The tab's ``ChatSession``: the first one seen for its session hash."""
+        key = getattr(request, "session_hash", None)
+        if key is None:
+            return session
+        with self._lock:
+            tab = self._sessions.setdefault(key, session)
+            self._sessions.move_to_end(key)
+            while len(self._sessions) > self.capacity:
+                self._sessions.popitem(last=False)
+        return tab
+
+    def forget(self, request: gr.Request) -> None:
+        """A tab closed: drop its session (``on_close`` stops its reply)."""
+        with self._lock:
+            session = self._sessions.pop(getattr(request, "session_hash", None), None)
+        if session is not None and self.on_close is not None:
+            self.on_close(session)
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def wrap(self, fn: Callable, *, event_data: bool = False) -> Callable:
+        """``fn`` as a Gradio handler whose ``ChatSession`` argument is the tab's own.
+
+        The wrapper's signature asks Gradio for the request (and the event data);
+        it is not ``functools.wraps``-ed, since Gradio reads the signature.
+        """
+        def resolve(request, args):
+            return [self.session(request, a) if isinstance(a, ChatSession) else a for a in args]
+
+        if inspect.isgeneratorfunction(fn):
+            def handler(request: gr.Request, *args):
+                yield from fn(*resolve(request, args))
+        elif event_data:
+            def handler(request: gr.Request, evt: gr.EventData, *args):
+                return fn(*resolve(request, args), evt)
+        else:
+            def handler(request: gr.Request, *args):
+                return fn(*resolve(request, args))
+        handler.__name__ = handler.__qualname__ = fn.__name__
+        handler.__doc__ = fn.__doc__
+        return handler

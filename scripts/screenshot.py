@@ -1,0 +1,78 @@
+"""``python scripts/screenshot.py``: the README's picture of the playground, taken from the real app.
+
+Loads the default model, serves the playground on a local port, drives it in
+headless Chromium through Playwright the way a visitor would (a question, a
+branch from one of the reply's tokens, a second question whose reply is still
+streaming, one of its blocks inspected), and writes ``docs/playground.png``.
+Needs Debian's ``chromium`` (``--chromium`` points elsewhere).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))   # this checkout's packages, whatever is installed
+
+from playwright.sync_api import expect, sync_playwright  # noqa: E402
+
+from engine import LLM  # noqa: E402
+from playground.app import build_app, launch  # noqa: E402
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+
+def drive(page, url: str) -> None:
+    page.goto(url)
+    page.wait_for_selector("#kv-map .kv-cell")
+    page.click("#msg textarea")
+    page.fill("#msg textarea", "What is the capital of France?")
+    page.press("#msg textarea", "Enter")
+    bot = page.locator('#chat [data-testid="bot"]')
+    expect(bot.last.locator(".pg-finish")).to_have_count(1, timeout=180_000)
+    # Branch at the reply's third token with its first alternative: the reply gets ‹ 2/2 ›.
+    page.locator('#logprobs .lp-tok[data-index="2"]').click()
+    expect(page.locator('#logprobs .lp-tok.lp-selected')).to_have_count(1, timeout=10_000)
+    page.click("#branch")
+    expect(bot.last.locator(".pg-pos")).to_have_text("2/2", timeout=60_000)
+    expect(bot.last.locator(".pg-finish")).to_have_count(1, timeout=180_000)
+    page.fill("#msg textarea", "Now describe Rome in three short paragraphs.")
+    page.press("#msg textarea", "Enter")
+    expect(bot).to_have_count(2, timeout=30_000)
+    # While the second reply streams, the map shows this chat's blocks next to the cached ones.
+    cells = page.locator('#kv-map .kv-cell.kv-used[data-owners^="chat-"]')
+    page.wait_for_function("document.querySelectorAll("
+                           "'#kv-map .kv-cell.kv-used[data-owners^=\"chat-\"]').length >= 6", timeout=120_000)
+    cells.nth(1).click()
+    expect(page.locator("#block-inspector .block-text")).to_have_count(1, timeout=10_000)
+    time.sleep(0.5)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(ROOT / "docs" / "playground.png"))
+    parser.add_argument("--chromium", default="/usr/bin/chromium")
+    parser.add_argument("--width", type=int, default=1400)
+    args = parser.parse_args(argv)
+    llm = LLM()
+    demo = build_app(llm)
+    _, url, _ = launch(demo, prevent_thread_lock=True, quiet=True)
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=args.chromium, args=CHROMIUM_ARGS)
+            page = browser.new_page(viewport={"width": args.width, "height": 1000})
+            drive(page, url)
+            page.screenshot(path=args.out, full_page=True)
+            browser.close()
+    finally:
+        demo.close()
+        demo.playground_monitor.close()
+        llm.shutdown()
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
