@@ -5,22 +5,27 @@ Engine flags (``--model``, ``--model-impl``, ``--block-size``,
 ``--no-prefix-caching``, ...) are the engine's own CLI flags; the rest are
 about serving. The server binds to 127.0.0.1 unless ``--host`` says
 otherwise, and makes a public share link only with ``--share``.
+
+Start-up says what it is doing (importing, loading, warming up) and does the
+slow first-time work -- kernel compilation, matplotlib's font cache, which
+Gradio touches on every request -- before the URL appears, so the first chat
+is as fast as the next. Ctrl-C and SIGTERM stop the server and exit with 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import time
 
-from engine import LLM, add_engine_args, config_from_args
-
-from .app import build_app, launch
 from .handlers import Limits
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from engine import add_engine_args
+
     parser = argparse.ArgumentParser(prog="python -m playground", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_engine_args(parser)
@@ -38,18 +43,76 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM stops the server like Ctrl-C (Paddle's own handler would print a C++ fatal error)."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _warm_up(llm) -> None:
+    """Pay the first request's one-time costs now (the engine's own warm-up at load covers the
+    model's forward pass): the engine thread, sampling and detokenizing, and matplotlib, which
+    Gradio imports for every request when it is installed and which builds its font cache on
+    first import. The prompt is shorter than a KV block, so nothing enters the prefix cache."""
+    from engine import SamplingParams
+
+    llm.generate("Hi", SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)
+    try:
+        import matplotlib.pyplot  # noqa: F401
+    except ImportError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not {"-h", "--help"} & set(argv):
+        _say("Starting the Fleet Playground: importing PaddlePaddle and Gradio ...")
+    from engine import LLM, config_from_args
+
+    from .app import build_app, launch
+
     args = parse_args(argv)
-    config = config_from_args(args)
-    print(f"Loading {config.model} (model_impl={config.model_impl}, device={config.device}) ...", flush=True)
-    t0 = time.perf_counter()
-    llm = LLM(**vars(config))
-    print(f"Loaded {llm.model_name} with model_impl={llm.model_impl} in {time.perf_counter() - t0:.1f} s",
-          flush=True)
-    limits = Limits(max_input_chars=args.max_input_chars, max_batch=args.max_batch)
-    demo = build_app(llm, limits=limits, queue_size=args.queue_size, allow_engine_admin=args.allow_engine_admin)
-    launch(demo, server_name=args.host, server_port=args.port, share=args.share)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    _stop_on_sigterm()
+    demo = llm = None
+    try:
+        config = config_from_args(args)
+        _say(f"Loading {config.model} (model_impl={config.model_impl}, device={config.device}); the first "
+             "run after an install also compiles the attention kernels ...")
+        t0 = time.perf_counter()
+        llm = LLM(**vars(config))
+        _say(f"Loaded {llm.model_name} with model_impl={llm.model_impl} in {time.perf_counter() - t0:.1f} s")
+        _say("Warming up: one short request through the engine, and the libraries the first chat loads ...")
+        t0 = time.perf_counter()
+        _warm_up(llm)
+        _say(f"Warmed up in {time.perf_counter() - t0:.1f} s")
+        limits = Limits(max_input_chars=args.max_input_chars, max_batch=args.max_batch)
+        demo = build_app(llm, limits=limits, queue_size=args.queue_size,
+                         allow_engine_admin=args.allow_engine_admin)
+        launch(demo, server_name=args.host, server_port=args.port, share=args.share,
+               prevent_thread_lock=True)
+        _say("Ready. Press Ctrl-C to stop.")
+        while demo.is_running:
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)    # a second Ctrl-C during clean-up quits at once
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _say("Stopping ...")
+    finally:
+        if demo is not None:
+            demo.close()
+            demo.playground_monitor.close()
+        if llm is not None:
+            llm.shutdown()
+    _say("Stopped.")
+    return 0
 
 
 if __name__ == "__main__":

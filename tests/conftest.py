@@ -1,14 +1,42 @@
-"""Shared fixtures: real models are loaded once per test session."""
+"""Shared fixtures: real models are loaded once per test session.
+
+What a test needs from outside Python's reach (Debian's chromium, the torch /
+transformers references of the "reference" extra) is skipped with a reason when
+it is absent -- except in CI (``CI`` set, as ``.ci/run`` does), where it must be
+there and its absence fails the test.
+"""
 
 import contextlib
+import ctypes
+import gc
+import importlib.util
 import os
+import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/tiny_models.py
 
 _MISSING = object()
+
+IN_CI = os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def unavailable(reason: str):
+    """Skip: ``reason`` says what is missing and how to install it; in CI, fail instead."""
+    if IN_CI:
+        pytest.fail(f"{reason} (CI must run this test)", pytrace=False)
+    pytest.skip(reason)
+
+
+def require_reference() -> None:
+    """The independent references (torch, transformers) of the "reference" extra."""
+    missing = [name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None]
+    if missing:
+        unavailable(f"needs {', '.join(missing)}: pip install -e \".[test,reference]\"")
 
 
 @pytest.fixture(scope="session")
@@ -32,9 +60,10 @@ def smollm2_checkpoint():
     return load_checkpoint("smollm2-135m-instruct")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smollm2_state_dict(smollm2_checkpoint):
-    """SmolLM2's dequantized float32 weights, HF names (~0.5 GB; read once per session)."""
+    """SmolLM2's dequantized float32 weights, HF names (~0.5 GB: read per module, a few seconds,
+    rather than held through the whole session)."""
     return smollm2_checkpoint.state_dict()
 
 
@@ -59,6 +88,8 @@ def torch_transformers():
     `torchcodec` without its package metadata, which transformers' audio
     utilities trip over: it is declared absent, as PaddleFormers does.
     """
+    require_reference()
+
     def ours(name):
         return name == "transformers" or name.startswith("transformers.")
 
@@ -83,3 +114,117 @@ def torch_transformers():
             del sys.modules["torchcodec"]
         else:
             sys.modules["torchcodec"] = codec
+
+
+# ------------------------------------------------- memory between tests
+
+# An LLM lives in reference cycles (model layers, hooks, threads), so refcounting does not free
+# it: without a full collection, each test's LLM would stay until the collector's rare
+# oldest-generation pass, and the process would grow by a model per test. A full collection costs
+# ~0.1-0.2 s with everything imported: it runs after tests that took long enough to have loaded
+# a model, and at the end of each module (when its module fixtures are gone).
+_COLLECT_AFTER_S = 1.0
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    start = time.monotonic()
+    yield
+    item._call_seconds = time.monotonic() - start
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    module_ends = nextitem is None or nextitem.module is not item.module
+    if module_ends or getattr(item, "_call_seconds", 0.0) > _COLLECT_AFTER_S:
+        gc.collect()
+        if _libc is not None:
+            _libc.malloc_trim(0)     # hand the freed heap back to the system
+
+
+try:
+    _libc = ctypes.CDLL("libc.so.6")
+except OSError:   # not glibc
+    _libc = None
+
+
+# ------------------------------------------------- the CUDA simulator's subprocess
+
+# tests that re-run their own file under NUMBA_ENABLE_CUDASIM=1 through `cudasim_run`
+SIMULATOR_TESTS = ("test_kernels_cudasim.py::test_cuda_kernels_in_the_simulator",
+                   "test_kernels_mma.py::test_tensor_core_prefill_in_the_simulator",
+                   "test_engine_on_cuda_kernels.py::test_engine_on_cuda_kernels_in_the_simulator")
+
+
+class _Output:
+    """A subprocess's combined stdout/stderr, collected by a thread as it comes."""
+
+    def __init__(self, pipe):
+        self._chunks: list[str] = []
+        self._done = False
+        self._cond = threading.Condition()
+        threading.Thread(target=self._read, args=(pipe,), daemon=True, name="cudasim-output").start()
+
+    def _read(self, pipe):
+        for chunk in iter(lambda: pipe.read1(256), b""):
+            with self._cond:
+                self._chunks.append(chunk.decode(errors="replace"))
+                self._cond.notify_all()
+        with self._cond:
+            self._done = True
+            self._cond.notify_all()
+
+    def relay(self, stream) -> str:
+        """Write what came so far to ``stream``, then the rest as it comes; return all of it."""
+        sent = 0
+        while True:
+            with self._cond:
+                while sent == len(self._chunks) and not self._done:
+                    self._cond.wait()
+                new, sent, done = self._chunks[sent:], len(self._chunks), self._done
+            stream.write("".join(new))
+            stream.flush()
+            if done and sent == len(self._chunks):
+                return "".join(self._chunks)
+
+
+def cudasim_run(config, path: str):
+    """``(process, output)`` of ``NUMBA_ENABLE_CUDASIM=1 pytest PATH``, started once per session:
+    at the end of collection when its test was collected, so that it runs beside the others."""
+    runs = config.__dict__.setdefault("_cudasim_runs", {})
+    path = os.path.abspath(path)
+    if path not in runs:
+        root = os.path.dirname(os.path.dirname(path))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path],
+            env=dict(os.environ, NUMBA_ENABLE_CUDASIM="1"), cwd=root,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        runs[path] = (proc, _Output(proc.stdout))
+    return runs[path]
+
+
+def relay_cudasim_run(config, path: str, capsys) -> tuple[int, str]:
+    """Wait for `cudasim_run`'s process, writing its progress to the terminal as it comes;
+    return its exit code and output."""
+    proc, output = cudasim_run(config, path)
+    with capsys.disabled():
+        sys.stdout.write(f"\n[{os.path.basename(path)} in the CUDA simulator] ")
+        out = output.relay(sys.stdout)
+        sys.stdout.write("\n")
+    return proc.wait(), out
+
+
+def pytest_collection_finish(session):
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" or session.config.option.collectonly:
+        return
+    for item in session.items:
+        if item.nodeid.endswith(SIMULATOR_TESTS):
+            cudasim_run(session.config, str(item.path))
+
+
+def pytest_sessionfinish(session):
+    for proc, _ in session.config.__dict__.get("_cudasim_runs", {}).values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

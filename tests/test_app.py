@@ -347,6 +347,7 @@ def test_space_requirements_match_the_runtime_dependencies():
     assert "sdk: gradio" in front and "app_file: app.py" in front
 
 
+@pytest.mark.slow
 def test_backend_consistency_on_the_conversation(client):
     with pytest.raises(Exception, match="Chat first"):
         client.predict(SYSTEM, api_name="/align")

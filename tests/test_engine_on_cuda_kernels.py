@@ -11,8 +11,6 @@ recompute); ``attention_backend="cpu"`` runs the same schedule, and the greedy
 tokens and every returned logprob must agree (<= 1e-4).
 """
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -41,14 +39,13 @@ if not IN_SIMULATOR:
         assert [o.outputs[0].token_ids for o in gpu.generate(prompts, greedy)] == expected
         assert LLM(model=tiny, device="gpu").generate(prompts[0], greedy)[0].outputs[0].token_ids  # bf16 serves
 
-    def test_engine_on_cuda_kernels_in_the_simulator():
-        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-            env=env, capture_output=True, text=True, timeout=900,
-            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    @pytest.mark.slow
+    def test_engine_on_cuda_kernels_in_the_simulator(request, capsys):
+        from conftest import relay_cudasim_run   # started beside the other tests, see conftest.py
+
+        returncode, out = relay_cudasim_run(request.config, __file__, capsys)
+        summary = out.strip().splitlines()[-1] if out.strip() else ""
+        assert returncode == 0, out[-6000:]
         assert "2 passed" in summary and "skipped" not in summary, summary
 
 else:

@@ -3,10 +3,12 @@ says how to start Jupyter with it, and the "python3" Jupyter kernel runs this
 interpreter (so the notebooks see the installed project)."""
 
 import os
+import re
 import sys
 import tomllib
 from pathlib import Path
 
+import pytest
 import yaml
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
@@ -100,3 +102,39 @@ def _kernel_env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     return env
+
+
+def test_readme_quick_start_is_two_commands_and_ci_runs_the_reference_comparisons():
+    readme = (ROOT / "README.md").read_text()
+    quick = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    commands = [line for block in re.findall(r"```bash\n(.*?)```", quick, re.S)
+                for line in block.splitlines() if line.strip() and not line.startswith("#")]
+    assert len(commands) == 2, commands
+    assert "python -m playground" in commands[0]
+    ci_command = readme.split("\n# Run the tests\n", 1)[1].splitlines()[0]   # what .ci/run runs
+    assert ci_command == commands[1]
+    assert '".[test,reference]"' in ci_command and ci_command.endswith("python -m pytest -q")
+    for version in ("3.11", "venv", "chromium"):
+        assert version in quick
+
+
+def test_heavy_references_are_their_own_extra_and_markers_are_registered():
+    project = _pyproject()
+    extras = {name: {canonicalize_name(Requirement(r).name) for r in reqs}
+              for name, reqs in project["optional-dependencies"].items()}
+    assert {"torch", "transformers", "accelerate"} <= extras["reference"]
+    assert not {"torch", "accelerate"} & extras["test"]
+    ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert {m.split(":")[0] for m in ini["markers"]} >= {"slow", "browser", "gpu", "paddlefleet"}
+
+
+def test_a_missing_requirement_skips_outside_ci_and_fails_in_ci(monkeypatch):
+    import conftest
+
+    monkeypatch.setattr(conftest, "IN_CI", False)
+    with pytest.raises(pytest.skip.Exception, match="no chromium"):
+        conftest.unavailable("no chromium")
+    monkeypatch.setattr(conftest, "IN_CI", True)
+    with pytest.raises(pytest.fail.Exception, match="no chromium .*CI must run this test"):
+        conftest.unavailable("no chromium")
+    assert "export CI=true" in (ROOT / ".ci" / "run").read_text()

@@ -5,16 +5,13 @@
   adapter has its own file, test_paddlefleet_adapter.py);
 * SmolLM2 through PaddleFormers vs the native model (alignment), and the
   fallback's greedy output under prefix caching, chunked prefill, preemption;
-* Gemma 3 270M (no native implementation) vs HF transformers on the same GGUF;
+* (Gemma 3 270M through PaddleFormers vs HF transformers: test_fallback_gemma3.py)
 * the PaddleFleet backend end to end, wherever paddlefleet is installed.
 """
 
-import hashlib
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -30,7 +27,6 @@ from engine.model_impl import resolve_model_impl
 from engine.models import EngineModel
 from tiny_models import make_tiny_model, tiny_prompts
 
-HERE = os.path.dirname(__file__)
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 SHARED = ("You are a helpful assistant. Answer briefly and precisely, in one sentence, "
           "without any preamble or apology. ")
@@ -274,66 +270,10 @@ def test_fallback_greedy_under_preemption(pf_baseline):
     assert not llm.snapshot().requests
 
 
-# ---------------------------------------------------------------- Gemma 3 vs transformers
-
-
-GEMMA_PROMPTS = ["Question: What is 2+3?\nAnswer:", "The capital of France is", "Once upon a time",
-                 # > 512 tokens: the local layers' sliding window is in play
-                 "Count with me: " + ", ".join(str(i) for i in range(1, 260)) + ", and the next number is"]
-
-
-@pytest.fixture(scope="module")
-def gemma3_transformers(gemma3_checkpoint):
-    """HF transformers' greedy continuations: ``() -> (prompt ids, continuations)``.
-
-    Computed by `hf_reference.py` in a separate process started right away (so
-    it overlaps with loading our model), and memoised in the zoo cache under a
-    key of the GGUF file, the prompts and the transformers/torch versions:
-    reading the GGUF takes transformers about a minute.
-    """
-    from importlib.metadata import version
-
-    from engine.loader.zoo import cache_dir
-
-    ids = [gemma3_checkpoint.tokenizer.encode(p, add_special_tokens=True) for p in GEMMA_PROMPTS]
-    stat = os.stat(gemma3_checkpoint.path)
-    key = hashlib.sha256(json.dumps([ids, 12, stat.st_size, stat.st_mtime_ns, version("transformers"),
-                                     version("torch")]).encode()).hexdigest()[:16]
-    memo = cache_dir() / f"hf-reference-gemma3-{key}.json"
-    if memo.is_file():
-        yield lambda: (ids, json.loads(memo.read_text()))
-        return
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "hf_reference.py"), gemma3_checkpoint.path,
-                             "--max-new-tokens", "12"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    proc.stdin.write(json.dumps(ids))
-    proc.stdin.close()
-
-    def result():
-        out = proc.stdout.read()
-        assert proc.wait() == 0, proc.stderr.read()[-3000:]
-        memo.write_text(out)
-        return ids, json.loads(out)
-
-    yield result
-    if proc.poll() is None:
-        proc.kill()
-
-
-def test_gemma3_auto_serves_paddleformers_and_matches_transformers(gemma3_transformers):
-    llm = LLM(model="gemma3-270m")
-    assert llm.model_impl == "paddleformers" and llm.snapshot().model_impl == "paddleformers"
-    ids, expected = gemma3_transformers()
-    assert len(ids[-1]) > 512
-    outs = llm.generate([{"prompt_token_ids": p} for p in ids],
-                        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-    assert token_ids(outs) == expected
-    assert outs[0].outputs[0].text.startswith(" 2+3=5")
-
-
 # ---------------------------------------------------------------- PaddleFleet (where installed)
 
 
+@pytest.mark.paddlefleet
 def test_paddlefleet_backend_matches_native(tmp_path):
     pytest.importorskip("paddlefleet", reason="paddlefleet installs from Paddle's own index, not PyPI")
     tiny = make_tiny_model(str(tmp_path / "qwen3"), "Qwen3ForCausalLM", seed=3)

@@ -10,6 +10,8 @@ import os
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.gpu
+
 if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
     pytest.skip("real-GPU tests do not run under the CUDA simulator", allow_module_level=True)
 

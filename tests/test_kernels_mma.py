@@ -7,8 +7,6 @@ and online softmax. ``tests/test_kernels_gpu.py`` checks on a GPU that the two a
 ``NUMBA_ENABLE_CUDASIM=1``; shapes are the smallest that reach each case.
 """
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,14 +16,12 @@ IN_SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 if not IN_SIMULATOR:
 
     @pytest.mark.slow
-    def test_tensor_core_prefill_in_the_simulator():
-        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-            env=env, capture_output=True, text=True, timeout=900,
-            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    def test_tensor_core_prefill_in_the_simulator(request, capsys):
+        from conftest import relay_cudasim_run   # started beside the other tests, see conftest.py
+
+        returncode, out = relay_cudasim_run(request.config, __file__, capsys)
+        summary = out.strip().splitlines()[-1] if out.strip() else ""
+        assert returncode == 0, out[-6000:]
         assert "passed" in summary and "skipped" not in summary, summary
 
 else:

@@ -60,6 +60,7 @@ def test_notebook_is_stored_without_outputs(path):
     assert nb.metadata.kernelspec.name == "python3"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs_and_its_checks_pass(path, tmp_path):
     nb = nbformat.read(path, as_version=4)

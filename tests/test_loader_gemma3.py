@@ -1,0 +1,173 @@
+"""Loader and tokenizer of Gemma 3 270M (gemma3 architecture, Q4_K_M mix, SentencePiece
+vocabulary) checked against independent references:
+
+* weights, config and logits vs HF `transformers` loading the same GGUF file;
+* the tokenizer vs `sentencepiece` (Gemma's native tokenizer library) with a model built
+  from the GGUF vocabulary (transformers approximates Gemma's BPE vocabulary with a Unigram
+  model and splits some words differently).
+
+Its own module, so that test_loader.py's SmolLM2 references are freed before Gemma's load.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import torch_transformers
+from test_loader import TEXTS, _model_from_checkpoint
+
+
+@pytest.fixture(scope="module")
+def transformers():
+    with torch_transformers() as module:
+        yield module
+
+
+@pytest.fixture(scope="module")
+def gemma3_state_dict(gemma3_checkpoint):
+    return gemma3_checkpoint.state_dict()
+
+
+@pytest.fixture(scope="module")
+def gemma3_reference_model(transformers, gemma3_checkpoint, gemma3_state_dict):
+    """transformers' Gemma3ForCausalLM built from our config and loaded with our weights."""
+    return _model_from_checkpoint(transformers, gemma3_checkpoint, gemma3_state_dict)
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_gemma3(tmp_path_factory, gemma3_checkpoint):
+    """A `sentencepiece` BPE model with the GGUF's pieces, scores and types.
+
+    llama.cpp stores user-defined pieces with real spaces ("  ") where
+    SentencePiece has "▁▁"; everything else is copied as is.
+    """
+    import sentencepiece
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    from engine.loader.gguf_file import GGUFFile
+
+    f = GGUFFile(gemma3_checkpoint.path)
+    proto = pb.ModelProto()
+    proto.trainer_spec.model_type = pb.TrainerSpec.BPE
+    proto.trainer_spec.byte_fallback = True
+    proto.trainer_spec.unk_id, proto.trainer_spec.bos_id, proto.trainer_spec.eos_id = 3, 2, 1
+    proto.trainer_spec.pad_id = 0
+    proto.normalizer_spec.name = "identity"
+    proto.normalizer_spec.add_dummy_prefix = False
+    proto.normalizer_spec.remove_extra_whitespaces = False
+    proto.normalizer_spec.escape_whitespaces = True
+    for token, score, kind in zip(f.get("tokenizer.ggml.tokens"), f.get("tokenizer.ggml.scores"),
+                                  f.get("tokenizer.ggml.token_type")):
+        piece = proto.pieces.add()
+        piece.piece = token.replace(" ", "\u2581") if kind == 4 else token
+        piece.score, piece.type = float(score), int(kind)
+    path = tmp_path_factory.mktemp("spm") / "gemma3.model"
+    path.write_bytes(proto.SerializeToString())
+    return sentencepiece.SentencePieceProcessor(model_file=str(path))
+
+
+def test_gemma3_checkpoint_metadata(gemma3_checkpoint):
+    ckpt = gemma3_checkpoint
+    assert (ckpt.format, ckpt.architecture) == ("gguf", "Gemma3ForCausalLM")
+    c = ckpt.config
+    assert c["model_type"] == "gemma3_text"
+    assert (c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"],
+            c["head_dim"], c["vocab_size"]) == (640, 18, 4, 1, 256, 262144)
+    assert c["sliding_window"] == 512 and c["query_pre_attn_scalar"] == 256
+    assert (c["rope_theta"], c["rope_local_base_freq"]) == (1_000_000.0, 10_000.0)
+    assert [i for i, kind in enumerate(c["layer_types"]) if kind == "full_attention"] == [5, 11, 17]
+    assert c["tie_word_embeddings"] is True and c["hidden_activation"] == "gelu_pytorch_tanh"
+    tok = ckpt.tokenizer
+    assert tok.vocab_size == 262144 and tok.bos_token_id == 2 and tok.chat_template is None
+    assert tok.eos_token_ids == {1, 106} and tok.id_to_token(106) == "<end_of_turn>"
+
+
+@pytest.mark.slow
+def test_gemma3_weights_equal_transformers(transformers, gemma3_checkpoint, gemma3_state_dict):
+    import torch
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    # transformers reads only the config and the parameter names of `model_to_load`: the
+    # architecture on the meta device holds no weights (the reference model is built later).
+    config_class = transformers.AutoConfig.for_model(gemma3_checkpoint.config["model_type"]).__class__
+    config = config_class(**{k: v for k, v in gemma3_checkpoint.config.items() if k != "model_type"})
+    with torch.device("meta"):
+        names_only = getattr(transformers, gemma3_checkpoint.architecture)(config)
+    reference = load_gguf_checkpoint(gemma3_checkpoint.path, return_tensors=True,
+                                     model_to_load=names_only)["tensors"]
+    assert set(reference) == set(gemma3_state_dict)
+    for name, ours in gemma3_state_dict.items():
+        np.testing.assert_array_equal(ours, reference.pop(name).float().numpy(), err_msg=name)
+
+
+@pytest.mark.slow
+def test_gemma3_norm_convention(transformers, gemma3_checkpoint, gemma3_state_dict, gemma3_reference_model):
+    """HF Gemma RMSNorm multiplies by (1 + w); llama.cpp stores w + 1.  With the shift undone
+    the model predicts plain English well; leaving it in (w + 1) ruins it."""
+    import torch
+
+    text = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France, and Berlin "
+            "is the capital of Germany. Water boils at 100 degrees Celsius.")
+    ids = torch.tensor([gemma3_checkpoint.tokenizer.encode(text)])
+    norms = {n: p for n, p in gemma3_reference_model.named_parameters() if n.endswith("norm.weight")}
+    assert norms.keys() == {k for k in gemma3_state_dict if k.endswith("norm.weight")}
+    with torch.no_grad():
+        good = gemma3_reference_model(ids, labels=ids).loss.item()
+        for name, param in norms.items():      # the same model with the shift left in
+            param.copy_(torch.from_numpy(gemma3_state_dict[name] + 1))
+        try:
+            bad = gemma3_reference_model(ids, labels=ids).loss.item()
+        finally:
+            for name, param in norms.items():
+                param.copy_(torch.from_numpy(gemma3_state_dict[name]))
+    assert good < 3.0 and bad > good + 5.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt,expected", [
+    ("Question: What is 2+3?\nAnswer:", " 2+3=5"),
+    ("def fibonacci(n):", "\n    if n == 0:"),
+])
+def test_gemma3_greedy_continuation(gemma3_checkpoint, gemma3_reference_model, prompt, expected):
+    import torch
+
+    tok = gemma3_checkpoint.tokenizer
+    ids = tok.encode(prompt)
+    assert ids[0] == tok.bos_token_id  # the GGUF asks for BOS
+    with torch.no_grad():
+        out = gemma3_reference_model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+    assert tok.decode(out[0, len(ids):].tolist()).startswith(expected)
+
+
+def test_gemma3_tokenizer_matches_sentencepiece(gemma3_checkpoint, sentencepiece_gemma3):
+    import random
+
+    tok = gemma3_checkpoint.tokenizer
+    rng = random.Random(0)
+    alphabet = ([chr(c) for c in range(32, 127)] + [chr(c) for c in range(0xA0, 0x250)]
+                + [chr(c) for c in range(0x4E00, 0x4E40)] + ["🤗", "👩‍👧", " ", "  ", "\n", "\t", "<b>"])
+    texts = TEXTS + ["<b>bold</b> &amp; <start_of_turn>", "Question: What is 2+3?\nAnswer:",
+                     "\t\tindented\r\nwindows"]
+    texts += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 50))) for _ in range(100)]
+    for text in texts:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert ids == sentencepiece_gemma3.encode(text) or "<start_of_turn>" in text, text
+        assert tok.decode(ids, skip_special_tokens=False) == text
+    assert tok.encode("<start_of_turn>user", add_special_tokens=False)[0] == 105  # control token
+
+
+def test_gemma3_chat_falls_back_to_turn_format(gemma3_checkpoint, caplog):
+    tok = gemma3_checkpoint.tokenizer
+    messages = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "How are you?"}]
+    with caplog.at_level("WARNING"):
+        text = tok.apply_chat_template(messages)
+        tok.apply_chat_template(messages[1:2])
+    assert text == ("<bos><start_of_turn>user\nYou are helpful.\n\nHi<end_of_turn>\n"
+                    "<start_of_turn>model\nHello<end_of_turn>\n"
+                    "<start_of_turn>user\nHow are you?<end_of_turn>\n<start_of_turn>model\n")
+    assert sum("no chat template" in r.getMessage() for r in caplog.records) <= 1
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids.count(2) == 1 and ids.count(106) == 3
+    with pytest.raises(Exception, match="alternate"):
+        tok.apply_chat_template([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])

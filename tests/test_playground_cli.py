@@ -1,0 +1,92 @@
+"""``python -m playground`` as a user runs it: it says what it is doing, warms up before the
+URL appears, and stops cleanly (exit code 0, no traceback) on Ctrl-C and on SIGTERM.
+
+A tiny random model keeps the start-up short; the default model goes through the same path.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from tiny_models import make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "llama"), "LlamaForCausalLM", seed=1)
+
+
+class Playground:
+    """``python -m playground`` in a subprocess, its stdout lines collected as they come."""
+
+    def __init__(self, model: str):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "playground", "--model", model, "--port", str(_free_port())],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.lines: list[str] = []
+        self._queue: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def wait_for(self, start: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(line.startswith(start) for line in self.lines):
+            line = self._queue.get(timeout=max(0.1, deadline - time.monotonic()))
+            assert line is not None, f"exited before {start!r}: " + self.proc.stderr.read()[-3000:]
+            self.lines.append(line)
+
+    def stop(self, signum) -> tuple[int, str]:
+        """Send ``signum``; return the exit code and stderr once it exited."""
+        try:
+            self.proc.send_signal(signum)
+            rc = self.proc.wait(timeout=60)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+        while (line := self._queue.get(timeout=10)) is not None:
+            self.lines.append(line)
+        return rc, self.proc.stderr.read()
+
+
+@pytest.mark.slow
+def test_start_up_is_announced_and_ctrl_c_or_sigterm_stops_it_cleanly(tiny):
+    apps = {signal.SIGINT: Playground(tiny), signal.SIGTERM: Playground(tiny)}   # start together
+    try:
+        for app in apps.values():
+            app.wait_for("Ready", timeout=240)
+    finally:
+        results = {signum: app.stop(signum) for signum, app in apps.items()}
+
+    for signum, (rc, err) in results.items():
+        lines = apps[signum].lines
+        text = "".join(lines)
+        assert rc == 0, (signum, rc, text[-2000:], err[-3000:])
+        assert "Traceback" not in err and "FatalError" not in err, (signum, err[-3000:])
+        assert "Error Message Summary" not in text and "No ccache found" not in err
+        said = [next(i for i, line in enumerate(lines) if line.startswith(start)) for start in
+                ("Starting", "Loading", "Warming up", "Warmed up", "* Running on local URL", "Ready",
+                 "Stopped")]
+        assert said == sorted(said), text
