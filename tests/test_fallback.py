@@ -25,7 +25,7 @@ from engine.fallback.attention_adapter import paged_attention_forward
 from engine.fallback.step_context import bind_step
 from engine.model_impl import resolve_model_impl
 from engine.models import EngineModel
-from tiny_models import make_tiny_model, tiny_prompts
+from tiny_models import make_tiny_model, packed_prefill_step, tiny_prompts
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 SHARED = ("You are a helpful assistant. Answer briefly and precisely, in one sentence, "
@@ -94,26 +94,6 @@ def test_missing_paddlefleet_explains_and_breaks_nothing(no_paddlefleet, tmp_pat
 # ---------------------------------------------------------------- adapters vs reference
 
 
-def _packed_step(lengths, num_kv_heads, head_dim, block_size=4, layers=3):
-    """Metadata + empty caches for a prefill of sequences of `lengths` tokens packed into one."""
-    tables, slots, positions, block = [], [], [], 0
-    for n in lengths:
-        blocks = list(range(block, block + -(-n // block_size)))
-        block += len(blocks)
-        tables.append(blocks)
-        positions += list(range(n))
-        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(n)]
-    width = max(map(len, tables))
-    meta = AttentionMetadata(
-        positions=paddle.to_tensor(np.array(positions, np.int64)),
-        slot_mapping=paddle.to_tensor(np.array(slots, np.int64)),
-        block_tables=paddle.to_tensor(np.array([t + [0] * (width - len(t)) for t in tables], np.int32)),
-        context_lens=paddle.to_tensor(np.array(lengths, np.int32)),
-        query_start_loc=paddle.to_tensor(np.cumsum([0] + list(lengths)).astype(np.int32)),
-        decode_only=False, num_tokens=sum(lengths))
-    shape = [block, num_kv_heads, block_size, head_dim]
-    caches = [(paddle.zeros(shape), paddle.zeros(shape)) for _ in range(layers)]
-    return meta, caches
 
 
 def _dense_reference(q, k, v, lengths, scale, window):
@@ -131,7 +111,7 @@ def test_paddleformers_attention_function_matches_dense_attention(window):
     rng = np.random.default_rng(0)
     lengths, heads, kv_heads, dim = [5, 9], 4, 2, 8
     q, k, v = (rng.standard_normal((sum(lengths), h, dim)).astype(np.float32) for h in (heads, kv_heads, kv_heads))
-    meta, caches = _packed_step(lengths, kv_heads, dim)
+    meta, caches = packed_prefill_step(lengths, kv_heads, dim)
     layer = SimpleNamespace(layer_idx=1, sliding_window=window, scaling=0.3)
     as_library = lambda x: paddle.to_tensor(x).transpose([1, 0, 2]).unsqueeze(0)  # [1, heads, T, D]
     with bind_step(meta, caches):

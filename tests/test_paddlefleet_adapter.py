@@ -43,9 +43,10 @@ import numpy as np
 import paddle
 import pytest
 
-from engine.attention import AttentionMetadata, dense_causal_attention
+from engine.attention import dense_causal_attention
 from engine.fallback.paddlefleet import PaddleFleetModel, patch_core_attention
 from engine.models import EngineModel
+from tiny_models import packed_prefill_step
 
 
 def is_layer_window_attention(sliding_window, window_attn_skip_freq, layer_number):
@@ -202,24 +203,6 @@ def test_layers_that_cannot_map_to_caches_are_refused():
         patch_core_attention(model)
 
 
-def _packed_prefill(lengths, kv_heads, head_dim, layers, block_size=4):
-    tables, slots, positions, block = [], [], [], 0
-    for n in lengths:
-        blocks = list(range(block, block + -(-n // block_size)))
-        block += len(blocks)
-        tables.append(blocks)
-        positions += list(range(n))
-        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(n)]
-    width = max(map(len, tables))
-    meta = AttentionMetadata(
-        positions=paddle.to_tensor(np.array(positions, np.int64)),
-        slot_mapping=paddle.to_tensor(np.array(slots, np.int64)),
-        block_tables=paddle.to_tensor(np.array([t + [0] * (width - len(t)) for t in tables], np.int32)),
-        context_lens=paddle.to_tensor(np.array(lengths, np.int32)),
-        query_start_loc=paddle.to_tensor(np.cumsum([0] + list(lengths)).astype(np.int32)),
-        decode_only=False, num_tokens=sum(lengths))
-    shape = [block, kv_heads, block_size, head_dim]
-    return meta, [(paddle.zeros(shape), paddle.zeros(shape)) for _ in range(layers)]
 
 
 def _library_hidden(model, ids):
@@ -236,7 +219,7 @@ def test_packed_batch_on_the_paged_cache_matches_the_library_per_sequence():
     expected = np.concatenate([_library_hidden(GPTModel(2, qk_layer_scaling=True), s) for s in ids])
     wrapped = PaddleFleetModel(GPTModel(2, qk_layer_scaling=True), vocab_size=30)
     assert isinstance(wrapped, EngineModel) and wrapped.kv_layout() == (2, 2, 8)
-    meta, caches = _packed_prefill(lengths, 2, 8, 2)
+    meta, caches = packed_prefill_step(lengths, 2, 8, layers=2)
     hidden = wrapped.forward(paddle.to_tensor(np.concatenate(ids).astype(np.int64)), meta.positions, meta, caches)
     np.testing.assert_allclose(hidden.numpy(), expected, rtol=1e-5, atol=1e-5)
     assert all(float(paddle.abs(k).sum()) > 0 for k, _ in caches)  # both layers wrote their own cache
@@ -248,7 +231,7 @@ def test_a_layer_left_on_the_library_attention_fails_the_step():
     model = GPTModel(2)
     wrapped = PaddleFleetModel(model, vocab_size=32)
     model.layers()[1].self_attn.core_attention = DotProductAttention(model.config, 1)
-    meta, caches = _packed_prefill([4], 2, 8, 2)
+    meta, caches = packed_prefill_step([4], 2, 8, layers=2)
     with pytest.raises(RuntimeError, match=r"1 attention calls .* for 2 layers .*not the engine's adapter"):
         wrapped.forward(paddle.to_tensor(np.arange(4, dtype=np.int64)), meta.positions, meta, caches)
 

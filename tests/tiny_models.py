@@ -111,3 +111,29 @@ def tiny_prompts(n: int, length: int = 20, shared: int = 9, seed: int = 1) -> li
     prefix = rng.integers(7, VOCAB, shared).tolist()
     return [{"prompt_token_ids": prefix + rng.integers(7, VOCAB, length - shared + i % 5).tolist()}
             for i in range(n)]
+
+
+def packed_prefill_step(lengths, num_kv_heads, head_dim, block_size=4, layers=3):
+    """Metadata + empty caches for a prefill of sequences of `lengths` tokens packed into one."""
+    import paddle
+
+    from engine.attention import AttentionMetadata
+
+    tables, slots, positions, block = [], [], [], 0
+    for n in lengths:
+        blocks = list(range(block, block + -(-n // block_size)))
+        block += len(blocks)
+        tables.append(blocks)
+        positions += list(range(n))
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(n)]
+    width = max(map(len, tables))
+    meta = AttentionMetadata(
+        positions=paddle.to_tensor(np.array(positions, np.int64)),
+        slot_mapping=paddle.to_tensor(np.array(slots, np.int64)),
+        block_tables=paddle.to_tensor(np.array([t + [0] * (width - len(t)) for t in tables], np.int32)),
+        context_lens=paddle.to_tensor(np.array(lengths, np.int32)),
+        query_start_loc=paddle.to_tensor(np.cumsum([0] + list(lengths)).astype(np.int32)),
+        decode_only=False, num_tokens=sum(lengths))
+    shape = [block, num_kv_heads, block_size, head_dim]
+    caches = [(paddle.zeros(shape), paddle.zeros(shape)) for _ in range(layers)]
+    return meta, caches
