@@ -18,6 +18,7 @@ class BlockInfo:
     owners: tuple[str, ...]
     hashed: bool
     token_range: tuple[int, int] | None  # token positions in the first owner's sequence
+    block_hash: str | None = None        # first 16 hex digits of the prefix-cache hash (as blocks_stored names it)
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ def take_snapshot(*, step, model, model_impl, device, kv_cache_manager, requests
         hashed = b.block_hash is not None
         state = "used" if b.ref_cnt > 0 else ("cached" if hashed else "free")
         blocks.append(BlockInfo(b.block_id, state, b.ref_cnt, tuple(owners.get(b.block_id, ())), hashed,
-                                ranges.get(b.block_id)))
+                                ranges.get(b.block_id), b.block_hash.hex()[:16] if hashed else None))
     s = kv_cache_manager.stats
     return EngineSnapshot(
         step=step, model=model, model_impl=model_impl, device=device, block_size=bs,

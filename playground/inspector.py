@@ -69,7 +69,8 @@ def block_inspector_html(
     state = ("shared" if ref > 1 else "used") if ref else ("cached, reusable" if block.get("hashed") else "free")
     owners = [str(o) for o in block.get("owners") or []]
     rows = [("block", block_id), ("state", state), ("reference count", ref),
-            ("hashed (findable by the prefix cache)", "yes" if block.get("hashed") else "no")]
+            ("hashed (findable by the prefix cache)",
+             f"yes, {block['block_hash'][:8]}…" if block.get("block_hash") else ("yes" if block.get("hashed") else "no"))]
     if owners:
         rows.append(("owners", ", ".join(name(o) for o in owners)))
     span = block.get("token_range")

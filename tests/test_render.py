@@ -372,3 +372,27 @@ def test_engine_badges_name_the_attention_kernels_and_decode_path(smollm2_llm):
     assert "attention: cpu" in badges
     assert any(b.startswith("decode: fused") or b.startswith("decode: paddle") for b in badges)
     assert "None" not in " ".join(badges)
+
+
+def test_block_hash_in_the_snapshot_is_the_stored_event_hash_and_the_inspector_shows_it(smollm2_llm):
+    """A hashed block carries the prefix-cache hash that its blocks_stored event named."""
+    from engine import SamplingParams
+    from playground import inspector
+
+    stored = {}
+    unsubscribe = smollm2_llm.subscribe(
+        lambda e: stored.update(zip(e.data["block_ids"], e.data["block_hashes"])) if e.kind == "blocks_stored" else None)
+    try:
+        smollm2_llm.generate([" ".join(["hashing"] * 40)], SamplingParams(max_tokens=2, temperature=0))
+    finally:
+        unsubscribe()
+    snap = smollm2_llm.snapshot().to_dict()
+    hashed = [b for b in snap["blocks"] if b["block_hash"]]
+    assert hashed and all(b["hashed"] for b in hashed)
+    assert not any(b["block_hash"] for b in snap["blocks"] if not b["hashed"])
+    for b in hashed:
+        if b["block_id"] in stored:
+            assert stored[b["block_id"]].startswith(b["block_hash"])
+    assert any(b["block_id"] in stored for b in hashed)
+    html = inspector.block_inspector_html(snap, hashed[0]["block_id"])
+    assert hashed[0]["block_hash"][:8] in html
