@@ -143,8 +143,14 @@ def greedy_long_replies(page) -> None:
     page.get_by_text("Mode, system prompt and sampling").click()
     for label, value in (("temperature", "0"), ("max tokens", "200")):
         box = page.get_by_label(f"number input for {label}")
-        box.fill(value)
-        box.press("Tab")
+        # On a loaded machine the accordion's controls can still be mounting when the first fill
+        # lands, and a remounted input shows its initial value again: fill until the value holds.
+        for _ in range(3):
+            box.fill(value)
+            box.press("Tab")
+            page.wait_for_timeout(300)
+            if box.input_value() == value:
+                break
         expect(box).to_have_value(value)
 
 
