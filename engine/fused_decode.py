@@ -61,8 +61,8 @@ class FusedDecode:
         formats, self.float_w, self.codes, self.nibbles = [], List.empty_list(_F2), List(), List()
         self.scales, self.offsets = List.empty_list(_F2), List.empty_list(_F2)
         placeholder_f2 = np.zeros((1, 1), np.float32)
-        placeholder_i8 = np.zeros((1, 1, 1), np.int8)
-        placeholder_u8 = np.zeros((1, 1, 1), np.uint8)
+        placeholder_i8 = np.zeros((1, 1), np.int8)
+        placeholder_u8 = np.zeros((1, 1), np.uint8)
         norms, qk_norms, bias = List.empty_list(_F1), List.empty_list(_F1), List.empty_list(_F1)
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -76,9 +76,13 @@ class FusedDecode:
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 fmt, w, c, n, s, o = self._linear(linear, placeholder_f2, placeholder_i8, placeholder_u8)
                 formats.append(fmt)
-                for lst, a in ((self.float_w, w), (self.codes, c), (self.nibbles, n), (self.scales, s),
-                               (self.offsets, o)):
-                    lst.append(a)
+                self._append(w, c, n, s, o)
+        # the LM head joins the stack when it is in blocks (a float head runs as Paddle's matmul)
+        self.has_head = getattr(model, "lm_head_blocks", None) is not None
+        if self.has_head:
+            fmt, w, c, n, s, o = self._blocks(model.lm_head_blocks, placeholder_f2, placeholder_i8, placeholder_u8)
+            formats.append(fmt)
+            self._append(w, c, n, s, o)
         self.formats = np.asarray(formats, np.int64)
         self.norms, self.qk_norms, self.qkv_bias = norms, qk_norms, bias
         self.embed = self._view(model.embed_tokens.weight)
@@ -95,16 +99,26 @@ class FusedDecode:
         self._keep.append(tensor)
         return host_view(tensor)
 
+    def _append(self, w, c, n, s, o):
+        for lst, a in ((self.float_w, w), (self.codes, c), (self.nibbles, n), (self.scales, s), (self.offsets, o)):
+            lst.append(a)
+
     def _linear(self, linear: Linear, f2, i8, u8):
-        blocks = linear.block_weight
-        if blocks is None:
+        if linear.block_weight is None:
             return kernel.FLOAT, self._view(linear.weight), i8, u8, f2, f2
+        return self._blocks(linear.block_weight, f2, i8, u8)
+
+    @staticmethod
+    def _blocks(blocks, f2, i8, u8):
+        rows = blocks.codes.shape[0]
+        scales = np.ascontiguousarray(blocks.scales)
         if blocks.kind in ("Q4_0", "Q4_1"):
             codes, offsets = blocks.codes, blocks.offsets
             if blocks.kind == "Q4_0":  # codes q - 8: d * (q - 8) = d * q + (-8 d), exactly
                 codes, offsets = codes + np.int8(8), offsets - 8 * blocks.scales
-            return kernel.NIBBLE, f2, i8, _pack_nibbles(codes), blocks.scales, offsets
-        return kernel.INT8, f2, blocks.codes, u8, blocks.scales, blocks.offsets
+            return kernel.NIBBLE, f2, i8, _pack_nibbles(codes).reshape(rows, -1), scales, np.ascontiguousarray(offsets)
+        codes = np.ascontiguousarray(blocks.codes).reshape(rows, -1)
+        return kernel.INT8, f2, codes, u8, scales, np.ascontiguousarray(blocks.offsets)
 
     @property
     def weight_bytes(self) -> int:
@@ -120,12 +134,21 @@ class FusedDecode:
 
     def forward(self, input_ids: paddle.Tensor, meta: AttentionMetadata) -> paddle.Tensor:
         """Hidden states [num_seqs, hidden] after the final norm; the step's K/V land in the cache."""
+        return self.step(input_ids, meta, np.zeros(0, np.int64))[0]
+
+    def step(self, input_ids: paddle.Tensor, meta: AttentionMetadata,
+             logit_rows: np.ndarray) -> tuple[paddle.Tensor, np.ndarray | None]:
+        """Hidden states [num_seqs, hidden] after the final norm, and the logits of the hidden rows
+        ``logit_rows`` (None when the LM head is not in blocks: `LlamaForCausalLM.compute_logits`
+        then computes them); the step's K/V land in the cache."""
         out = np.empty((meta.num_tokens, self.cfg.hidden_size), np.float32)
+        rows = np.asarray(logit_rows, np.int64)
+        logits = np.empty((len(rows) if self.has_head else 0, self.cfg.vocab_size), np.float32)
         kernel.decode_step(
             host_view(input_ids), host_view(meta.positions), host_view(meta.slot_mapping),
             host_view(meta.block_tables), host_view(meta.context_lens),
             self.embed, self.norms, self.qk_norms, self.qkv_bias, self.final_norm, self.cos, self.sin,
             self.formats, self.float_w, self.codes, self.nibbles, self.scales, self.offsets,
             self.k_caches, self.v_caches, self.cfg.num_heads, self.cfg.num_kv_heads,
-            np.float32(self.cfg.rms_norm_eps), self.scale, self.parallel, out)
-        return paddle.to_tensor(out)
+            np.float32(self.cfg.rms_norm_eps), self.scale, self.parallel, out, rows, logits)
+        return paddle.to_tensor(out), (logits if self.has_head else None)

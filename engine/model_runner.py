@@ -97,11 +97,6 @@ class ModelRunner:
     @paddle.no_grad()
     def execute(self, batch: SchedulerOutput) -> StepLogits:
         input_ids, meta, starts = self.build_metadata(batch)
-        if self.fused_decode is not None and meta.decode_only:
-            hidden = self.fused_decode.forward(input_ids, meta)
-        else:
-            hidden = self.model.forward(input_ids, meta.positions, meta, self.kv_caches)
-
         rows, sample_ids, prompt_spans = [], [], []
         for s, start in zip(batch.scheduled, starts):
             req = s.request
@@ -117,9 +112,16 @@ class ModelRunner:
                 sample_ids.append(req.request_id)
         sample_start = len(rows)
         rows.extend(start + s.num_new_tokens - 1 for s, start in zip(batch.scheduled, starts) if s.completes_sequence)
+
+        logits = None
+        if self.fused_decode is not None and meta.decode_only:
+            hidden, logits = self.fused_decode.step(input_ids, meta, np.asarray(rows, dtype=np.int64))
+        else:
+            hidden = self.model.forward(input_ids, meta.positions, meta, self.kv_caches)
         if not rows:
             return StepLogits(np.zeros((0, 0), np.float32), [])
-        selected = paddle.index_select(hidden, paddle.to_tensor(np.asarray(rows, dtype=np.int64)))
-        logits = self.model.compute_logits(selected).numpy()
+        if logits is None:
+            selected = paddle.index_select(hidden, paddle.to_tensor(np.asarray(rows, dtype=np.int64)))
+            logits = self.model.compute_logits(selected).numpy()
         prompt_rows = {rid: (lo, logits[at: at + n]) for rid, lo, at, n in prompt_spans}
         return StepLogits(logits[sample_start:], sample_ids, prompt_rows)

@@ -71,7 +71,7 @@ def test_block_linears_compute_with_the_checkpoint_weights(qtype, tokens):
 
     class Layer:  # what FusedDecode reads from a native Linear
         block_weight = BlockWeight(blocks)
-    f2, i8, u8 = np.zeros((1, 1), np.float32), np.zeros((1, 1, 1), np.int8), np.zeros((1, 1, 1), np.uint8)
+    f2, i8, u8 = np.zeros((1, 1), np.float32), np.zeros((1, 1), np.int8), np.zeros((1, 1), np.uint8)
     fmt, _, codes, nibbles, scales, offsets = FusedDecode._linear(FusedDecode.__new__(FusedDecode), Layer, f2, i8, u8)
     assert fmt == (kernel.INT8 if qtype == QT.Q8_0 else kernel.NIBBLE)
 

@@ -13,15 +13,17 @@ A linear ``k`` of the stack comes in one of three formats (``formats[k]``):
 
 ============  ===========================================================
 ``FLOAT``     ``float_w[k]``: float32 ``[in, out]`` (the Paddle parameter)
-``INT8``      ``codes[k]`` int8 ``[out, in // 32, 32]``: ``W = scale * code + offset``
-``NIBBLE``    ``nibbles[k]`` uint8 ``[out, in // 32, 16]``: byte ``j`` holds code ``j``
-              in its low and code ``j + 16`` in its high four bits (GGUF's Q4 order)
+``INT8``      ``codes[k]`` int8 ``[out, in // 32 * 32]``: ``W = scale * code + offset``
+``NIBBLE``    ``nibbles[k]`` uint8 ``[out, in // 32 * 16]``: byte ``j`` of a block holds
+              code ``j`` in its low and code ``j + 16`` in its high four bits (GGUF's Q4 order)
 ============  ===========================================================
 
 with ``scales[k]`` / ``offsets[k]`` float32 ``[out, in // 32]`` for the block
-formats. The lists hold one entry per linear in the order ``layer * 4 + (qkv,
-o, gate_up, down)``; entries of the formats a linear does not use are
-placeholders. Attention reuses the paged-attention pieces of ``attention.py``.
+formats; block linears run the kernels of ``block_matmul.py``. The lists hold
+one entry per linear in the order ``layer * 4 + (qkv, o, gate_up, down)``,
+then optionally the LM head (block formats only); entries of the formats a
+linear does not use are placeholders. Attention reuses the paged-attention
+pieces of ``attention.py``.
 """
 from __future__ import annotations
 
@@ -29,80 +31,13 @@ import numpy as np
 from numba import njit, prange
 
 from .attention import decode_item, store_rows
+from .block_matmul import matvec_par, matvec_seq, tiled_par, tiled_seq
 
 FLOAT, INT8, NIBBLE = 0, 1, 2
 QKV, O_PROJ, GATE_UP, DOWN = 0, 1, 2, 3
-BLOCK = 32
-ROWS = 16  # output rows per work item of a one-token block-format linear
-TILE = 64  # weight rows dequantized per work item for several tokens (64 x in float32 stays in L2)
 
 _PAR = dict(parallel=True, fastmath=True, cache=True, nogil=True, boundscheck=False)
 _SEQ = dict(fastmath=True, cache=True, nogil=True, boundscheck=False)
-
-
-def _block_linear(x, codes, nibbles, scales, offsets, nibble, out):
-    """out[0, o] = sum_i x[0, i] * W[o, i] for one token and a block-format W (int8 codes or nibbles):
-    ``sum_b scale * (codes . x_b) + offset * sum(x_b)`` with 32 partial sums per row.
-    Nibbles are widened through int32 (AVX2 converts int32 to float32, not int64).
-    """
-    num_out, num_blocks = scales.shape
-    half = BLOCK // 2
-    low, four = np.int32(15), np.int32(4)
-    x3 = x[0].reshape((num_blocks, BLOCK))
-    block_sums = np.empty(num_blocks, np.float32)
-    for b in range(num_blocks):
-        block_sums[b] = x3[b].sum()
-    for item in prange((num_out + ROWS - 1) // ROWS):
-        acc = np.empty(BLOCK, np.float32)
-        for o in range(item * ROWS, min(num_out, item * ROWS + ROWS)):
-            acc[:] = 0
-            shift = np.float32(0.0)
-            for b in range(num_blocks):
-                s = scales[o, b]
-                if nibble:
-                    for j in range(half):
-                        p = np.int32(nibbles[o, b, j])
-                        acc[j] += s * (np.float32(p & low) * x3[b, j])
-                        acc[j + half] += s * (np.float32(p >> four) * x3[b, j + half])
-                else:
-                    for j in range(BLOCK):
-                        acc[j] += s * (np.float32(codes[o, b, j]) * x3[b, j])
-                shift += offsets[o, b] * block_sums[b]
-            out[0, o] = acc.sum() + shift
-
-
-def _block_linear_tiled(x, codes, nibbles, scales, offsets, nibble, out):
-    """The same product for several tokens: each work item dequantizes ``TILE`` weight rows
-    to float32 (cache-resident) and multiplies them with every token through BLAS."""
-    num_out, num_blocks = scales.shape
-    half = BLOCK // 2
-    low, four = np.int32(15), np.int32(4)
-    xt = np.ascontiguousarray(x.T)
-    for item in prange((num_out + TILE - 1) // TILE):
-        lo = item * TILE
-        hi = min(num_out, lo + TILE)
-        w = np.empty((hi - lo, num_blocks * BLOCK), np.float32)
-        for o in range(lo, hi):
-            for b in range(num_blocks):
-                s, m = scales[o, b], offsets[o, b]
-                base = b * BLOCK
-                if nibble:
-                    for j in range(half):
-                        p = np.int32(nibbles[o, b, j])
-                        w[o - lo, base + j] = s * np.float32(p & low) + m
-                        w[o - lo, base + j + half] = s * np.float32(p >> four) + m
-                else:
-                    for j in range(BLOCK):
-                        w[o - lo, base + j] = s * np.float32(codes[o, b, j]) + m
-        y = np.dot(w, xt)
-        for o in range(lo, hi):
-            for t in range(x.shape[0]):
-                out[t, o] = y[o - lo, t]
-
-
-def _float_linear(x, w, out):
-    """out = x @ w for a float32 ``[in, out]`` weight (BLAS)."""
-    out[:] = np.dot(x, w)
 
 
 def _attention(q, k_cache, v_cache, block_tables, context_lens, scale, out):
@@ -117,6 +52,33 @@ def _attention(q, k_cache, v_cache, block_tables, context_lens, scale, out):
         i, h = item // num_kv_heads, item % num_kv_heads
         decode_item(q, k_cache, v_cache, block_tables, context_lens, scale, 0, i, h, 0, part_m, part_l, part_acc)
         store_rows(out, i, 1, h * group, group, part_l[i, h, 0], part_acc[i, h, 0])
+
+
+_attention_par, _attention_seq = njit(**_PAR)(_attention), njit(**_SEQ)(_attention)
+
+
+@njit(**_SEQ)
+def _block_linear(x, codes, scales, offsets, out, parallel):
+    if x.shape[0] > 1:
+        if parallel:
+            tiled_par(x, codes, scales, offsets, out)
+        else:
+            tiled_seq(x, codes, scales, offsets, out)
+    elif parallel:
+        matvec_par(x, codes, scales, offsets, out)
+    else:
+        matvec_seq(x, codes, scales, offsets, out)
+
+
+@njit(**_SEQ)
+def _linear(k, x, formats, float_w, codes, nibbles, scales, offsets, out, parallel):
+    """out = x @ W_k.T for linear ``k`` of the stack, in its format."""
+    if formats[k] == FLOAT:
+        out[:] = np.dot(x, float_w[k])
+    elif formats[k] == NIBBLE:
+        _block_linear(x, nibbles[k], scales[k], offsets[k], out, parallel)
+    else:
+        _block_linear(x, codes[k], scales[k], offsets[k], out, parallel)
 
 
 @njit(**_SEQ)
@@ -143,34 +105,14 @@ def _rope(heads, cos, sin):
             heads[h, d + half] = x2 * cos[d + half] + x1 * sin[d + half]
 
 
-# each kernel twice: threads split its work (parallel) or the calling thread runs it all (serial)
-_block_linear_par, _block_linear_seq = njit(**_PAR)(_block_linear), njit(**_SEQ)(_block_linear)
-_tiled_par, _tiled_seq = njit(**_PAR)(_block_linear_tiled), njit(**_SEQ)(_block_linear_tiled)
-_float_linear_jit = njit(**_SEQ)(_float_linear)
-_attention_par, _attention_seq = njit(**_PAR)(_attention), njit(**_SEQ)(_attention)
-
-
-@njit(**_SEQ)
-def _linear(k, x, formats, float_w, codes, nibbles, scales, offsets, out, parallel):
-    if formats[k] == FLOAT:
-        _float_linear_jit(x, float_w[k], out)
-    elif x.shape[0] > 1:
-        if parallel:
-            _tiled_par(x, codes[k], nibbles[k], scales[k], offsets[k], formats[k] == NIBBLE, out)
-        else:
-            _tiled_seq(x, codes[k], nibbles[k], scales[k], offsets[k], formats[k] == NIBBLE, out)
-    elif parallel:
-        _block_linear_par(x, codes[k], nibbles[k], scales[k], offsets[k], formats[k] == NIBBLE, out)
-    else:
-        _block_linear_seq(x, codes[k], nibbles[k], scales[k], offsets[k], formats[k] == NIBBLE, out)
-
-
 @njit(**_SEQ)
 def decode_step(token_ids, positions, slots, block_tables, context_lens,
                 embed, norms, qk_norms, qkv_bias, final_norm, cos_table, sin_table,
                 formats, float_w, codes, nibbles, scales, offsets,
-                k_caches, v_caches, num_heads, num_kv_heads, eps, scale, parallel, out):
-    """Hidden states after the final norm for ``T`` decoding sequences, written to ``out`` [T, hidden].
+                k_caches, v_caches, num_heads, num_kv_heads, eps, scale, parallel, out, logit_rows, logits):
+    """Hidden states after the final norm for ``T`` decoding sequences, written to ``out`` [T, hidden],
+    and, where the stack has an LM head (linear ``4 * num_layers``), the logits of the hidden rows
+    ``logit_rows`` written to ``logits`` [len(logit_rows), vocab].
 
     token_ids, positions, slots: [T] (new token, its position, its KV-cache slot);
     block_tables [T, max_blocks] and context_lens [T] (including the new token)
@@ -219,7 +161,7 @@ def decode_step(token_ids, positions, slots, block_tables, context_lens,
             blk, off = slot // block_size, slot % block_size
             k_cache[blk, :, off, :] = k
             v_cache[blk, :, off, :] = v
-        if parallel:
+        if parallel and num_tokens > 1:  # one token's attention is too little work to split
             _attention_par(attn.copy(), k_cache, v_cache, block_tables, context_lens, scale, attn)
         else:
             _attention_seq(attn.copy(), k_cache, v_cache, block_tables, context_lens, scale, attn)
@@ -235,3 +177,8 @@ def decode_step(token_ids, positions, slots, block_tables, context_lens,
         _linear(lin + DOWN, act, formats, float_w, codes, nibbles, scales, offsets, proj, parallel)
         x += proj
     _rms_norm(x, final_norm, eps, out)
+    if len(formats) > 4 * num_layers and len(logit_rows) > 0:
+        rows = np.empty((len(logit_rows), hidden), np.float32)
+        for i in range(len(logit_rows)):
+            rows[i] = out[logit_rows[i]]
+        _linear(4 * num_layers, rows, formats, float_w, codes, nibbles, scales, offsets, logits, parallel)
