@@ -1,6 +1,7 @@
 """The fused CPU decode step against the Paddle layers it replaces, token for token."""
 
 import contextlib
+import threading
 
 import gguf
 import numpy as np
@@ -14,6 +15,7 @@ from engine.config import EngineConfig
 from engine.fused_decode import FusedDecode, fused_decode_support
 from engine.loader.gguf_blocks import unpack
 from gpu_kernels.cpu import decode_step as kernel
+from gpu_kernels.cpu.sync import STRIDE
 from tiny_models import make_tiny_model, tiny_prompts
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=1)
@@ -76,13 +78,20 @@ def test_block_linears_compute_with_the_checkpoint_weights(qtype, tokens):
     assert fmt == (kernel.INT8 if qtype == QT.Q8_0 else kernel.NIBBLE)
 
     x = rng.standard_normal((tokens, in_features)).astype(np.float32)
-    out = np.empty((tokens, out_features), np.float32)
-    formats = np.array([fmt])
-    for parallel in (False, True):
-        out[:] = np.nan
-        kernel._linear(0, x, formats, List([f2]), List([codes]), List([nibbles]), List([scales]), List([offsets]),
-                       out, parallel)
+    lists = (np.array([fmt]), List([f2]), List([codes]), List([nibbles]), List([scales]), List([offsets]))
+    results = []
+    for threads in (1, 2):  # the rows shared by a team of threads through the phase's counters
+        out = np.full((tokens, out_features), np.nan, np.float32)
+        counters = np.zeros(STRIDE, np.int64)
+        team = [threading.Thread(target=kernel._linear_phase, args=(0, x, *lists, out, counters, 0))
+                for _ in range(threads)]
+        for t in team:
+            t.start()
+        for t in team:
+            t.join()
         np.testing.assert_allclose(out, x @ blocks.dequantize().T, rtol=1e-5, atol=1e-4)
+        results.append(out)
+    np.testing.assert_array_equal(results[0], results[1])
 
 
 def test_fused_decode_falls_back_and_says_why(tmp_path):

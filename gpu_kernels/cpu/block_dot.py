@@ -64,17 +64,22 @@ def _to_float(builder, bytes8, signed):
 
 
 def _codes_as_floats(builder, codes_ptr, b, nibble):
-    """The 32 codes of block ``b`` as four <8 x float>."""
-    if nibble:
-        packed = _load_vec(builder, codes_ptr, builder.mul(b, ir.Constant(_I64, 16)), _V16B, 1)
-        low = builder.and_(packed, ir.Constant(_V16B, [15] * 16))
-        high = builder.lshr(packed, ir.Constant(_V16B, [4] * 16))
-        parts = [_lanes(builder, low, 0, 8), _lanes(builder, low, 8, 8),
-                 _lanes(builder, high, 0, 8), _lanes(builder, high, 8, 8)]
+    """The 32 codes of block ``b`` as four <8 x float> (codes 0-7, 8-15, 16-23, 24-31)."""
+    v8i8, v8i32 = ir.VectorType(_I8, 8), ir.VectorType(_I32, 8)
+    if nibble:  # bytes 0-7 hold codes 0-7 and 16-23, bytes 8-15 codes 8-15 and 24-31
+        base = builder.mul(b, ir.Constant(_I64, 16))
+        parts = []
+        for half in range(2):
+            bytes8 = _load_vec(builder, codes_ptr, builder.add(base, ir.Constant(_I64, 8 * half)), v8i8, 1)
+            parts.append(builder.zext(bytes8, v8i32))
+        low = [builder.and_(p, ir.Constant(v8i32, [15] * 8)) for p in parts]
+        high = [builder.lshr(p, ir.Constant(v8i32, [4] * 8)) for p in parts]
+        ints = low + high
     else:
-        codes = _load_vec(builder, codes_ptr, builder.mul(b, ir.Constant(_I64, 32)), _V32B, 1)
-        parts = [_lanes(builder, codes, 8 * i, 8) for i in range(4)]
-    return [_to_float(builder, p, not nibble) for p in parts]
+        base = builder.mul(b, ir.Constant(_I64, 32))
+        ints = [builder.sext(_load_vec(builder, codes_ptr, builder.add(base, ir.Constant(_I64, 8 * i)), v8i8, 1), v8i32)
+                for i in range(4)]
+    return [builder.sitofp(i, _V8F) for i in ints]
 
 
 def _hsum(builder, vec):

@@ -15,9 +15,8 @@ kernels of `cpu.block_dot`:
   (``np.dot``, single-threaded: `cpu.blas.single_threaded_blas`), so every
   weight is read and converted once per call whatever ``T`` is.
 
-The fused decode step (`cpu.decode_step`) runs the same two kernels.
-Each exists twice: ``_par`` splits its items over the cores (``prange``),
-``_seq`` runs them on the calling thread.
+Both are loops over work items of `matvec_rows` / `tiled_rows`, which the
+fused decode step (`cpu.decode_step`) runs as its own items.
 """
 
 from __future__ import annotations
@@ -36,16 +35,39 @@ _PAR = dict(parallel=True, fastmath=True, boundscheck=False, nogil=True, cache=T
 _SEQ = dict(fastmath=True, boundscheck=False, nogil=True, cache=True)
 
 
+@njit(**_SEQ)
+def block_sums(x, out):
+    """out[b] = sum of block ``b`` of the row ``x``."""
+    for b in range(out.shape[0]):
+        out[b] = x[b * BLOCK:(b + 1) * BLOCK].sum()
+
+
+@njit(**_SEQ)
+def matvec_rows(x, codes, scales, offsets, sums, out, lo, hi):
+    """out[o] = W[o] . x for outputs ``lo <= o < hi`` (``sums``: `block_sums` of ``x``)."""
+    for o in range(lo, hi):
+        out[o] = block_dot(codes[o], scales[o], offsets[o], x, sums)
+
+
+@njit(**_SEQ)
+def tiled_rows(xt, codes, scales, offsets, w, out, lo, hi):
+    """out[:, lo:hi] = x @ W[lo:hi].T with ``xt`` = x.T contiguous: the rows dequantized into the
+    scratch ``w`` (>= hi - lo rows), multiplied through BLAS."""
+    for o in range(lo, hi):
+        block_dequant(codes[o], scales[o], offsets[o], w[o - lo])
+    y = np.dot(w[:hi - lo], xt)  # [hi - lo, T]
+    for o in range(lo, hi):
+        for t in range(xt.shape[1]):
+            out[t, o] = y[o - lo, t]
+
+
 def _matvec(x, codes, scales, offsets, out):
-    """out[0, o] = W[o] . x[0]; codes 2-d ``[out, row bytes]`` (int8 codes or nibbles)."""
+    """out[0] = W @ x[0]; codes 2-d ``[out, row bytes]`` (int8 codes or nibbles)."""
     num_out, num_blocks = scales.shape
-    xr = x[0]
-    block_sums = np.empty(num_blocks, np.float32)
-    for b in range(num_blocks):
-        block_sums[b] = xr[b * BLOCK:(b + 1) * BLOCK].sum()
+    sums = np.empty(num_blocks, np.float32)
+    block_sums(x[0], sums)
     for item in prange((num_out + ROWS - 1) // ROWS):
-        for o in range(item * ROWS, min(num_out, item * ROWS + ROWS)):
-            out[0, o] = block_dot(codes[o], scales[o], offsets[o], xr, block_sums)
+        matvec_rows(x[0], codes, scales, offsets, sums, out[0], item * ROWS, min(num_out, item * ROWS + ROWS))
 
 
 def _tiled(x, codes, scales, offsets, out):
@@ -53,19 +75,12 @@ def _tiled(x, codes, scales, offsets, out):
     num_out, num_blocks = scales.shape
     xt = np.ascontiguousarray(x.T)  # [in, T]
     for item in prange((num_out + TILE - 1) // TILE):
-        lo = item * TILE
-        hi = min(num_out, lo + TILE)
-        w = np.empty((hi - lo, num_blocks * BLOCK), np.float32)
-        for o in range(lo, hi):
-            block_dequant(codes[o], scales[o], offsets[o], w[o - lo])
-        y = np.dot(w, xt)  # [tile, T]
-        for o in range(lo, hi):
-            for t in range(x.shape[0]):
-                out[t, o] = y[o - lo, t]
+        w = np.empty((TILE, num_blocks * BLOCK), np.float32)
+        tiled_rows(xt, codes, scales, offsets, w, out, item * TILE, min(num_out, item * TILE + TILE))
 
 
-matvec_par, matvec_seq = njit(**_PAR)(_matvec), njit(**_SEQ)(_matvec)
-tiled_par, tiled_seq = njit(**_PAR)(_tiled), njit(**_SEQ)(_tiled)
+_matvec_par, _matvec_seq = njit(**_PAR)(_matvec), njit(**_SEQ)(_matvec)
+_tiled_par = njit(**_PAR)(_tiled)
 
 # Threads pay off only for large weights: a parallel launch has a fixed cost, far larger when
 # another process holds a core (every thread of the region must get scheduled).
@@ -93,9 +108,9 @@ def block_matmul(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, offsets: 
     parallel = num_out * x.shape[1] >= PARALLEL_MIN_WEIGHTS
     if x.shape[0] > 1:
         single_threaded_blas()
-        tiled_par(x, rows, scales, offsets, out)
+        _tiled_par(x, rows, scales, offsets, out)
     elif parallel:
-        matvec_par(x, rows, scales, offsets, out)
+        _matvec_par(x, rows, scales, offsets, out)
     else:
-        matvec_seq(x, rows, scales, offsets, out)
+        _matvec_seq(x, rows, scales, offsets, out)
     return out

@@ -1,13 +1,24 @@
-"""One decode step of a Llama-family decoder as one Numba call (CPU).
+"""One decode step of a Llama-family decoder as one Numba call per thread (CPU).
 
 Eager Paddle runs a decode step as a few hundred small ops, each with its own
 dispatch; for a small model the step is then mostly dispatch, not arithmetic.
 ``decode_step`` runs the whole stack -- embedding, every layer (RMSNorm, QKV
 projection, optional Q/K head norms, RoPE, KV-cache write, paged attention,
-output projection, MLP) and the final norm -- for ``T`` sequences with one new
-token each, in one compiled call. The matmuls are matrix-vector products bound
-by reading the weights, so each weight row is read once per step and applied to
-all ``T`` tokens, and the rows are split over the cores (``prange``).
+output projection, MLP), the final norm and the LM head -- for ``T`` sequences
+with one new token each. Each weight row is read once per step and applied to
+all ``T`` tokens.
+
+A team of threads calls ``decode_step`` together (`engine.fused_decode` keeps
+the team), each with its ``tid``; alone, one thread does everything. The
+threads walk the same *phases* -- per layer: QKV, attention, O, gate/up, down;
+then the LM head -- and share each phase's items through atomic counters
+(`cpu.sync`): ``ROWS`` (one token) or ``TILE`` (several) output rows of a
+matmul, one (sequence, KV head) of attention. Cheap row-wise work between
+matmuls (norms, residual adds, SiLU) every thread does for itself on its own
+copy, so the only waits are for a phase's items to finish. Every phase writes
+its own per-layer buffer, so a thread that falls behind never finds its inputs
+overwritten; it finds the items taken and catches up. A result does not
+depend on which thread computed it.
 
 A linear ``k`` of the stack comes in one of three formats (``formats[k]``):
 
@@ -19,66 +30,113 @@ A linear ``k`` of the stack comes in one of three formats (``formats[k]``):
 ============  ===========================================================
 
 with ``scales[k]`` / ``offsets[k]`` float32 ``[out, in // 32]`` for the block
-formats; block linears run the kernels of ``block_matmul.py``. The lists hold
-one entry per linear in the order ``layer * 4 + (qkv, o, gate_up, down)``,
-then optionally the LM head (block formats only); entries of the formats a
-linear does not use are placeholders. Attention reuses the paged-attention
-pieces of ``attention.py``.
+formats; block rows run the row kernels of ``block_matmul.py`` (the same ones
+its matmul runs). The lists hold one entry per linear in the order
+``layer * 4 + (qkv, o, gate_up, down)``, then optionally the LM head (block
+formats only); entries of the formats a linear does not use are placeholders.
+Attention reuses the paged-attention pieces of ``attention.py``.
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from .attention import decode_item, store_rows
-from .block_matmul import matvec_par, matvec_seq, tiled_par, tiled_seq
+from .block_matmul import BLOCK, ROWS, TILE, block_sums, matvec_rows, tiled_rows
+from .sync import STRIDE, claim, done, wait_done
 
 FLOAT, INT8, NIBBLE = 0, 1, 2
 QKV, O_PROJ, GATE_UP, DOWN = 0, 1, 2, 3
+PHASES_PER_LAYER = 5  # QKV, attention, O, gate/up, down
 
-_PAR = dict(parallel=True, fastmath=True, cache=True, nogil=True, boundscheck=False)
 _SEQ = dict(fastmath=True, cache=True, nogil=True, boundscheck=False)
 
 
-def _attention(q, k_cache, v_cache, block_tables, context_lens, scale, out):
-    """Paged decode attention: every (sequence, KV head) is one work item (no key split)."""
-    num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
-    group = num_heads // num_kv_heads
-    part_m = np.empty((num_seqs, num_kv_heads, 1, group), np.float32)
-    part_l = np.empty((num_seqs, num_kv_heads, 1, group), np.float32)
-    part_acc = np.empty((num_seqs, num_kv_heads, 1, group, head_dim), np.float32)
-    for item in prange(num_seqs * num_kv_heads):
-        i, h = item // num_kv_heads, item % num_kv_heads
-        decode_item(q, k_cache, v_cache, block_tables, context_lens, scale, 0, i, h, 0, part_m, part_l, part_acc)
-        store_rows(out, i, 1, h * group, group, part_l[i, h, 0], part_acc[i, h, 0])
-
-
-_attention_par, _attention_seq = njit(**_PAR)(_attention), njit(**_SEQ)(_attention)
+def num_phases(num_layers: int) -> int:
+    """Phases of one step (the LM head's included); the counters array holds ``STRIDE`` per phase."""
+    return PHASES_PER_LAYER * num_layers + 1
 
 
 @njit(**_SEQ)
-def _block_linear(x, codes, scales, offsets, out, parallel):
-    if x.shape[0] > 1:
-        if parallel:
-            tiled_par(x, codes, scales, offsets, out)
+def _rows_of(k, x, formats, float_w, codes, nibbles, scales, offsets, sums, xt, w, out, lo, hi):
+    """out[:, lo:hi] for linear ``k`` (block formats)."""
+    if x.shape[0] == 1:
+        if formats[k] == NIBBLE:
+            matvec_rows(x[0], nibbles[k], scales[k], offsets[k], sums, out[0], lo, hi)
         else:
-            tiled_seq(x, codes, scales, offsets, out)
-    elif parallel:
-        matvec_par(x, codes, scales, offsets, out)
+            matvec_rows(x[0], codes[k], scales[k], offsets[k], sums, out[0], lo, hi)
+    elif formats[k] == NIBBLE:
+        tiled_rows(xt, nibbles[k], scales[k], offsets[k], w, out, lo, hi)
     else:
-        matvec_seq(x, codes, scales, offsets, out)
+        tiled_rows(xt, codes[k], scales[k], offsets[k], w, out, lo, hi)
 
 
 @njit(**_SEQ)
-def _linear(k, x, formats, float_w, codes, nibbles, scales, offsets, out, parallel):
-    """out = x @ W_k.T for linear ``k`` of the stack, in its format."""
-    if formats[k] == FLOAT:
-        out[:] = np.dot(x, float_w[k])
-    elif formats[k] == NIBBLE:
-        _block_linear(x, nibbles[k], scales[k], offsets[k], out, parallel)
+def _linear_phase(k, x, formats, float_w, codes, nibbles, scales, offsets, out, counters, phase):
+    """out = x @ W_k.T as one phase: this thread runs the items it claims, then waits for the rest."""
+    if formats[k] == FLOAT:  # one item: a BLAS call on the whole [in, out] weight
+        if claim(counters, phase) == 0:
+            out[:] = np.dot(x, float_w[k])
+            done(counters, phase, 1)
+        wait_done(counters, phase, 1)
+        return
+    num_out, num_blocks = scales[k].shape
+    rows = ROWS if x.shape[0] == 1 else TILE
+    items = (num_out + rows - 1) // rows
+    sums = np.empty(num_blocks, np.float32)
+    xt = np.empty((1, 1), np.float32)
+    w = np.empty((1, 1), np.float32)
+    if x.shape[0] == 1:
+        block_sums(x[0], sums)
     else:
-        _block_linear(x, codes[k], scales[k], offsets[k], out, parallel)
+        xt = np.ascontiguousarray(x.T)
+        w = np.empty((TILE, num_blocks * BLOCK), np.float32)
+    item = claim(counters, phase)
+    while item < items:
+        lo = item * rows
+        _rows_of(k, x, formats, float_w, codes, nibbles, scales, offsets, sums, xt, w, out, lo, min(num_out, lo + rows))
+        done(counters, phase, 1)
+        item = claim(counters, phase)
+    wait_done(counters, phase, items)
+
+
+@njit(**_SEQ)
+def _attention_phase(layer, qkv, positions, slots, block_tables, context_lens, qk_norms, qkv_bias,
+                     cos_table, sin_table, k_cache, v_cache, num_heads, num_kv_heads, eps, scale,
+                     q, part_m, part_l, part_acc, out, counters, phase):
+    """Per (sequence, KV head) item: bias, Q/K norms and RoPE of its heads, its K/V into the cache,
+    paged attention of its query heads -> out [T, num_heads, head_dim]."""
+    num_tokens = qkv.shape[0]
+    head_dim = k_cache.shape[3]
+    block_size = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    items = num_tokens * num_kv_heads
+    item = claim(counters, phase)
+    while item < items:
+        t, h = item // num_kv_heads, item % num_kv_heads
+        row = qkv[t].copy()
+        if len(qkv_bias) > 0:
+            row += qkv_bias[layer]
+        qh = row[h * group * head_dim:(h + 1) * group * head_dim].reshape((group, head_dim))
+        kh = row[q_size + h * head_dim:q_size + (h + 1) * head_dim].reshape((1, head_dim))
+        vh = row[q_size + kv_size + h * head_dim:q_size + kv_size + (h + 1) * head_dim]
+        if len(qk_norms) > 0:
+            _rms_norm(qh.copy(), qk_norms[2 * layer], eps, qh)
+            _rms_norm(kh.copy(), qk_norms[2 * layer + 1], eps, kh)
+        pos = positions[t]
+        _rope(qh, cos_table[pos], sin_table[pos])
+        _rope(kh, cos_table[pos], sin_table[pos])
+        q[t, h * group:(h + 1) * group] = qh
+        slot = slots[t]
+        blk, off = slot // block_size, slot % block_size
+        k_cache[blk, h, off, :] = kh[0]
+        v_cache[blk, h, off, :] = vh
+        decode_item(q, k_cache, v_cache, block_tables, context_lens, scale, 0, t, h, 0, part_m, part_l, part_acc)
+        store_rows(out, t, 1, h * group, group, part_l[t, h, 0], part_acc[t, h, 0])
+        done(counters, phase, 1)
+        item = claim(counters, phase)
+    wait_done(counters, phase, items)
 
 
 @njit(**_SEQ)
@@ -106,79 +164,70 @@ def _rope(heads, cos, sin):
 
 
 @njit(**_SEQ)
-def decode_step(token_ids, positions, slots, block_tables, context_lens,
+def decode_step(tid, counters, token_ids, positions, slots, block_tables, context_lens,
                 embed, norms, qk_norms, qkv_bias, final_norm, cos_table, sin_table,
                 formats, float_w, codes, nibbles, scales, offsets,
-                k_caches, v_caches, num_heads, num_kv_heads, eps, scale, parallel, out, logit_rows, logits):
-    """Hidden states after the final norm for ``T`` decoding sequences, written to ``out`` [T, hidden],
-    and, where the stack has an LM head (linear ``4 * num_layers``), the logits of the hidden rows
-    ``logit_rows`` written to ``logits`` [len(logit_rows), vocab].
+                k_caches, v_caches, num_heads, num_kv_heads, eps, scale,
+                qkv_buf, attn_buf, o_buf, gate_up_buf, down_buf, out, logit_rows, logits):
+    """Thread ``tid``'s part of one decode step for ``T`` sequences (one new token each).
 
+    Thread 0 writes the hidden states after the final norm to ``out`` [T, hidden];
+    where the stack has an LM head (linear ``4 * num_layers``), the logits of the
+    hidden rows ``logit_rows`` go to ``logits`` [len(logit_rows), vocab].
+
+    counters: int64 ``[num_phases(num_layers) * STRIDE]``, zeroed, shared by the team;
     token_ids, positions, slots: [T] (new token, its position, its KV-cache slot);
     block_tables [T, max_blocks] and context_lens [T] (including the new token)
     as for ``paged_decode``; norms: 2 per layer (input, post-attention);
     qk_norms: 2 per layer (Q, K) or empty; qkv_bias: 1 per layer or empty;
-    k_caches / v_caches: float32 ``[num_blocks, kv_heads, block_size, head_dim]`` per layer.
+    k_caches / v_caches: float32 ``[num_blocks, kv_heads, block_size, head_dim]`` per layer;
+    ``*_buf``: the shared per-layer results, ``[num_layers, T, ...]`` (attention's
+    ``[num_layers, T, num_heads, head_dim]``).
     """
     num_tokens = token_ids.shape[0]
     hidden = embed.shape[1]
     num_layers = len(k_caches)
     head_dim = k_caches[0].shape[3]
-    block_size = k_caches[0].shape[2]
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    x = np.empty((num_tokens, hidden), np.float32)
+    group = num_heads // num_kv_heads
+    q_size = num_heads * head_dim
+    inter = gate_up_buf.shape[2] // 2
+    x = np.empty((num_tokens, hidden), np.float32)  # this thread's copy of the residual stream
     for t in range(num_tokens):
         x[t] = embed[token_ids[t]]
     h = np.empty_like(x)
-    qkv = np.empty((num_tokens, q_size + 2 * kv_size), np.float32)
-    attn = np.empty((num_tokens, num_heads, head_dim), np.float32)
-    proj = np.empty_like(x)
-    inter = scales[GATE_UP].shape[0] // 2 if formats[GATE_UP] != FLOAT else float_w[GATE_UP].shape[1] // 2
-    gate_up = np.empty((num_tokens, 2 * inter), np.float32)
     act = np.empty((num_tokens, inter), np.float32)
+    q = np.empty((num_tokens, num_heads, head_dim), np.float32)
+    part_m = np.empty((num_tokens, num_kv_heads, 1, group), np.float32)
+    part_l = np.empty((num_tokens, num_kv_heads, 1, group), np.float32)
+    part_acc = np.empty((num_tokens, num_kv_heads, 1, group, head_dim), np.float32)
     for layer in range(num_layers):
-        lin = 4 * layer
+        lin, phase = 4 * layer, PHASES_PER_LAYER * layer
         _rms_norm(x, norms[2 * layer], eps, h)
-        _linear(lin + QKV, h, formats, float_w, codes, nibbles, scales, offsets, qkv, parallel)
-        if len(qkv_bias) > 0:
-            bias = qkv_bias[layer]
-            for t in range(num_tokens):
-                for i in range(qkv.shape[1]):
-                    qkv[t, i] += bias[i]
-        k_cache, v_cache = k_caches[layer], v_caches[layer]
-        for t in range(num_tokens):
-            q = qkv[t, :q_size].reshape((num_heads, head_dim))
-            k = qkv[t, q_size:q_size + kv_size].reshape((num_kv_heads, head_dim))
-            v = qkv[t, q_size + kv_size:].reshape((num_kv_heads, head_dim))
-            if len(qk_norms) > 0:
-                _rms_norm(q.copy(), qk_norms[2 * layer], eps, q)
-                _rms_norm(k.copy(), qk_norms[2 * layer + 1], eps, k)
-            pos = positions[t]
-            _rope(q, cos_table[pos], sin_table[pos])
-            _rope(k, cos_table[pos], sin_table[pos])
-            attn[t] = q
-            slot = slots[t]
-            blk, off = slot // block_size, slot % block_size
-            k_cache[blk, :, off, :] = k
-            v_cache[blk, :, off, :] = v
-        if parallel and num_tokens > 1:  # one token's attention is too little work to split
-            _attention_par(attn.copy(), k_cache, v_cache, block_tables, context_lens, scale, attn)
-        else:
-            _attention_seq(attn.copy(), k_cache, v_cache, block_tables, context_lens, scale, attn)
-        _linear(lin + O_PROJ, attn.reshape((num_tokens, q_size)), formats, float_w, codes, nibbles,
-                scales, offsets, proj, parallel)
-        x += proj
+        _linear_phase(lin + QKV, h, formats, float_w, codes, nibbles, scales, offsets, qkv_buf[layer],
+                      counters, phase)
+        _attention_phase(layer, qkv_buf[layer], positions, slots, block_tables, context_lens, qk_norms, qkv_bias,
+                         cos_table, sin_table, k_caches[layer], v_caches[layer], num_heads, num_kv_heads, eps,
+                         scale, q, part_m, part_l, part_acc, attn_buf[layer], counters, phase + 1)
+        _linear_phase(lin + O_PROJ, attn_buf[layer].reshape((num_tokens, q_size)), formats, float_w, codes,
+                      nibbles, scales, offsets, o_buf[layer], counters, phase + 2)
+        x += o_buf[layer]
         _rms_norm(x, norms[2 * layer + 1], eps, h)
-        _linear(lin + GATE_UP, h, formats, float_w, codes, nibbles, scales, offsets, gate_up, parallel)
+        _linear_phase(lin + GATE_UP, h, formats, float_w, codes, nibbles, scales, offsets, gate_up_buf[layer],
+                      counters, phase + 3)
+        gate_up = gate_up_buf[layer]
         for t in range(num_tokens):
             for i in range(inter):
                 g = gate_up[t, i]
                 act[t, i] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[t, inter + i]
-        _linear(lin + DOWN, act, formats, float_w, codes, nibbles, scales, offsets, proj, parallel)
-        x += proj
-    _rms_norm(x, final_norm, eps, out)
+        _linear_phase(lin + DOWN, act, formats, float_w, codes, nibbles, scales, offsets, down_buf[layer],
+                      counters, phase + 4)
+        x += down_buf[layer]
+    _rms_norm(x, final_norm, eps, h)
+    if tid == 0:
+        out[:] = h
     if len(formats) > 4 * num_layers and len(logit_rows) > 0:
         rows = np.empty((len(logit_rows), hidden), np.float32)
         for i in range(len(logit_rows)):
-            rows[i] = out[logit_rows[i]]
-        _linear(4 * num_layers, rows, formats, float_w, codes, nibbles, scales, offsets, logits, parallel)
+            rows[i] = h[logit_rows[i]]
+        _linear_phase(4 * num_layers, rows, formats, float_w, codes, nibbles, scales, offsets, logits,
+                      counters, PHASES_PER_LAYER * num_layers)
