@@ -191,7 +191,7 @@ class FusedDecode:
                 self.k_caches, self.v_caches, self.cfg.num_heads, self.cfg.num_kv_heads,
                 np.float32(self.cfg.rms_norm_eps), self.scale, *self._buffers(meta.num_tokens), out, rows, logits)
         if self._team is None:
-            kernel.decode_step(0, *args)
+            kernel.decode_step(0, 1, *args)
         else:
             self._team.run(args)
         return paddle.to_tensor(out), (logits if self.has_head else None)
@@ -221,7 +221,7 @@ class _Team:
             if args is None:
                 return
             try:
-                kernel.decode_step(tid, *args)
+                kernel.decode_step(tid, self.size, *args)
             finally:
                 done.set()
 
@@ -231,7 +231,7 @@ class _Team:
         for go in self._go:
             go.set()
         try:
-            kernel.decode_step(0, *args)
+            kernel.decode_step(0, self.size, *args)
         finally:
             for done in self._done:
                 done.wait()

@@ -83,7 +83,7 @@ def test_block_linears_compute_with_the_checkpoint_weights(qtype, tokens):
     for threads in (1, 2):  # the rows shared by a team of threads through the phase's counters
         out = np.full((tokens, out_features), np.nan, np.float32)
         counters = np.zeros(STRIDE, np.int64)
-        team = [threading.Thread(target=kernel._linear_phase, args=(0, x, *lists, out, counters, 0))
+        team = [threading.Thread(target=kernel._linear_phase, args=(0, x, *lists, out, counters, 0, threads))
                 for _ in range(threads)]
         for t in team:
             t.start()

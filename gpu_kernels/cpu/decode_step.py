@@ -42,7 +42,7 @@ import numpy as np
 from numba import njit
 
 from .attention import decode_item, store_rows
-from .block_matmul import BLOCK, ROWS, TILE, block_sums, matvec_rows, tiled_rows
+from .block_matmul import BLOCK, ROWS, block_sums, matvec_rows, tiled_rows
 from .sync import STRIDE, claim, done, wait_done
 
 FLOAT, INT8, NIBBLE = 0, 1, 2
@@ -50,6 +50,7 @@ QKV, O_PROJ, GATE_UP, DOWN = 0, 1, 2, 3
 PHASES_PER_LAYER = 5  # QKV, attention, O, gate/up, down
 
 _SEQ = dict(fastmath=True, cache=True, nogil=True, boundscheck=False)
+TILE = 256  # most weight rows per tile of a several-token matmul
 
 
 def num_phases(num_layers: int) -> int:
@@ -72,7 +73,7 @@ def _rows_of(k, x, formats, float_w, codes, nibbles, scales, offsets, sums, xt, 
 
 
 @njit(**_SEQ)
-def _linear_phase(k, x, formats, float_w, codes, nibbles, scales, offsets, out, counters, phase):
+def _linear_phase(k, x, formats, float_w, codes, nibbles, scales, offsets, out, counters, phase, team_size):
     """out = x @ W_k.T as one phase: this thread runs the items it claims, then waits for the rest."""
     if formats[k] == FLOAT:  # one item: a BLAS call on the whole [in, out] weight
         if claim(counters, phase) == 0:
@@ -81,16 +82,19 @@ def _linear_phase(k, x, formats, float_w, codes, nibbles, scales, offsets, out, 
         wait_done(counters, phase, 1)
         return
     num_out, num_blocks = scales[k].shape
-    rows = ROWS if x.shape[0] == 1 else TILE
-    items = (num_out + rows - 1) // rows
     sums = np.empty(num_blocks, np.float32)
     xt = np.empty((1, 1), np.float32)
     w = np.empty((1, 1), np.float32)
     if x.shape[0] == 1:
+        rows = ROWS
         block_sums(x[0], sums)
-    else:
+    else:  # tiles of up to TILE rows (BLAS is most efficient on tall tiles), a multiple of team_size of them
+        items = max(team_size, (num_out + TILE - 1) // TILE)
+        items = (items + team_size - 1) // team_size * team_size
+        rows = (num_out + items - 1) // items
         xt = np.ascontiguousarray(x.T)
-        w = np.empty((TILE, num_blocks * BLOCK), np.float32)
+        w = np.empty((rows, num_blocks * BLOCK), np.float32)
+    items = (num_out + rows - 1) // rows
     item = claim(counters, phase)
     while item < items:
         lo = item * rows
@@ -164,12 +168,12 @@ def _rope(heads, cos, sin):
 
 
 @njit(**_SEQ)
-def decode_step(tid, counters, token_ids, positions, slots, block_tables, context_lens,
+def decode_step(tid, team_size, counters, token_ids, positions, slots, block_tables, context_lens,
                 embed, norms, qk_norms, qkv_bias, final_norm, cos_table, sin_table,
                 formats, float_w, codes, nibbles, scales, offsets,
                 k_caches, v_caches, num_heads, num_kv_heads, eps, scale,
                 qkv_buf, attn_buf, o_buf, gate_up_buf, down_buf, out, logit_rows, logits):
-    """Thread ``tid``'s part of one decode step for ``T`` sequences (one new token each).
+    """Thread ``tid`` (of ``team_size``)'s part of one decode step for ``T`` sequences (one new token each).
 
     Thread 0 writes the hidden states after the final norm to ``out`` [T, hidden];
     where the stack has an LM head (linear ``4 * num_layers``), the logits of the
@@ -204,23 +208,23 @@ def decode_step(tid, counters, token_ids, positions, slots, block_tables, contex
         lin, phase = 4 * layer, PHASES_PER_LAYER * layer
         _rms_norm(x, norms[2 * layer], eps, h)
         _linear_phase(lin + QKV, h, formats, float_w, codes, nibbles, scales, offsets, qkv_buf[layer],
-                      counters, phase)
+                      counters, phase, team_size)
         _attention_phase(layer, qkv_buf[layer], positions, slots, block_tables, context_lens, qk_norms, qkv_bias,
                          cos_table, sin_table, k_caches[layer], v_caches[layer], num_heads, num_kv_heads, eps,
                          scale, q, part_m, part_l, part_acc, attn_buf[layer], counters, phase + 1)
         _linear_phase(lin + O_PROJ, attn_buf[layer].reshape((num_tokens, q_size)), formats, float_w, codes,
-                      nibbles, scales, offsets, o_buf[layer], counters, phase + 2)
+                      nibbles, scales, offsets, o_buf[layer], counters, phase + 2, team_size)
         x += o_buf[layer]
         _rms_norm(x, norms[2 * layer + 1], eps, h)
         _linear_phase(lin + GATE_UP, h, formats, float_w, codes, nibbles, scales, offsets, gate_up_buf[layer],
-                      counters, phase + 3)
+                      counters, phase + 3, team_size)
         gate_up = gate_up_buf[layer]
         for t in range(num_tokens):
             for i in range(inter):
                 g = gate_up[t, i]
                 act[t, i] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[t, inter + i]
         _linear_phase(lin + DOWN, act, formats, float_w, codes, nibbles, scales, offsets, down_buf[layer],
-                      counters, phase + 4)
+                      counters, phase + 4, team_size)
         x += down_buf[layer]
     _rms_norm(x, final_norm, eps, h)
     if tid == 0:
@@ -230,4 +234,4 @@ def decode_step(tid, counters, token_ids, positions, slots, block_tables, contex
         for i in range(len(logit_rows)):
             rows[i] = h[logit_rows[i]]
         _linear_phase(4 * num_layers, rows, formats, float_w, codes, nibbles, scales, offsets, logits,
-                      counters, PHASES_PER_LAYER * num_layers)
+                      counters, PHASES_PER_LAYER * num_layers, team_size)
