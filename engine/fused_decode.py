@@ -173,28 +173,31 @@ class FusedDecode:
 
     def forward(self, input_ids: paddle.Tensor, meta: AttentionMetadata) -> paddle.Tensor:
         """Hidden states [num_seqs, hidden] after the final norm; the step's K/V land in the cache."""
-        return self.step(input_ids, meta, np.zeros(0, np.int64))[0]
+        hidden, _ = self.step(host_view(input_ids), host_view(meta.positions), host_view(meta.slot_mapping),
+                              host_view(meta.block_tables), host_view(meta.context_lens), np.zeros(0, np.int64))
+        return paddle.to_tensor(hidden)
 
-    def step(self, input_ids: paddle.Tensor, meta: AttentionMetadata,
-             logit_rows: np.ndarray) -> tuple[paddle.Tensor, np.ndarray | None]:
-        """Hidden states [num_seqs, hidden] after the final norm, and the logits of the hidden rows
-        ``logit_rows`` (None when the LM head is not in blocks: `LlamaForCausalLM.compute_logits`
-        then computes them); the step's K/V land in the cache."""
-        out = np.empty((meta.num_tokens, self.cfg.hidden_size), np.float32)
+    def step(self, token_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, block_tables: np.ndarray,
+             context_lens: np.ndarray, logit_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """One decode step on NumPy metadata (as `AttentionMetadata` holds it): the hidden states
+        [num_seqs, hidden] after the final norm, and the logits of the hidden rows ``logit_rows``
+        (None when the LM head is not in blocks: `LlamaForCausalLM.compute_logits` then computes
+        them); the step's K/V land in the cache."""
+        num_tokens = len(token_ids)
+        out = np.empty((num_tokens, self.cfg.hidden_size), np.float32)
         rows = np.asarray(logit_rows, np.int64)
         logits = np.empty((len(rows) if self.has_head else 0, self.cfg.vocab_size), np.float32)
         self.counters[:] = 0
-        args = (self.counters, host_view(input_ids), host_view(meta.positions), host_view(meta.slot_mapping),
-                host_view(meta.block_tables), host_view(meta.context_lens),
+        args = (self.counters, token_ids, positions, slots, block_tables, context_lens,
                 self.embed, self.norms, self.qk_norms, self.qkv_bias, self.final_norm, self.cos, self.sin,
                 self.formats, self.float_w, self.codes, self.nibbles, self.scales, self.offsets,
                 self.k_caches, self.v_caches, self.cfg.num_heads, self.cfg.num_kv_heads,
-                np.float32(self.cfg.rms_norm_eps), self.scale, *self._buffers(meta.num_tokens), out, rows, logits)
+                np.float32(self.cfg.rms_norm_eps), self.scale, *self._buffers(num_tokens), out, rows, logits)
         if self._team is None:
             kernel.decode_step(0, 1, *args)
         else:
             self._team.run(args)
-        return paddle.to_tensor(out), (logits if self.has_head else None)
+        return out, (logits if self.has_head else None)
 
 
 class _Team:
