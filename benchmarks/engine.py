@@ -6,8 +6,9 @@ Sections (all on the same SmolLM2 GGUF, float32 activations, CPU):
    single-stream decode and 16-stream aggregate decode of the engine
    (``cpu_decode="fused"``, the default, and ``"paddle"``) beside llama.cpp on
    the same file, token ids and thread count (`benchmarks.llama_cpp`);
-   llama.cpp and the default engine alternate round by round, so that both
-   see the same load on a shared machine;
+   llama.cpp and the default engine alternate round by round (prefill,
+   decode, the engine's 16 streams), so that both see the same load on a
+   shared machine;
 2. **model_impl** -- the native engine, the PaddleFormers backend and
    PaddleFormers' own ``generate``, each engine row with quantized and with
    float matmuls (`benchmarks.fallback`);
@@ -122,11 +123,14 @@ class EngineSide:
         return path
 
 
-def interleaved(sides: dict, text: list[int], prompt: list[int], tokens: int, repeats: int) -> dict:
-    """Prefill and single-stream decode of every side, round by round (each round runs every side
-    once, in turn), so that the sides share whatever load the machine has at the time."""
+def interleaved(sides: dict, text: list[int], prompt: list[int], tokens: int, repeats: int,
+                streams: int) -> dict:
+    """Prefill, single-stream decode and (where a side has it) ``streams``-stream decode of every
+    side, round by round (each round runs every side once, in turn), so that the sides share
+    whatever load the machine has at the time."""
     best = {name: float("inf") for name in sides}
     gaps = {name: [] for name in sides}
+    multi = {name: 0.0 for name in sides}
     out = {}
     for _ in range(repeats):
         for name, side in sides.items():
@@ -134,8 +138,11 @@ def interleaved(sides: dict, text: list[int], prompt: list[int], tokens: int, re
         for name, side in sides.items():
             g, out[name] = side.decode(prompt, tokens)
             gaps[name] += g
+        for name, side in sides.items():
+            if hasattr(side, "multi_tok_s"):
+                multi[name] = max(multi[name], side.multi_tok_s(tokens, streams, 1))
     return {name: {"prefill_tok_s": len(text) / best[name], "decode_tok_s": 1.0 / statistics.median(gaps[name]),
-                   "tokens": out[name]} for name in sides}
+                   "multi_tok_s": multi[name] or None, "tokens": out[name]} for name in sides}
 
 
 class PeerSide:
@@ -171,17 +178,15 @@ def peer_section(model: str, tokens: int, streams: int, repeats: int, prefill_to
     sides = {"engine, cpu_decode=fused": EngineSide(model, "fused", prompt)}
     if version is not None:
         sides = {lc_name: PeerSide(checkpoint.path, threads, prompt), **sides}
-    rows = interleaved(sides, text, prompt, tokens, repeats)
-    if version is not None:
-        sides[lc_name].close()
-        rows[lc_name]["multi_tok_s"] = None
-    fused = sides["engine, cpu_decode=fused"]
-    rows["engine, cpu_decode=fused"].update(multi_tok_s=fused.multi_tok_s(tokens, streams, repeats),
-                                            decode_path=fused.close())
+    rows = interleaved(sides, text, prompt, tokens, repeats, streams)
+    for name, side in sides.items():
+        path = side.close()
+        if path:
+            rows[name]["decode_path"] = path
     paddle_side = EngineSide(model, "paddle", prompt)
-    rows["engine, cpu_decode=paddle"] = interleaved({"paddle": paddle_side}, text, prompt, tokens, repeats)["paddle"]
-    rows["engine, cpu_decode=paddle"].update(multi_tok_s=paddle_side.multi_tok_s(tokens, streams, repeats),
-                                             decode_path=paddle_side.close())
+    rows["engine, cpu_decode=paddle"] = interleaved({"paddle": paddle_side}, text, prompt, tokens, repeats,
+                                                    streams)["paddle"]
+    rows["engine, cpu_decode=paddle"]["decode_path"] = paddle_side.close()
     load_end = os.getloadavg()[0]
 
     print(f"peer — {os.path.basename(checkpoint.path)}, {threads} threads, greedy; prefill: {len(text)} tokens "
