@@ -94,6 +94,45 @@ def test_block_linears_compute_with_the_checkpoint_weights(qtype, tokens):
     np.testing.assert_array_equal(results[0], results[1])
 
 
+def test_a_late_team_member_finds_the_work_done_and_returns():
+    """A thread that reaches a phase after the others finished it (descheduled on a busy machine)
+    takes no item and does not wait: the work is done once, by whoever was there."""
+    rng = np.random.default_rng(11)
+    raw = gguf.quants.quantize(rng.standard_normal((64, 96)).astype(np.float32), QT.Q8_0)
+    blocks = unpack(raw, QT.Q8_0, (64, 96))
+    codes = np.ascontiguousarray(blocks.codes).reshape(64, -1)
+    lists = (np.array([kernel.INT8]), List([np.zeros((1, 1), np.float32)]), List([codes]),
+             List([np.zeros((1, 1), np.uint8)]), List([blocks.scales]), List([blocks.offsets]))
+    x = rng.standard_normal((1, 96)).astype(np.float32)
+    counters = np.zeros(STRIDE, np.int64)
+    first = np.full((1, 64), np.nan, np.float32)
+    kernel._linear_phase(0, x, *lists, first, counters, 0, 2)  # alone: every item of the phase
+    late = np.full((1, 64), np.nan, np.float32)
+    worker = threading.Thread(target=kernel._linear_phase, args=(0, x, *lists, late, counters, 0, 2))
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive()
+    assert np.isnan(late).all()  # it computed nothing
+    np.testing.assert_allclose(first, x @ blocks.dequantize().T, rtol=1e-5, atol=1e-4)
+
+
+def test_fused_decode_team_gives_the_single_threads_numbers(tmp_path):
+    """The step's items shared by two threads or run by one: the same logits, bit for bit."""
+    llm = LLM(model=make_tiny_model(str(tmp_path), seed=3), cpu_decode="fused", block_size=4,
+              enable_prefix_caching=False)  # both rounds prefill the same way
+    fused = llm.engine.runner.fused_decode
+    outputs = []
+    for threads in (1, 2):
+        fused.threads = threads
+        assert fused.threads == threads
+        outputs.append(llm.generate(tiny_prompts(4), GREEDY))
+    llm.shutdown()
+    for one, two in zip(*outputs):
+        assert one.outputs[0].token_ids == two.outputs[0].token_ids
+        for a, b in zip(one.outputs[0].logprobs, two.outputs[0].logprobs):
+            assert {t: lp.logprob for t, lp in a.items()} == {t: lp.logprob for t, lp in b.items()}
+
+
 def test_fused_decode_falls_back_and_says_why(tmp_path):
     llm = LLM(model=make_tiny_model(str(tmp_path)), attention_backend="reference")
     assert llm.snapshot().decode_path == ("paddle (attention_backend is reference; the fused decode step has the "
