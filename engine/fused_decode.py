@@ -100,6 +100,9 @@ class FusedDecode:
             self.v_caches.append(self._view(v))
         self.scale = np.float32(cfg.head_dim ** -0.5)
         self.counters = np.zeros(kernel.num_phases(len(model.layers)) * STRIDE, np.int64)
+        self.marks = np.zeros((kernel.num_phases(len(model.layers)), 0), np.int64)
+        self.epoch = 0
+        self._max_rows = max(s.shape[0] for s in self.scales)
         self._buffer = np.empty(0, np.float32)  # the per-layer results of a step, grown to the largest batch
         self._team = None
         self.threads = min(numba.get_num_threads(), MAX_THREADS)
@@ -188,7 +191,11 @@ class FusedDecode:
         rows = np.asarray(logit_rows, np.int64)
         logits = np.empty((len(rows) if self.has_head else 0, self.cfg.vocab_size), np.float32)
         self.counters[:] = 0
-        args = (self.counters, token_ids, positions, slots, block_tables, context_lens,
+        self.epoch += 1
+        items = -(-self._max_rows // kernel.ROWS) + 8 + num_tokens * self.cfg.num_kv_heads  # bounds any phase's
+        if self.marks.shape[1] < items:
+            self.marks = np.zeros((self.marks.shape[0], items), np.int64)
+        args = (self.counters, self.marks, self.epoch, token_ids, positions, slots, block_tables, context_lens,
                 self.embed, self.norms, self.qk_norms, self.qkv_bias, self.final_norm, self.cos, self.sin,
                 self.formats, self.float_w, self.codes, self.nibbles, self.scales, self.offsets,
                 self.k_caches, self.v_caches, self.cfg.num_heads, self.cfg.num_kv_heads,

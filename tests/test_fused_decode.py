@@ -82,8 +82,8 @@ def test_block_linears_compute_with_the_checkpoint_weights(qtype, tokens):
     results = []
     for threads in (1, 2):  # the rows shared by a team of threads through the phase's counters
         out = np.full((tokens, out_features), np.nan, np.float32)
-        counters = np.zeros(STRIDE, np.int64)
-        team = [threading.Thread(target=kernel._linear_phase, args=(0, x, *lists, out, counters, 0, threads))
+        counters, marks = np.zeros(STRIDE, np.int64), np.zeros((1, out_features), np.int64)
+        team = [threading.Thread(target=kernel._linear_phase, args=(0, x, *lists, out, counters, marks, 1, 0, threads))
                 for _ in range(threads)]
         for t in team:
             t.start()
@@ -96,7 +96,8 @@ def test_block_linears_compute_with_the_checkpoint_weights(qtype, tokens):
 
 def test_a_late_team_member_finds_the_work_done_and_returns():
     """A thread that reaches a phase after the others finished it (descheduled on a busy machine)
-    takes no item and does not wait: the work is done once, by whoever was there."""
+    finds every item marked finished in this step and computes nothing; in the next step
+    (a new epoch) the same marks no longer count."""
     rng = np.random.default_rng(11)
     raw = gguf.quants.quantize(rng.standard_normal((64, 96)).astype(np.float32), QT.Q8_0)
     blocks = unpack(raw, QT.Q8_0, (64, 96))
@@ -104,16 +105,37 @@ def test_a_late_team_member_finds_the_work_done_and_returns():
     lists = (np.array([kernel.INT8]), List([np.zeros((1, 1), np.float32)]), List([codes]),
              List([np.zeros((1, 1), np.uint8)]), List([blocks.scales]), List([blocks.offsets]))
     x = rng.standard_normal((1, 96)).astype(np.float32)
-    counters = np.zeros(STRIDE, np.int64)
+    counters, marks = np.zeros(STRIDE, np.int64), np.zeros((1, 64), np.int64)
     first = np.full((1, 64), np.nan, np.float32)
-    kernel._linear_phase(0, x, *lists, first, counters, 0, 2)  # alone: every item of the phase
+    kernel._linear_phase(0, x, *lists, first, counters, marks, 1, 0, 2)  # alone: every item of the phase
+    np.testing.assert_allclose(first, x @ blocks.dequantize().T, rtol=1e-5, atol=1e-4)
     late = np.full((1, 64), np.nan, np.float32)
-    worker = threading.Thread(target=kernel._linear_phase, args=(0, x, *lists, late, counters, 0, 2))
+    worker = threading.Thread(target=kernel._linear_phase, args=(0, x, *lists, late, counters, marks, 1, 0, 2))
     worker.start()
     worker.join(timeout=30)
     assert not worker.is_alive()
     assert np.isnan(late).all()  # it computed nothing
-    np.testing.assert_allclose(first, x @ blocks.dequantize().T, rtol=1e-5, atol=1e-4)
+    counters[:] = 0
+    kernel._linear_phase(0, x, *lists, late, counters, marks, 2, 0, 2)  # the next step
+    np.testing.assert_array_equal(late, first)
+
+
+def test_unfinished_items_are_run_by_whoever_gets_there():
+    """Items another thread claimed but never finished (it was descheduled) are run by the thread
+    that finds them unfinished, instead of being waited for."""
+    rng = np.random.default_rng(12)
+    raw = gguf.quants.quantize(rng.standard_normal((64, 96)).astype(np.float32), QT.Q8_0)
+    blocks = unpack(raw, QT.Q8_0, (64, 96))
+    codes = np.ascontiguousarray(blocks.codes).reshape(64, -1)
+    lists = (np.array([kernel.INT8]), List([np.zeros((1, 1), np.float32)]), List([codes]),
+             List([np.zeros((1, 1), np.uint8)]), List([blocks.scales]), List([blocks.offsets]))
+    x = rng.standard_normal((1, 96)).astype(np.float32)
+    counters, marks = np.zeros(STRIDE, np.int64), np.zeros((1, 64), np.int64)
+    counters[0] = 64 // kernel.ROWS  # every item claimed by a thread that went away
+    out = np.full((1, 64), np.nan, np.float32)
+    kernel._linear_phase(0, x, *lists, out, counters, marks, 1, 0, 2)
+    np.testing.assert_allclose(out, x @ blocks.dequantize().T, rtol=1e-5, atol=1e-4)
+    assert (marks == 1).sum() == 64 // kernel.ROWS
 
 
 def test_fused_decode_team_gives_the_single_threads_numbers(tmp_path):

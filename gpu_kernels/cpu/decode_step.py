@@ -11,14 +11,16 @@ all ``T`` tokens.
 A team of threads calls ``decode_step`` together (`engine.fused_decode` keeps
 the team), each with its ``tid``; alone, one thread does everything. The
 threads walk the same *phases* -- per layer: QKV, attention, O, gate/up, down;
-then the LM head -- and share each phase's items through atomic counters
-(`cpu.sync`): ``ROWS`` (one token) or ``TILE`` (several) output rows of a
-matmul, one (sequence, KV head) of attention. Cheap row-wise work between
-matmuls (norms, residual adds, SiLU) every thread does for itself on its own
-copy, so the only waits are for a phase's items to finish. Every phase writes
-its own per-layer buffer, so a thread that falls behind never finds its inputs
-overwritten; it finds the items taken and catches up. A result does not
-depend on which thread computed it.
+then the LM head -- and share each phase's items (`cpu.sync`): ``ROWS`` (one
+token) or ``TILE`` (several) output rows of a matmul, one (sequence, KV head)
+of attention. A thread that runs out of items to claim runs the unfinished
+ones itself rather than wait, so no thread ever waits for another (a
+descheduled one on a busy machine costs the others one item, not the step).
+Cheap row-wise work between matmuls (norms, residual adds, SiLU) every thread
+does for itself on its own copy. Every phase writes its own per-layer buffer,
+so a thread that falls behind never finds its inputs overwritten; it finds the
+items finished and catches up. A result does not depend on which thread
+computed it, nor on how many did.
 
 A linear ``k`` of the stack comes in one of three formats (``formats[k]``):
 
@@ -43,7 +45,7 @@ from numba import njit
 
 from .attention import decode_item, store_rows
 from .block_matmul import BLOCK, ROWS, block_sums, matvec_rows, tiled_rows
-from .sync import STRIDE, claim, done, wait_done
+from .sync import STRIDE, claim, finish, finished
 
 FLOAT, INT8, NIBBLE = 0, 1, 2
 QKV, O_PROJ, GATE_UP, DOWN = 0, 1, 2, 3
@@ -73,13 +75,14 @@ def _rows_of(k, x, formats, float_w, codes, nibbles, scales, offsets, sums, xt, 
 
 
 @njit(**_SEQ)
-def _linear_phase(k, x, formats, float_w, codes, nibbles, scales, offsets, out, counters, phase, team_size):
-    """out = x @ W_k.T as one phase: this thread runs the items it claims, then waits for the rest."""
+def _linear_phase(k, x, formats, float_w, codes, nibbles, scales, offsets, out, counters, marks, epoch, phase,
+                  team_size):
+    """out = x @ W_k.T as one phase: this thread runs the items it claims, then every item not yet
+    finished (`cpu.sync`)."""
     if formats[k] == FLOAT:  # one item: a BLAS call on the whole [in, out] weight
-        if claim(counters, phase) == 0:
+        if claim(counters, phase) == 0 or not finished(marks, phase, 0, epoch):
             out[:] = np.dot(x, float_w[k])
-            done(counters, phase, 1)
-        wait_done(counters, phase, 1)
+            finish(marks, phase, 0, epoch)
         return
     num_out, num_blocks = scales[k].shape
     sums = np.empty(num_blocks, np.float32)
@@ -99,48 +102,67 @@ def _linear_phase(k, x, formats, float_w, codes, nibbles, scales, offsets, out, 
     while item < items:
         lo = item * rows
         _rows_of(k, x, formats, float_w, codes, nibbles, scales, offsets, sums, xt, w, out, lo, min(num_out, lo + rows))
-        done(counters, phase, 1)
+        finish(marks, phase, item, epoch)
         item = claim(counters, phase)
-    wait_done(counters, phase, items)
+    for item in range(items):  # held by another thread (or one that has not come yet): run it here too
+        if not finished(marks, phase, item, epoch):
+            lo = item * rows
+            _rows_of(k, x, formats, float_w, codes, nibbles, scales, offsets, sums, xt, w, out, lo,
+                     min(num_out, lo + rows))
+            finish(marks, phase, item, epoch)
+
+
+@njit(**_SEQ)
+def _attention_item(item, layer, qkv, positions, slots, block_tables, context_lens, qk_norms, qkv_bias,
+                    cos_table, sin_table, k_cache, v_cache, num_heads, num_kv_heads, eps, scale,
+                    q, part_m, part_l, part_acc, out):
+    """Sequence ``t``, KV head ``h``: bias, Q/K norms and RoPE of its heads, its K/V into the cache,
+    paged attention of its query heads."""
+    head_dim = k_cache.shape[3]
+    block_size = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    t, h = item // num_kv_heads, item % num_kv_heads
+    row = qkv[t].copy()
+    if len(qkv_bias) > 0:
+        row += qkv_bias[layer]
+    qh = row[h * group * head_dim:(h + 1) * group * head_dim].reshape((group, head_dim))
+    kh = row[q_size + h * head_dim:q_size + (h + 1) * head_dim].reshape((1, head_dim))
+    vh = row[q_size + kv_size + h * head_dim:q_size + kv_size + (h + 1) * head_dim]
+    if len(qk_norms) > 0:
+        _rms_norm(qh.copy(), qk_norms[2 * layer], eps, qh)
+        _rms_norm(kh.copy(), qk_norms[2 * layer + 1], eps, kh)
+    pos = positions[t]
+    _rope(qh, cos_table[pos], sin_table[pos])
+    _rope(kh, cos_table[pos], sin_table[pos])
+    q[t, h * group:(h + 1) * group] = qh
+    slot = slots[t]
+    blk, off = slot // block_size, slot % block_size
+    k_cache[blk, h, off, :] = kh[0]
+    v_cache[blk, h, off, :] = vh
+    decode_item(q, k_cache, v_cache, block_tables, context_lens, scale, 0, t, h, 0, part_m, part_l, part_acc)
+    store_rows(out, t, 1, h * group, group, part_l[t, h, 0], part_acc[t, h, 0])
 
 
 @njit(**_SEQ)
 def _attention_phase(layer, qkv, positions, slots, block_tables, context_lens, qk_norms, qkv_bias,
                      cos_table, sin_table, k_cache, v_cache, num_heads, num_kv_heads, eps, scale,
-                     q, part_m, part_l, part_acc, out, counters, phase):
-    """Per (sequence, KV head) item: bias, Q/K norms and RoPE of its heads, its K/V into the cache,
-    paged attention of its query heads -> out [T, num_heads, head_dim]."""
-    num_tokens = qkv.shape[0]
-    head_dim = k_cache.shape[3]
-    block_size = k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    items = num_tokens * num_kv_heads
+                     q, part_m, part_l, part_acc, out, counters, marks, epoch, phase):
+    """Attention of every (sequence, KV head) as the phase's items -> out [T, num_heads, head_dim]."""
+    items = qkv.shape[0] * num_kv_heads
     item = claim(counters, phase)
     while item < items:
-        t, h = item // num_kv_heads, item % num_kv_heads
-        row = qkv[t].copy()
-        if len(qkv_bias) > 0:
-            row += qkv_bias[layer]
-        qh = row[h * group * head_dim:(h + 1) * group * head_dim].reshape((group, head_dim))
-        kh = row[q_size + h * head_dim:q_size + (h + 1) * head_dim].reshape((1, head_dim))
-        vh = row[q_size + kv_size + h * head_dim:q_size + kv_size + (h + 1) * head_dim]
-        if len(qk_norms) > 0:
-            _rms_norm(qh.copy(), qk_norms[2 * layer], eps, qh)
-            _rms_norm(kh.copy(), qk_norms[2 * layer + 1], eps, kh)
-        pos = positions[t]
-        _rope(qh, cos_table[pos], sin_table[pos])
-        _rope(kh, cos_table[pos], sin_table[pos])
-        q[t, h * group:(h + 1) * group] = qh
-        slot = slots[t]
-        blk, off = slot // block_size, slot % block_size
-        k_cache[blk, h, off, :] = kh[0]
-        v_cache[blk, h, off, :] = vh
-        decode_item(q, k_cache, v_cache, block_tables, context_lens, scale, 0, t, h, 0, part_m, part_l, part_acc)
-        store_rows(out, t, 1, h * group, group, part_l[t, h, 0], part_acc[t, h, 0])
-        done(counters, phase, 1)
+        _attention_item(item, layer, qkv, positions, slots, block_tables, context_lens, qk_norms, qkv_bias,
+                        cos_table, sin_table, k_cache, v_cache, num_heads, num_kv_heads, eps, scale,
+                        q, part_m, part_l, part_acc, out)
+        finish(marks, phase, item, epoch)
         item = claim(counters, phase)
-    wait_done(counters, phase, items)
+    for item in range(items):
+        if not finished(marks, phase, item, epoch):
+            _attention_item(item, layer, qkv, positions, slots, block_tables, context_lens, qk_norms, qkv_bias,
+                            cos_table, sin_table, k_cache, v_cache, num_heads, num_kv_heads, eps, scale,
+                            q, part_m, part_l, part_acc, out)
+            finish(marks, phase, item, epoch)
 
 
 @njit(**_SEQ)
@@ -168,7 +190,7 @@ def _rope(heads, cos, sin):
 
 
 @njit(**_SEQ)
-def decode_step(tid, team_size, counters, token_ids, positions, slots, block_tables, context_lens,
+def decode_step(tid, team_size, counters, marks, epoch, token_ids, positions, slots, block_tables, context_lens,
                 embed, norms, qk_norms, qkv_bias, final_norm, cos_table, sin_table,
                 formats, float_w, codes, nibbles, scales, offsets,
                 k_caches, v_caches, num_heads, num_kv_heads, eps, scale,
@@ -179,7 +201,9 @@ def decode_step(tid, team_size, counters, token_ids, positions, slots, block_tab
     where the stack has an LM head (linear ``4 * num_layers``), the logits of the
     hidden rows ``logit_rows`` go to ``logits`` [len(logit_rows), vocab].
 
-    counters: int64 ``[num_phases(num_layers) * STRIDE]``, zeroed, shared by the team;
+    counters: int64 ``[num_phases(num_layers) * STRIDE]``, zeroed, and marks: int64
+    ``[num_phases(num_layers), >= items of any phase]``, shared by the team; epoch: this
+    step's number, never used before with these marks (`cpu.sync`);
     token_ids, positions, slots: [T] (new token, its position, its KV-cache slot);
     block_tables [T, max_blocks] and context_lens [T] (including the new token)
     as for ``paged_decode``; norms: 2 per layer (input, post-attention);
@@ -208,23 +232,23 @@ def decode_step(tid, team_size, counters, token_ids, positions, slots, block_tab
         lin, phase = 4 * layer, PHASES_PER_LAYER * layer
         _rms_norm(x, norms[2 * layer], eps, h)
         _linear_phase(lin + QKV, h, formats, float_w, codes, nibbles, scales, offsets, qkv_buf[layer],
-                      counters, phase, team_size)
+                      counters, marks, epoch, phase, team_size)
         _attention_phase(layer, qkv_buf[layer], positions, slots, block_tables, context_lens, qk_norms, qkv_bias,
                          cos_table, sin_table, k_caches[layer], v_caches[layer], num_heads, num_kv_heads, eps,
-                         scale, q, part_m, part_l, part_acc, attn_buf[layer], counters, phase + 1)
+                         scale, q, part_m, part_l, part_acc, attn_buf[layer], counters, marks, epoch, phase + 1)
         _linear_phase(lin + O_PROJ, attn_buf[layer].reshape((num_tokens, q_size)), formats, float_w, codes,
-                      nibbles, scales, offsets, o_buf[layer], counters, phase + 2, team_size)
+                      nibbles, scales, offsets, o_buf[layer], counters, marks, epoch, phase + 2, team_size)
         x += o_buf[layer]
         _rms_norm(x, norms[2 * layer + 1], eps, h)
         _linear_phase(lin + GATE_UP, h, formats, float_w, codes, nibbles, scales, offsets, gate_up_buf[layer],
-                      counters, phase + 3, team_size)
+                      counters, marks, epoch, phase + 3, team_size)
         gate_up = gate_up_buf[layer]
         for t in range(num_tokens):
             for i in range(inter):
                 g = gate_up[t, i]
                 act[t, i] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[t, inter + i]
         _linear_phase(lin + DOWN, act, formats, float_w, codes, nibbles, scales, offsets, down_buf[layer],
-                      counters, phase + 4, team_size)
+                      counters, marks, epoch, phase + 4, team_size)
         x += down_buf[layer]
     _rms_norm(x, final_norm, eps, h)
     if tid == 0:
@@ -234,4 +258,4 @@ def decode_step(tid, team_size, counters, token_ids, positions, slots, block_tab
         for i in range(len(logit_rows)):
             rows[i] = h[logit_rows[i]]
         _linear_phase(4 * num_layers, rows, formats, float_w, codes, nibbles, scales, offsets, logits,
-                      counters, PHASES_PER_LAYER * num_layers, team_size)
+                      counters, marks, epoch, PHASES_PER_LAYER * num_layers, team_size)

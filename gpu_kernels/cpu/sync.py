@@ -1,17 +1,20 @@
-"""Work sharing between threads inside Numba code: atomic counters and a polite spin wait.
+"""Work sharing between threads inside Numba code: atomic item counters and completion marks.
 
 The fused decode step runs on a fixed team of threads (`engine.fused_decode`)
 that walk the same sequence of *phases* (one per matmul or attention of each
 layer). A phase is cut into items; a thread takes the next item with
-``claim`` (an atomic add) and reports it done with ``done``; ``wait_done``
-returns once every item of the phase is finished, whichever thread ran it.
-A thread that falls behind (descheduled on a busy machine) finds the items
-taken and moves on, so nobody waits for a thread to *arrive*, only for work
-in progress to end.
+``claim`` (an atomic add on the phase's counter) and marks it finished with
+``finish``. Once no item is left to claim, the thread runs every item not yet
+marked finished itself (``finished``), the ones another thread holds
+included: an item writes the same values whoever computes it, so a second
+copy is harmless, and a thread never waits for another one -- on a busy
+machine a descheduled team member costs its own item, not a stall of the
+whole step.
 
-A phase's counters are ``counters[phase * STRIDE]`` (items claimed) and
-``counters[phase * STRIDE + STRIDE // 2]`` (items done), int64, zeroed before
-the step; ``STRIDE`` keeps every counter on its own cache line.
+``counters[phase * STRIDE]`` counts a phase's claimed items (int64, zeroed
+before the step; ``STRIDE`` keeps each on its own cache line).
+``marks[phase, item]`` holds the step's ``epoch`` once the item's results are
+written, so the marks need no clearing between steps.
 """
 from __future__ import annotations
 
@@ -22,55 +25,52 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
-STRIDE = 16  # int64 slots per phase: claim and done counters 64 bytes apart
-SPINS_BEFORE_YIELD = 1 << 12
-
-_sched_yield = types.ExternalFunction("sched_yield", types.int32())
+STRIDE = 16  # int64 slots per phase counter: 128 bytes apart
 
 
-def _pointer(context, builder, arr_t, arr, index_t, index):
+def _pointer(context, builder, arr_t, arr, indices_t, indices):
     ary = context.make_array(arr_t)(context, builder, arr)
-    return cgutils.get_item_pointer(context, builder, arr_t, ary, [context.cast(builder, index, index_t, types.intp)])
+    idx = [context.cast(builder, i, t, types.intp) for i, t in zip(indices, indices_t)]
+    return cgutils.get_item_pointer(context, builder, arr_t, ary, idx)
 
 
-def _check(arr):
-    if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype == types.int64):
-        raise TypeError(f"expected a 1-d int64 array of counters, got {arr}")
+def _check(arr, ndim):
+    if not (isinstance(arr, types.Array) and arr.ndim == ndim and arr.dtype == types.int64):
+        raise TypeError(f"expected a {ndim}-d int64 array, got {arr}")
 
 
 @intrinsic
 def atomic_add(typingctx, arr, index, value):
     """``arr[index] += value`` atomically; returns the value before."""
-    _check(arr)
+    _check(arr, 1)
 
     def codegen(context, builder, sig, args):
-        ptr = _pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        ptr = _pointer(context, builder, sig.args[0], args[0], [sig.args[1]], [args[1]])
         return builder.atomic_rmw("add", ptr, context.cast(builder, args[2], sig.args[2], types.int64), "seq_cst")
     return types.int64(arr, index, value), codegen
 
 
 @intrinsic
-def atomic_load(typingctx, arr, index):
-    """``arr[index]`` read atomically (acquire)."""
-    _check(arr)
+def atomic_load2(typingctx, arr, i, j):
+    """``arr[i, j]`` read atomically (acquire: what was written before its store is visible)."""
+    _check(arr, 2)
 
     def codegen(context, builder, sig, args):
-        ptr = _pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        ptr = _pointer(context, builder, sig.args[0], args[0], sig.args[1:], args[1:])
         return builder.load_atomic(ptr, "acquire", 8)
-    return types.int64(arr, index), codegen
+    return types.int64(arr, i, j), codegen
 
 
 @intrinsic
-def cpu_relax(typingctx):
-    """The spin-wait hint (x86 ``pause``; nothing elsewhere)."""
+def atomic_store2(typingctx, arr, i, j, value):
+    """``arr[i, j] = value`` atomically (release: the writes before it are visible first)."""
+    _check(arr, 2)
+
     def codegen(context, builder, sig, args):
-        if _X86:
-            pause = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
-                                                   "llvm.x86.sse2.pause")
-            builder.call(pause, [])
+        ptr = _pointer(context, builder, sig.args[0], args[0], sig.args[1:3], args[1:3])
+        builder.store_atomic(context.cast(builder, args[3], sig.args[3], types.int64), ptr, "release", 8)
         return context.get_dummy_value()
-    return types.void(), codegen
+    return types.void(arr, i, j, value), codegen
 
 
 @njit(nogil=True, cache=True)
@@ -80,18 +80,12 @@ def claim(counters, phase):
 
 
 @njit(nogil=True, cache=True)
-def done(counters, phase, items):
-    """Report ``items`` items of ``phase`` finished (their results written)."""
-    atomic_add(counters, phase * STRIDE + STRIDE // 2, items)
+def finish(marks, phase, item, epoch):
+    """Mark ``item`` of ``phase`` finished in step ``epoch`` (call after writing its results)."""
+    atomic_store2(marks, phase, item, epoch)
 
 
 @njit(nogil=True, cache=True)
-def wait_done(counters, phase, total):
-    """Return once ``total`` items of ``phase`` are finished: spin a while, then yield the core."""
-    spins = 0
-    while atomic_load(counters, phase * STRIDE + STRIDE // 2) < total:
-        spins += 1
-        if spins < SPINS_BEFORE_YIELD:
-            cpu_relax()
-        else:
-            _sched_yield()
+def finished(marks, phase, item, epoch):
+    """Whether ``item`` of ``phase`` is finished in step ``epoch`` (its results then visible)."""
+    return atomic_load2(marks, phase, item) == epoch
