@@ -144,6 +144,7 @@ def test_write_kv_on_torch_tensors(dtype):
 @pytest.mark.parametrize("target_blocks", [1, 2048])
 def test_split_k_extremes(monkeypatch, target_blocks):
     monkeypatch.setattr(cuda_backend, "decode_target_blocks", target_blocks)
+    monkeypatch.setattr(cuda_backend, "DECODE_MIN_CHUNK", 0)      # as many splits as asked for
     prob = make_problem(np.random.default_rng(2), context_lens=[8000, 5, 1300], query_lens=[1] * 3,
                         num_kv_heads=8, group=4, head_dim=128, dtype="float16")
     for _ in range(3):
