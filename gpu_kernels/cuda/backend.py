@@ -35,7 +35,10 @@ DECODE_STAGES = 2                      # decode: ring slots per warp (cp.async p
 DECODE_STAGE_BYTES = 512 if SIMULATED else 4096   # decode: K + V bytes per warp stage
 DECODE_TABLE = 8 if SIMULATED else 512  # decode: block-table entries a block keeps (chunk limit)
 DECODE_BLOCKS_PER_SM = 4               # decode: split-K aims at this many blocks per SM
-DECODE_MIN_CHUNK = 0 if SIMULATED else 256   # decode: keys per split at least (fewer, longer)
+#: decode: beyond DECODE_MERGE_SPLITS splits, a split has at least DECODE_MIN_CHUNK keys (the
+#: last block's merge reads every split's partial: many short splits cost more than they hide)
+DECODE_MERGE_SPLITS = 32
+DECODE_MIN_CHUNK = 0 if SIMULATED else 256
 DECODE_MAX_REGISTERS = 128             # decode, <= 4 heads per block: 4 blocks of 128 per SM
 PREFILL_MAX_REGISTERS = None           # prefill: no cap (shared memory allows 1-2 blocks per SM)
 #: prefill tile (threads, query rows, keys) by head_dim; absent: prefill.default_tile
@@ -178,7 +181,8 @@ def paged_decode(query, k_cache, v_cache, block_tables, context_lens, scale, win
     scratch) depends only on shapes, formats and the tunables, and is cached by them."""
     key = ("decode", query.shape, query.dtype, k_cache.shape, k_cache.dtype, out.dtype,
            block_tables.shape[1], window, decode_target_blocks, DECODE_THREADS, DECODE_STAGES,
-           DECODE_STAGE_BYTES, DECODE_MAX_REGISTERS, DECODE_BLOCKS_PER_SM, DECODE_MIN_CHUNK)
+           DECODE_STAGE_BYTES, DECODE_MAX_REGISTERS, DECODE_BLOCKS_PER_SM, DECODE_MIN_CHUNK,
+           DECODE_MERGE_SPLITS)
     plan = _plans.get(key) or _remember_plan(key, _decode_plan(
         query, k_cache, block_tables, window, out))
     launch, kernel, grid, scratch, tail = plan
@@ -207,8 +211,11 @@ def _decode_plan(query, k_cache, block_tables, window, out):
     grain = SPLIT_GRAIN * kpw // math.gcd(SPLIT_GRAIN, kpw)
     target = decode_target_blocks or DECODE_BLOCKS_PER_SM * _num_sms()
     # whole waves: at most `target` blocks (rounding up would leave a second, thin wave)
-    longest = -(-max_keys // max(grain, DECODE_MIN_CHUNK))    # splits of >= DECODE_MIN_CHUNK
-    splits = max(1, min(target // (num_seqs * head_blocks), longest, MAX_SPLITS))
+    most = MAX_SPLITS
+    if DECODE_MIN_CHUNK:
+        most = max(DECODE_MERGE_SPLITS, -(-max_keys // DECODE_MIN_CHUNK))
+    splits = max(1, min(target // (num_seqs * head_blocks), -(-max_keys // grain), most,
+                        MAX_SPLITS))
     chunk = -(-max(1, -(-max_keys // splits)) // grain) * grain
     cap = DECODE_TABLE * block_size                   # the block keeps its chunk's table
     chunk = min(chunk, cap - cap % kpw if cap >= kpw else cap)
