@@ -29,6 +29,15 @@ Names:
                                (round to nearest even)
 ``pack2(lo, hi, KIND)``         two float32 -> one uint32 word of two half elements (``lo`` in
                                the low 16 bits; F16 or BF16, round to nearest even)
+
+Half-precision conversions exist once per target, each in the form its target runs best:
+``formats.py`` (NumPy, whole arrays), ``cpu/formats.py`` (Numba CPU: LLVM's ``half`` type,
+i.e. F16C instructions, and bf16 rounding in integer arithmetic) and here. On the GPU every
+conversion is one PTX instruction (``cvt.f32.f16``, ``cvt.rn.f16.f32``, ``cvt.rn.bf16.f32``,
+``cvt.rn.{f16,bf16}x2.f32``; sm_80, which the kernels need anyway for ``cp.async``). A shared
+bit-twiddling definition compiled for both targets would cost the GPU several integer
+instructions and registers per element: in the tensor-core prefill, bf16 rounding that way
+while 128 accumulators are live spilled 528 bytes per thread.
 ``exp2(x)``                    2**x in float32 (fast approximate instruction on the GPU)
 ``fmax32(a, b)``               max of two float32 (one instruction on the GPU)
 ``shfl_idx(v, src, scratch)``  v of lane ``src`` of the calling warp
