@@ -28,7 +28,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 _F32, _I8, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
-_V8F, _V16B, _V32B = ir.VectorType(_F32, 8), ir.VectorType(_I8, 16), ir.VectorType(_I8, 32)
+_V8F = ir.VectorType(_F32, 8)
 _FAST = ("fast",)
 
 
@@ -50,17 +50,6 @@ def _load_vec(builder, base, index, vec_type, align):
 def _splat(builder, value):
     vec = builder.insert_element(ir.Constant(_V8F, ir.Undefined), value, ir.Constant(_I32, 0))
     return builder.shuffle_vector(vec, ir.Constant(_V8F, ir.Undefined), ir.Constant(ir.VectorType(_I32, 8), [0] * 8))
-
-
-def _lanes(builder, vec, lo, n):
-    mask = ir.Constant(ir.VectorType(_I32, n), list(range(lo, lo + n)))
-    return builder.shuffle_vector(vec, ir.Constant(vec.type, ir.Undefined), mask)
-
-
-def _to_float(builder, bytes8, signed):
-    """<8 x i8> -> <8 x float>."""
-    wide = (builder.sext if signed else builder.zext)(bytes8, ir.VectorType(_I32, 8))
-    return builder.sitofp(wide, _V8F)
 
 
 def _codes_as_floats(builder, codes_ptr, b, nibble):

@@ -45,7 +45,7 @@ from numba import njit
 
 from .attention import decode_item, store_rows
 from .block_matmul import BLOCK, ROWS, block_sums, matvec_rows, tiled_rows
-from .sync import STRIDE, claim, finish, finished
+from .sync import claim, finish, finished
 
 FLOAT, INT8, NIBBLE = 0, 1, 2
 QKV, O_PROJ, GATE_UP, DOWN = 0, 1, 2, 3
@@ -56,7 +56,7 @@ TILE = 256  # most weight rows per tile of a several-token matmul
 
 
 def num_phases(num_layers: int) -> int:
-    """Phases of one step (the LM head's included); the counters array holds ``STRIDE`` per phase."""
+    """Phases of one step (the LM head's included); the counters array holds ``sync.STRIDE`` per phase."""
     return PHASES_PER_LAYER * num_layers + 1
 
 

@@ -18,9 +18,6 @@ written, so the marks need no clearing between steps.
 """
 from __future__ import annotations
 
-import platform
-
-from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
