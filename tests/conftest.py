@@ -10,9 +10,11 @@ import contextlib
 import ctypes
 import gc
 import importlib.util
+import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -73,6 +75,38 @@ def gemma3_checkpoint():
     from engine.loader import load_checkpoint
 
     return load_checkpoint("gemma3-270m")
+
+
+class ReferenceProcess:
+    """``tests/hf_reference.py ARGS`` (HF transformers, the independent reference) started now in
+    its own process, so that it works beside the tests; `result` waits for its JSON answer.
+
+    Its own process, because PaddleFormers switches torch off inside transformers for the rest of a
+    process, and so that transformers' copy of a model never adds to this process's memory.
+    """
+
+    def __init__(self, *args: str, stdin=None):
+        require_reference()
+        self._stderr = tempfile.TemporaryFile()
+        self._proc = subprocess.Popen(
+            [sys.executable, os.path.join(os.path.dirname(__file__), "hf_reference.py"), *args],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True)
+        self._proc.stdin.write(json.dumps(stdin))
+        self._proc.stdin.close()
+
+    def result(self):
+        out = self._proc.stdout.read()
+        if self._proc.wait() != 0:
+            self._stderr.seek(0)
+            raise AssertionError(f"hf_reference.py failed:\n{self._stderr.read().decode()[-3000:]}")
+        return json.loads(out)
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc.stdout.close()
+        self._stderr.close()
 
 
 @contextlib.contextmanager
