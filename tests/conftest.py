@@ -15,12 +15,14 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/tiny_models.py
+
+import beside  # noqa: E402
+from beside import relay_cudasim_run  # noqa: E402,F401  (the simulator files' outer tests)
 
 _MISSING = object()
 
@@ -170,7 +172,7 @@ def pytest_runtest_call(item):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     yield
-    module_ends = nextitem is None or nextitem.module is not item.module
+    module_ends = nextitem is None or nextitem.path != item.path
     if module_ends or getattr(item, "_call_seconds", 0.0) > _COLLECT_AFTER_S:
         gc.collect()
         if _libc is not None:
@@ -183,82 +185,20 @@ except OSError:   # not glibc
     _libc = None
 
 
-# ------------------------------------------------- the CUDA simulator's subprocess
+# ------------------------------------------------- files that run beside the suite (beside.py)
 
-# tests that re-run their own file under NUMBA_ENABLE_CUDASIM=1 through `cudasim_run`
-SIMULATOR_TESTS = ("test_kernels_cudasim.py::test_cuda_kernels_in_the_simulator",
-                   "test_kernels_mma.py::test_tensor_core_prefill_in_the_simulator",
-                   "test_engine_on_cuda_kernels.py::test_engine_on_cuda_kernels_in_the_simulator")
-
-
-class _Output:
-    """A subprocess's combined stdout/stderr, collected by a thread as it comes."""
-
-    def __init__(self, pipe):
-        self._chunks: list[str] = []
-        self._done = False
-        self._cond = threading.Condition()
-        threading.Thread(target=self._read, args=(pipe,), daemon=True, name="cudasim-output").start()
-
-    def _read(self, pipe):
-        for chunk in iter(lambda: pipe.read1(256), b""):
-            with self._cond:
-                self._chunks.append(chunk.decode(errors="replace"))
-                self._cond.notify_all()
-        with self._cond:
-            self._done = True
-            self._cond.notify_all()
-
-    def relay(self, stream) -> str:
-        """Write what came so far to ``stream``, then the rest as it comes; return all of it."""
-        sent = 0
-        while True:
-            with self._cond:
-                while sent == len(self._chunks) and not self._done:
-                    self._cond.wait()
-                new, sent, done = self._chunks[sent:], len(self._chunks), self._done
-            stream.write("".join(new))
-            stream.flush()
-            if done and sent == len(self._chunks):
-                return "".join(self._chunks)
-
-
-def cudasim_run(config, path: str):
-    """``(process, output)`` of ``NUMBA_ENABLE_CUDASIM=1 pytest PATH``, started once per session:
-    at the end of collection when its test was collected, so that it runs beside the others."""
-    runs = config.__dict__.setdefault("_cudasim_runs", {})
-    path = os.path.abspath(path)
-    if path not in runs:
-        root = os.path.dirname(os.path.dirname(path))
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path],
-            env=dict(os.environ, NUMBA_ENABLE_CUDASIM="1"), cwd=root,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        runs[path] = (proc, _Output(proc.stdout))
-    return runs[path]
-
-
-def relay_cudasim_run(config, path: str, capsys) -> tuple[int, str]:
-    """Wait for `cudasim_run`'s process, writing its progress to the terminal as it comes;
-    return its exit code and output."""
-    proc, output = cudasim_run(config, path)
-    with capsys.disabled():
-        sys.stdout.write(f"\n[{os.path.basename(path)} in the CUDA simulator] ")
-        out = output.relay(sys.stdout)
-        sys.stdout.write("\n")
-    return proc.wait(), out
+@pytest.hookimpl(trylast=True)      # after -m / -k have deselected
+def pytest_collection_modifyitems(config, items):
+    beside.collection_modifyitems(config, items)
 
 
 def pytest_collection_finish(session):
-    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" or session.config.option.collectonly:
-        return
-    for item in session.items:
-        if item.nodeid.endswith(SIMULATOR_TESTS):
-            cudasim_run(session.config, str(item.path))
+    beside.collection_finish(session)
+
+
+def pytest_runtest_logreport(report):
+    beside.runtest_logreport(report)
 
 
 def pytest_sessionfinish(session):
-    for proc, _ in session.config.__dict__.get("_cudasim_runs", {}).values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    beside.sessionfinish(session)

@@ -1,0 +1,274 @@
+"""Test files that run in processes beside the suite, one after another, on the second core.
+
+The suite is mostly one process working one test at a time; some files do not need to share it:
+
+* ``SIMULATOR_FILES`` re-run themselves under ``NUMBA_ENABLE_CUDASIM=1`` (which must be set
+  before ``numba.cuda`` is first imported); each has one outer test that relays that run's
+  output as it comes (`relay_cudasim_run`).
+* ``BESIDE_FILES`` run in one plain pytest process beside this one; here, each of their
+  tests waits for that process's report of the same test and passes, fails or skips as it did
+  there (`BesideItem`), so every test keeps its id and outcome.
+
+The runs start, one at a time, at the end of collection, and the tests that read them are
+moved to the end of the session, so the main process never waits while it has work of its
+own. Running one of these files alone (``pytest tests/test_kernels_cpu.py``) runs it here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import pytest
+
+# in the order they run beside the suite (the simulated engine last: it compiles the CPU kernels
+# the suite's first tests have compiled by then)
+SIMULATOR_FILES = ("test_kernels_cudasim.py", "test_kernels_mma.py")
+BESIDE_FILES = ("test_kernels_cpu.py", "test_loader.py", "test_notebooks.py", "test_environment.py")
+LATE_SIMULATOR_FILES = ("test_engine_on_cuda_kernels.py",)
+SIMULATOR_TESTS = ("test_kernels_cudasim.py::test_cuda_kernels_in_the_simulator",
+                   "test_kernels_mma.py::test_tensor_core_prefill_in_the_simulator",
+                   "test_engine_on_cuda_kernels.py::test_engine_on_cuda_kernels_in_the_simulator")
+REPORT_ENV = "FLEET_TESTS_BESIDE_REPORT"    # set in the beside process: where its reports go
+
+
+def in_a_run_beside() -> bool:
+    return os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" or REPORT_ENV in os.environ
+
+
+class _Output:
+    """A subprocess's combined stdout/stderr, collected by a thread as it comes."""
+
+    def __init__(self, pipe):
+        self._chunks: list[str] = []
+        self._done = False
+        self._cond = threading.Condition()
+        threading.Thread(target=self._read, args=(pipe,), daemon=True, name="beside-output").start()
+
+    def _read(self, pipe):
+        for chunk in iter(lambda: pipe.read1(256), b""):
+            with self._cond:
+                self._chunks.append(chunk.decode(errors="replace"))
+                self._cond.notify_all()
+        with self._cond:
+            self._done = True
+            self._cond.notify_all()
+
+    def text(self) -> str:
+        with self._cond:
+            return "".join(self._chunks)
+
+    def relay(self, stream) -> str:
+        """Write what came so far to ``stream``, then the rest as it comes; return all of it."""
+        sent = 0
+        while True:
+            with self._cond:
+                while sent == len(self._chunks) and not self._done:
+                    self._cond.wait()
+                new, sent, done = self._chunks[sent:], len(self._chunks), self._done
+            stream.write("".join(new))
+            stream.flush()
+            if done and sent == len(self._chunks):
+                return "".join(self._chunks)
+
+
+class _Run:
+    """One pytest process beside the suite: started by `_Queue` when its turn comes."""
+
+    def __init__(self, args: list[str], root: str, env: dict | None = None):
+        self.args, self.root, self.env = args, root, env or {}
+        self.proc: subprocess.Popen | None = None
+        self.output: _Output | None = None
+        self._started = threading.Event()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *self.args],
+            env=dict(os.environ, **self.env), cwd=self.root,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.output = _Output(self.proc.stdout)
+        self._started.set()
+
+    def wait_started(self) -> None:
+        self._started.wait()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class _Queue:
+    """Runs `_Run`s one after another in a thread (one core for them, one for the suite)."""
+
+    def __init__(self, runs: list[_Run]):
+        self.runs, self._stopped = runs, False
+        threading.Thread(target=self._work, daemon=True, name="beside-queue").start()
+
+    def _work(self):
+        for run in self.runs:
+            if self._stopped:
+                return
+            run.start()
+            run.proc.wait()
+
+    def stop(self):
+        self._stopped = True
+        for run in self.runs:
+            run.kill()
+
+
+class _BesideRun(_Run):
+    """The plain pytest process for ``BESIDE_FILES``: its test reports go to a JSON-lines file."""
+
+    def __init__(self, nodeids: list[str], root: str):
+        fd, self.report_path = tempfile.mkstemp(prefix="beside-", suffix=".jsonl")
+        os.close(fd)
+        super().__init__(nodeids, root, {REPORT_ENV: self.report_path})
+        self._reports: dict[str, list[dict]] = {}
+        self._read = 0
+
+    def reports(self, nodeid: str, timeout_s: float = 3600.0) -> list[dict] | None:
+        """The setup/call/teardown reports of ``nodeid`` (None if the process ended without them)."""
+        self.wait_started()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self._read_new()
+            phases = self._reports.get(nodeid, [])
+            if phases and phases[-1]["when"] == "teardown":
+                return phases
+            if self.proc.poll() is not None:
+                self._read_new()
+                phases = self._reports.get(nodeid, [])
+                return phases if phases and phases[-1]["when"] == "teardown" else None
+            time.sleep(0.2)
+        return None
+
+    def _read_new(self):
+        with open(self.report_path, encoding="utf-8") as fh:
+            fh.seek(self._read)
+            for line in iter(fh.readline, ""):
+                if not line.endswith("\n"):    # being written
+                    break
+                self._read = fh.tell()
+                report = json.loads(line)
+                self._reports.setdefault(report["nodeid"], []).append(report)
+
+    def kill(self):
+        super().kill()
+        if os.path.exists(self.report_path):
+            os.unlink(self.report_path)
+
+
+class BesideItem(pytest.Item):
+    """A test of ``BESIDE_FILES`` as the beside process ran it: same id, same outcome."""
+
+    def __init__(self, *, run: _BesideRun, original: pytest.Item, **kwargs):
+        super().__init__(**kwargs)
+        self.run, self.original = run, original
+        self.own_markers = list(original.own_markers)
+        self.keywords.update(original.keywords)
+
+    def runtest(self):
+        phases = self.run.reports(self.nodeid)
+        if phases is None:
+            out = self.run.output.text() if self.run.output else ""
+            pytest.fail(f"the process beside the suite ended without running this test:\n{out[-4000:]}",
+                        pytrace=False)
+        failed = [f"[{p['when']} in the process beside the suite]\n{p['longrepr']}"
+                  for p in phases if p["outcome"] == "failed"]
+        if failed:
+            pytest.fail("\n".join(failed), pytrace=False)
+        skipped = [p for p in phases if p["outcome"] == "skipped"]
+        if skipped:
+            pytest.skip(skipped[0]["longrepr"])
+
+    def reportinfo(self):
+        return self.original.reportinfo()
+
+
+# ------------------------------------------------- hooks (conftest.py forwards them)
+
+def collection_modifyitems(config, items: list[pytest.Item]) -> None:
+    """Start nothing yet; move the tests that read the runs beside to the end, in run order."""
+    if in_a_run_beside() or config.option.collectonly:
+        return
+    name = lambda item: item.path.name  # noqa: E731
+    beside = [i for i in items if name(i) in BESIDE_FILES]
+    sims = {f: [i for i in items if i.nodeid.endswith(SIMULATOR_TESTS) and name(i) == f]
+            for f in SIMULATOR_FILES + LATE_SIMULATOR_FILES}
+    moved = {id(i) for i in beside} | {id(i) for group in sims.values() for i in group}
+    own = [i for i in items if id(i) not in moved]
+    root = str(config.rootpath)
+    runs: list[_Run] = []
+    tail: list[pytest.Item] = []
+    for f in SIMULATOR_FILES:
+        for item in sims[f]:
+            runs.append(_simulator_run(config, str(item.path)))
+            tail.append(item)
+    if beside and own:        # alone, these files run here
+        run = _BesideRun([i.nodeid for i in beside], root)
+        runs.append(run)
+        beside = [BesideItem.from_parent(i.parent, name=i.name, run=run, original=i) for i in beside]
+    tail += beside
+    for f in LATE_SIMULATOR_FILES:
+        for item in sims[f]:
+            runs.append(_simulator_run(config, str(item.path)))
+            tail.append(item)
+    items[:] = own + tail
+    config.__dict__["_beside_runs"] = runs
+
+
+def _simulator_run(config, path: str) -> _Run:
+    runs = config.__dict__.setdefault("_cudasim_runs", {})
+    path = os.path.abspath(path)
+    if path not in runs:
+        runs[path] = _Run([path], os.path.dirname(os.path.dirname(path)), {"NUMBA_ENABLE_CUDASIM": "1"})
+    return runs[path]
+
+
+def collection_finish(session) -> None:
+    runs = session.config.__dict__.get("_beside_runs")
+    if runs:
+        session.config.__dict__["_beside_queue"] = _Queue(runs)
+
+
+def sessionfinish(session) -> None:
+    queue = session.config.__dict__.get("_beside_queue")
+    if queue is not None:
+        queue.stop()
+
+
+def runtest_logreport(report) -> None:
+    """In the beside process: append each phase's outcome for the suite's process to read."""
+    path = os.environ.get(REPORT_ENV)
+    if not path:
+        return
+    longrepr = report.longrepr
+    if report.skipped and isinstance(longrepr, tuple):       # (file, line, "Skipped: reason")
+        text = f"{longrepr[0]}:{longrepr[1]}: {longrepr[2].removeprefix('Skipped: ')}"
+    else:
+        text = "" if longrepr is None else str(getattr(report, "longreprtext", longrepr))
+    line = json.dumps({"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
+                       "longrepr": text, "duration": report.duration})
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(line + "\n")
+
+
+def relay_cudasim_run(config, path: str, capsys) -> tuple[int, str]:
+    """Wait for the simulator run of ``path`` (started now if it is not queued), writing its
+    progress to the terminal as it comes; return its exit code and output."""
+    run = _simulator_run(config, path)
+    if run.proc is None and not any(run is r for r in config.__dict__.get("_beside_runs", ())):
+        run.start()
+    run.wait_started()
+    with capsys.disabled():
+        sys.stdout.write(f"\n[{os.path.basename(path)} in the CUDA simulator] ")
+        out = run.output.relay(sys.stdout)
+        sys.stdout.write("\n")
+    return run.proc.wait(), out
