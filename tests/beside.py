@@ -97,6 +97,10 @@ class _Run:
     def wait_started(self) -> None:
         self._started.wait()
 
+    def wait(self) -> int:
+        self.wait_started()
+        return self.proc.wait()
+
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
@@ -104,7 +108,8 @@ class _Run:
 
 
 class _Queue:
-    """Runs `_Run`s one after another in a thread (one core for them, one for the suite)."""
+    """Runs jobs (`_Run`s, or anything with ``start``, ``wait`` and ``kill``) one after another in
+    a thread: one core for them, one for the suite."""
 
     def __init__(self, runs: list[_Run]):
         self.runs, self._stopped = runs, False
@@ -115,7 +120,7 @@ class _Queue:
             if self._stopped:
                 return
             run.start()
-            run.proc.wait()
+            run.wait()
 
     def stop(self):
         self._stopped = True
@@ -194,8 +199,9 @@ class BesideItem(pytest.Item):
 
 # ------------------------------------------------- hooks (conftest.py forwards them)
 
-def collection_modifyitems(config, items: list[pytest.Item]) -> None:
-    """Start nothing yet; move the tests that read the runs beside to the end, in run order."""
+def collection_modifyitems(config, items: list[pytest.Item], first=()) -> None:
+    """Queue the runs beside (after the jobs ``first``), start nothing yet; move the tests that
+    read them to the end, in run order."""
     if in_a_run_beside() or config.option.collectonly:
         return
     name = lambda item: item.path.name  # noqa: E731
@@ -205,7 +211,7 @@ def collection_modifyitems(config, items: list[pytest.Item]) -> None:
     moved = {id(i) for i in beside} | {id(i) for group in sims.values() for i in group}
     own = [i for i in items if id(i) not in moved]
     root = str(config.rootpath)
-    runs: list[_Run] = []
+    runs = list(first)
     tail: list[pytest.Item] = []
     for f in SIMULATOR_FILES:
         for item in sims[f]:

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -36,9 +37,13 @@ def unavailable(reason: str):
     pytest.skip(reason)
 
 
+def _missing_reference() -> list[str]:
+    return [name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None]
+
+
 def require_reference() -> None:
     """The independent references (torch, transformers) of the "reference" extra."""
-    missing = [name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None]
+    missing = _missing_reference()
     if missing:
         unavailable(f"needs {', '.join(missing)}: pip install -e \".[test,reference]\"")
 
@@ -80,34 +85,51 @@ def gemma3_checkpoint():
 
 
 class ReferenceProcess:
-    """``tests/hf_reference.py ARGS`` (HF transformers, the independent reference) started now in
-    its own process, so that it works beside the tests; `result` waits for its JSON answer.
+    """``tests/hf_reference.py ARGS`` (HF transformers, the independent reference) in its own
+    process, started now or, with ``start=False``, when `start` is called (the queue of runs
+    beside the suite does, see `pytest_collection_modifyitems`); `result` waits for its JSON answer.
 
     Its own process, because PaddleFormers switches torch off inside transformers for the rest of a
     process, and so that transformers' copy of a model never adds to this process's memory.
     """
 
-    def __init__(self, *args: str, stdin=None):
+    def __init__(self, *args: str, stdin=None, start: bool = True):
         require_reference()
-        self._stderr = tempfile.TemporaryFile()
+        self.args, self._stdin = args, json.dumps(stdin)
+        self._stdout, self._stderr = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+        self._proc: subprocess.Popen | None = None
+        self._started = threading.Event()
+        if start:
+            self.start()
+
+    def start(self) -> None:
         self._proc = subprocess.Popen(
-            [sys.executable, os.path.join(os.path.dirname(__file__), "hf_reference.py"), *args],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True)
-        self._proc.stdin.write(json.dumps(stdin))
+            [sys.executable, os.path.join(os.path.dirname(__file__), "hf_reference.py"), *self.args],
+            stdin=subprocess.PIPE, stdout=self._stdout, stderr=self._stderr)
+        self._proc.stdin.write(self._stdin.encode())
         self._proc.stdin.close()
+        self._started.set()
+
+    def wait(self) -> int:
+        self._started.wait()
+        return self._proc.wait()
 
     def result(self):
-        out = self._proc.stdout.read()
-        if self._proc.wait() != 0:
+        if self.wait() != 0:
             self._stderr.seek(0)
-            raise AssertionError(f"hf_reference.py failed:\n{self._stderr.read().decode()[-3000:]}")
-        return json.loads(out)
+            raise AssertionError(f"hf_reference.py {' '.join(self.args)} failed:\n"
+                                 f"{self._stderr.read().decode(errors='replace')[-3000:]}")
+        self._stdout.seek(0)
+        return json.loads(self._stdout.read())
 
-    def close(self) -> None:
-        if self._proc.poll() is None:
+    def kill(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
             self._proc.wait()
-        self._proc.stdout.close()
+
+    def close(self) -> None:
+        self.kill()
+        self._stdout.close()
         self._stderr.close()
 
 
@@ -187,9 +209,28 @@ except OSError:   # not glibc
 
 # ------------------------------------------------- files that run beside the suite (beside.py)
 
+# transformers' reading of Gemma 3's weights (a minute of one core, 3 GB) is queued first beside
+# the suite, so that it overlaps the suite's start; the test reads it through `queued_reference`
+GEMMA3_WEIGHTS_TEST = "test_loader_gemma3.py::test_gemma3_weights_equal_transformers"
+
+
 @pytest.hookimpl(trylast=True)      # after -m / -k have deselected
 def pytest_collection_modifyitems(config, items):
-    beside.collection_modifyitems(config, items)
+    first = []
+    if (not beside.in_a_run_beside() and not config.option.collectonly and not _missing_reference()
+            and any(item.nodeid.endswith(GEMMA3_WEIGHTS_TEST) for item in items)):
+        from engine.loader.zoo import zoo_path
+
+        run = ReferenceProcess("weights", zoo_path("gemma3-270m"), start=False)
+        config.__dict__.setdefault("_queued_references", {})["gemma3-weights"] = run
+        first.append(run)
+    beside.collection_modifyitems(config, items, first=first)
+
+
+def queued_reference(config, key: str, *args: str) -> ReferenceProcess:
+    """The `ReferenceProcess` queued under ``key`` at collection, or one started now with ``args``."""
+    run = config.__dict__.get("_queued_references", {}).pop(key, None)
+    return run if run is not None else ReferenceProcess(*args)
 
 
 def pytest_collection_finish(session):

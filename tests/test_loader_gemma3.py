@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import ReferenceProcess, torch_transformers
+from conftest import queued_reference, torch_transformers
 from hf_reference import tensor_digest
 from test_loader import TEXTS, _model_from_checkpoint
 
@@ -84,10 +84,11 @@ def test_gemma3_checkpoint_metadata(gemma3_checkpoint):
 
 
 @pytest.mark.slow
-def test_gemma3_weights_equal_transformers(gemma3_checkpoint, gemma3_state_dict):
+def test_gemma3_weights_equal_transformers(request, gemma3_checkpoint, gemma3_state_dict):
     """Every tensor equals transformers' own reading of the file (dequantized, renamed, Q/K
-    layout), compared through per-tensor digests from `hf_reference.py`'s process."""
-    run = ReferenceProcess("weights", gemma3_checkpoint.path)
+    layout), compared through per-tensor digests from `hf_reference.py`'s process (queued
+    beside the suite at its start, see conftest.py)."""
+    run = queued_reference(request.config, "gemma3-weights", "weights", gemma3_checkpoint.path)
     try:
         reference = run.result()
     finally:
