@@ -34,6 +34,7 @@ LATE_SIMULATOR_FILES = ("test_engine_on_cuda_kernels.py",)
 SIMULATOR_TESTS = ("test_kernels_cudasim.py::test_cuda_kernels_in_the_simulator",
                    "test_kernels_mma.py::test_tensor_core_prefill_in_the_simulator",
                    "test_engine_on_cuda_kernels.py::test_engine_on_cuda_kernels_in_the_simulator")
+NOTE_AFTER_S = 30.0     # a test waited for this long says so on the terminal, and again after as long
 REPORT_ENV = "FLEET_TESTS_BESIDE_REPORT"    # set in the beside process: where its reports go
 
 
@@ -101,6 +102,9 @@ class _Run:
         self.wait_started()
         return self.proc.wait()
 
+    def ended(self) -> bool:
+        return self.proc is not None and self.proc.poll() is not None
+
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
@@ -140,8 +144,9 @@ class _BesideRun(_Run):
 
     def reports(self, nodeid: str, timeout_s: float = 3600.0) -> list[dict] | None:
         """The setup/call/teardown reports of ``nodeid`` (None if the process ended without them)."""
-        self.wait_started()
         deadline = time.monotonic() + timeout_s
+        if not self._started.wait(timeout_s):
+            return None
         while time.monotonic() < deadline:
             self._read_new()
             phases = self._reports.get(nodeid, [])
@@ -180,7 +185,14 @@ class BesideItem(pytest.Item):
         self.keywords.update(original.keywords)
 
     def runtest(self):
-        phases = self.run.reports(self.nodeid)
+        phases, waited = self.run.reports(self.nodeid, timeout_s=NOTE_AFTER_S), NOTE_AFTER_S
+        while phases is None and not self.run.ended() and waited < 3600:
+            # no silent stretch: say what the suite waits for (-q prints nothing else meanwhile)
+            with self.config.pluginmanager.get_plugin("capturemanager").global_and_fixture_disabled():
+                sys.stdout.write(f"\n[{self.nodeid} beside the suite, {waited:.0f} s] ")
+                sys.stdout.flush()
+            phases = self.run.reports(self.nodeid, timeout_s=NOTE_AFTER_S)
+            waited += NOTE_AFTER_S
         if phases is None:
             out = self.run.output.text() if self.run.output else ""
             pytest.fail(f"the process beside the suite ended without running this test:\n{out[-4000:]}",
