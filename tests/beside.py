@@ -105,6 +105,9 @@ class _Run:
     def ended(self) -> bool:
         return self.proc is not None and self.proc.poll() is not None
 
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
@@ -117,18 +120,26 @@ class _Queue:
 
     def __init__(self, runs: list[_Run]):
         self.runs, self._stopped = runs, False
+        self.timings: list[tuple[str, float, int]] = []     # (what, seconds, exit code)
         threading.Thread(target=self._work, daemon=True, name="beside-queue").start()
 
     def _work(self):
         for run in self.runs:
             if self._stopped:
                 return
+            start = time.monotonic()
             run.start()
-            run.wait()
+            returncode = run.wait()
+            self.timings.append((_describe(run), time.monotonic() - start, returncode))
 
-    def stop(self):
+    def stop(self, wait_s: float = 0.0):
+        """Start nothing more; give the run in progress ``wait_s`` to end (its session teardown),
+        then kill what is left."""
         self._stopped = True
+        deadline = time.monotonic() + wait_s
         for run in self.runs:
+            while run.running() and time.monotonic() < deadline:
+                time.sleep(0.1)
             run.kill()
 
 
@@ -256,10 +267,30 @@ def collection_finish(session) -> None:
         session.config.__dict__["_beside_queue"] = _Queue(runs)
 
 
+def _describe(run) -> str:
+    names = sorted({os.path.basename(a.split("::")[0]) for a in run.args if not a.startswith("-")})
+    if isinstance(run, _Run):
+        return " ".join(names) + (" (CUDA simulator)" if run.env.get("NUMBA_ENABLE_CUDASIM") else "")
+    return "hf_reference.py " + " ".join(run.args[:1])
+
+
+def terminal_summary(terminalreporter, config) -> None:
+    """How long each run beside the suite took (they are not in --durations)."""
+    queue = config.__dict__.get("_beside_queue")
+    if queue is not None and queue.timings:
+        terminalreporter.write_sep("-", "beside the suite, one after another")
+        for what, seconds, returncode in queue.timings:
+            terminalreporter.write_line(f"{seconds:7.1f}s  {what}" + (f"  (exit {returncode})" if returncode else ""))
+        for run in queue.runs:
+            if isinstance(run, _BesideRun) and run.ended() and run.proc.returncode not in (0, 1):
+                terminalreporter.write_line(f"the process beside the suite exited with {run.proc.returncode}:\n"
+                                            f"{run.output.text()[-3000:]}", red=True)
+
+
 def sessionfinish(session) -> None:
     queue = session.config.__dict__.get("_beside_queue")
-    if queue is not None:
-        queue.stop()
+    if queue is not None:        # a session that ran to its end lets the last run finish
+        queue.stop(wait_s=0.0 if session.shouldstop or session.shouldfail else 120.0)
 
 
 def runtest_logreport(report) -> None:

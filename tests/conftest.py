@@ -122,6 +122,9 @@ class ReferenceProcess:
         self._stdout.seek(0)
         return json.loads(self._stdout.read())
 
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
     def kill(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
@@ -243,3 +246,7 @@ def pytest_runtest_logreport(report):
 
 def pytest_sessionfinish(session):
     beside.sessionfinish(session)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    beside.terminal_summary(terminalreporter, config)
