@@ -30,9 +30,14 @@ def tensor_digest(values) -> dict:
     magnitude to say how far apart they are when they differ."""
     import numpy as np
 
-    a = np.ascontiguousarray(values, dtype=np.float32) + np.float32(0.0)   # -0.0 -> 0.0
-    return {"shape": list(a.shape), "sha256": hashlib.sha256(a.tobytes()).hexdigest(),
-            "sum": float(a.sum(dtype=np.float64)), "absmax": float(np.abs(a).max()) if a.size else 0.0}
+    flat = np.asarray(values).reshape(-1)
+    sha, total, absmax = hashlib.sha256(), 0.0, 0.0
+    for start in range(0, flat.size, 1 << 22):       # 16 MB at a time: no copy of a whole tensor
+        chunk = flat[start:start + (1 << 22)].astype(np.float32) + np.float32(0.0)   # -0.0 -> 0.0
+        sha.update(chunk.tobytes())
+        total += float(chunk.sum(dtype=np.float64))
+        absmax = max(absmax, float(np.abs(chunk).max()))
+    return {"shape": list(np.shape(values)), "sha256": sha.hexdigest(), "sum": total, "absmax": absmax}
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import queued_reference, torch_transformers
 from hf_reference import tensor_digest
-from test_loader import TEXTS, _model_from_checkpoint
+from test_loader import TEXTS
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +31,23 @@ def gemma3_state_dict(gemma3_checkpoint):
 
 @pytest.fixture(scope="module")
 def gemma3_reference_model(transformers, gemma3_checkpoint, gemma3_state_dict):
-    """transformers' Gemma3ForCausalLM built from our config and loaded with our weights."""
-    return _model_from_checkpoint(transformers, gemma3_checkpoint, gemma3_state_dict)
+    """transformers' Gemma3ForCausalLM built from our config, its parameters our weights
+    themselves (shared with `gemma3_state_dict`, not copied: a gigabyte less; the norms, which
+    test_gemma3_norm_convention changes in place, are copies)."""
+    import torch
+    from accelerate import init_empty_weights
+
+    config_class = transformers.AutoConfig.for_model(gemma3_checkpoint.config["model_type"]).__class__
+    config = config_class(**{k: v for k, v in gemma3_checkpoint.config.items() if k != "model_type"})
+    with init_empty_weights(include_buffers=False):     # parameters on "meta", computed buffers real
+        model = getattr(transformers, gemma3_checkpoint.architecture)(config)
+    weights = {k: torch.from_numpy(v.copy() if k.endswith("norm.weight") else v)
+               for k, v in gemma3_state_dict.items()}
+    missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    model.tie_weights()
+    assert not [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    return model.eval()
 
 
 @pytest.fixture(scope="module")
