@@ -29,7 +29,9 @@ import pytest
 # in the order they run beside the suite (the simulated engine last: it compiles the CPU kernels
 # the suite's first tests have compiled by then)
 SIMULATOR_FILES = ("test_kernels_cudasim.py", "test_kernels_mma.py")
-BESIDE_FILES = ("test_kernels_cpu.py", "test_loader.py", "test_notebooks.py", "test_environment.py")
+# (the notebooks' own kernels do their work, so they stay here; Gemma 3 through PaddleFormers goes
+# beside, which keeps the main process's peak to the shared SmolLM2 engine and one model)
+BESIDE_FILES = ("test_kernels_cpu.py", "test_loader.py", "test_fallback_gemma3.py", "test_environment.py")
 LATE_SIMULATOR_FILES = ("test_engine_on_cuda_kernels.py",)
 SIMULATOR_TESTS = ("test_kernels_cudasim.py::test_cuda_kernels_in_the_simulator",
                    "test_kernels_mma.py::test_tensor_core_prefill_in_the_simulator",
