@@ -48,15 +48,42 @@ def require_reference() -> None:
         unavailable(f"needs {', '.join(missing)}: pip install -e \".[test,reference]\"")
 
 
+@contextlib.contextmanager
+def announced_while(config, what: str, every: float = 30.0):
+    """Say on the terminal what a long fixture is doing, every ``every`` seconds, so a ``-q`` run
+    has no silent stretch (a cold Numba cache makes the first engine compile for minutes).
+
+    The notice is written with pytest's capture suspended, as its live-logging plugin does.
+    """
+    capture = config.pluginmanager.getplugin("capturemanager")
+    done = threading.Event()
+    start = time.monotonic()
+
+    def speak():
+        while not done.wait(every):
+            with capture.global_and_fixture_disabled():
+                sys.stdout.write(f"\n[{what}: {time.monotonic() - start:.0f} s] ")
+                sys.stdout.flush()
+
+    thread = threading.Thread(target=speak, name="announce", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
 @pytest.fixture(scope="session")
-def smollm2_llm():
+def smollm2_llm(request):
     """The default model (SmolLM2-135M-Instruct, native, CPU), shared by every test that reads it.
 
     Tests using it must leave it idle: every request finished or aborted.
     """
     from engine import LLM
 
-    llm = LLM(model="smollm2-135m-instruct")
+    with announced_while(request.config, "loading SmolLM2 and compiling the engine's kernels"):
+        llm = LLM(model="smollm2-135m-instruct")
     yield llm
     assert not llm.snapshot().requests, "a test left requests running on the shared LLM"
 
