@@ -21,6 +21,7 @@ from .chatview import META_CSS
 from .handlers import Handlers, Limits
 from .monitor import EngineMonitor
 from .inspector import BLOCK_CLICK_JS, block_inspector_html
+from .prompt_view import PROMPT_VIEW_EMPTY
 from .serve_commands import serve_commands_html
 from .timeline import timeline_html
 
@@ -166,6 +167,10 @@ def build_app(
                     compare_btn = gr.Button("Compare the shown reply with another branch", size="sm",
                                             elem_id="compare")
                     compare_view = _html("", "compare-view")
+                with gr.Accordion("Prompt view: what surprised the model in the prompt", open=False,
+                                  elem_id="prompt-box"):
+                    prompt_btn = gr.Button("Score the shown reply's prompt", size="sm", elem_id="score-prompt")
+                    prompt_view = _html(PROMPT_VIEW_EMPTY, "prompt-view")
             with gr.Column(scale=4, min_width=380):
                 gr.Markdown("**KV cache blocks** — one cell per physical block, live; click one to inspect it, "
                             "hover a legend entry to find its blocks")
@@ -227,6 +232,7 @@ def build_app(
         nav.click(T(h.navigate, event_data=True), [session], chat_out, api_visibility="private")
         block_map.click(T(h.inspect_block, event_data=True), [session], [inspector], api_visibility="private")
         compare_btn.click(T(h.compare), [session], [compare_view], api_name="compare")
+        prompt_btn.click(T(h.prompt_view), [session], [prompt_view], api_name="prompt_view", **engine_q)
         lp_metric.change(T(h.set_metric), [session, lp_metric], [lp_view], api_name="logprob_metric",
                          preprocess=False)
         reset.click(T(h.reset_prefix_cache), [session], [prefix], api_name="reset_prefix_cache")

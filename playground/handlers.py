@@ -33,6 +33,7 @@ from .inputs import InputError, Limits
 from .inspector import block_inspector_html
 from .logprobs import METRICS
 from .monitor import EngineMonitor
+from .prompt_view import prompt_view_html, score_prompt
 from .tabs import Tabs
 from .timeline import timeline_html
 
@@ -359,6 +360,18 @@ class Handlers:
         return compare_html(session.tree, session.tree.last_reply(),
                             lambda records, selected: render.logprob_html(records, selected=selected,
                                                                           metric=session.lp_metric))
+
+    @checked
+    def prompt_view(self, session: ChatSession) -> str:
+        """The shown reply's prompt, scored: which of its tokens surprised the model."""
+        node = session.tree.last_reply()
+        if node is None or not node.reply.prompt_token_ids:
+            raise InputError("Send a message first: the prompt view scores the prompt of the reply shown.")
+        try:
+            records = score_prompt(self.llm, node.reply.prompt_token_ids, top_k=5)
+        except Exception as exc:  # the engine refused or failed the scoring request
+            raise gr.Error(f"Scoring the prompt failed: {type(exc).__name__}: {exc}") from exc
+        return prompt_view_html(records, metric=session.lp_metric)
 
     @checked
     def set_metric(self, session: ChatSession, metric: Any) -> str:
