@@ -21,6 +21,7 @@ from .chatview import META_CSS
 from .handlers import Handlers, Limits
 from .monitor import EngineMonitor
 from .inspector import BLOCK_CLICK_JS, block_inspector_html
+from .minimap import MINIMAP_HTML, MINIMAP_JS
 from .prompt_view import PROMPT_VIEW_EMPTY
 from .serve_commands import serve_commands_html
 from .timeline import timeline_html
@@ -127,6 +128,7 @@ def build_app(
         # config (which lists this callback) on every page load.
         session = gr.State(lambda: ChatSession(), delete_callback=lambda s: h.stop(s))
         _html(_header(snap, limits, base_model), "header")
+        _html(MINIMAP_HTML, "kv-mini", js=MINIMAP_JS)
         with gr.Row(equal_height=False):
             with gr.Column(scale=5, min_width=420):
                 chatbot = gr.Chatbot(label="Chat", height=440, elem_id="chat", buttons=["copy"])

@@ -215,6 +215,40 @@ def test_block_inspector_and_legend_highlight(page, smollm2_llm):
     expect(inspector).to_contain_text("cached, reusable", timeout=10_000)
 
 
+def test_on_a_phone_a_sticky_mini_map_follows_the_chat(browser, app_url, smollm2_llm, tmp_path):
+    """On a narrow screen the columns stack and the block map is far below the chat: a mini-map
+    stays at the top of the screen while the chat scrolls, mirrors the map, and a tap on it
+    scrolls to the full map. Wide screens do not show it."""
+    context = browser.new_context(viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True)
+    phone = context.new_page()
+    try:
+        phone.goto(app_url)
+        phone.wait_for_selector("#kv-map .kv-cell")
+        send(phone, "Describe Rome in three short paragraphs.")
+        phone.wait_for_selector('#kv-map .kv-cell.kv-used[data-owners^="chat-"]', timeout=60_000)
+        phone.locator("#stop").scroll_into_view_if_needed()          # down the chat, past the header
+        mini = phone.locator("#kv-mini")
+        expect(mini.locator('.kv-cell.kv-used[data-owners^="chat-"]').first).to_be_visible(timeout=10_000)
+        box = mini.bounding_box()
+        assert box["y"] >= -1 and box["y"] + box["height"] <= 844 * 0.2, box   # on screen, and small
+        assert mini.locator(".kv-cell").count() == phone.locator("#kv-map .kv-cell").count()
+        phone.screenshot(path=str(tmp_path / "phone.png"))
+        mini.tap()
+        phone.wait_for_function("Math.abs(document.querySelector('#kv-map').getBoundingClientRect().top) < 250",
+                                timeout=10_000)
+        phone.click("#stop")
+    finally:
+        context.close()
+    wide = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        wide.goto(app_url)
+        wide.wait_for_selector("#kv-map .kv-cell")
+        expect(wide.locator("#kv-mini")).to_be_hidden()
+    finally:
+        wide.close()
+    wait_engine_idle(smollm2_llm)
+
+
 def test_on_a_phone_a_tap_shows_the_alternatives(browser, app_url, smollm2_llm):
     context = browser.new_context(viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True)
     phone = context.new_page()
