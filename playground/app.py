@@ -211,17 +211,20 @@ def build_app(
         # value from the HTTP API is a readable error, not a failure inside a component.
         engine_q = dict(concurrency_limit=concurrency, concurrency_id="engine", show_progress="hidden",
                         preprocess=False)
+        # A refused input is a toast; Gradio would also cover the event's outputs (the whole chat)
+        # with an "Error" badge, so the event's status goes to the hidden bridge component instead.
+        chat_q = dict(engine_q, show_progress_on=[nav])
         chat_events = [
             # trigger_mode="multiple": a message sent while a reply streams is queued by the handler
             # (Gradio's default, "once", would silently drop the second submission).
             send.click(T(h.send), [msg, session, system, *sampling, mode], chat_out, api_name="chat",
-                       trigger_mode="multiple", **engine_q),
+                       trigger_mode="multiple", **chat_q),
             msg.submit(T(h.send), [msg, session, system, *sampling, mode], chat_out, api_visibility="private",
-                       trigger_mode="multiple", **engine_q),
+                       trigger_mode="multiple", **chat_q),
             regen.click(T(h.regenerate), [session, system, *sampling, mode], chat_out, api_name="regenerate",
-                        **engine_q),
+                        **chat_q),
             branch.click(T(h.branch), [token_index, alternative, session, *sampling], chat_out, api_name="branch",
-                         **engine_q),
+                         **chat_q),
             fire.click(T(h.batch_demo), [n_batch, session, system, *sampling], [batch_view], api_name="batch_demo",
                        concurrency_limit=1, concurrency_id="batch", preprocess=False),
         ]

@@ -42,7 +42,8 @@ def score_prompt(llm: Any, prompt_token_ids: Sequence[int], top_k: int = 5) -> l
     if out.error:
         raise RuntimeError(f"scoring the prompt failed: {out.error}")
     tokenizer = llm.get_tokenizer()
-    records = token_records(ids, out.prompt_logprobs, decode=lambda t: tokenizer.decode([t]))
+    records = token_records(ids, out.prompt_logprobs,   # special tokens spelled out, as the engine does
+                            decode=lambda t: tokenizer.decode([t], skip_special_tokens=False))
     for rec in records:
         rec["surprisal"] = None if rec["logprob"] is None else -rec["logprob"] / math.log(2)
     return records

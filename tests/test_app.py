@@ -480,6 +480,7 @@ def test_the_prompt_view_shows_what_surprised_the_model(client, smollm2_llm):
     n = len(smollm2_llm.get_tokenizer().encode(prompt, add_special_tokens=False))
     assert len(re.findall(r'class="lp-tok[^"]*" data-index=', html)) == n
     assert f"{n} prompt tokens" in html
+    assert re.search(r'data-index="0"[^>]*>&lt;\|im_start\|&gt;<', html)    # the first token, spelled out
     worst = re.findall(r'class="pv-worst" data-index="\d+">([^<]*)</span> ([\d.]+)', html)
     assert worst[0][0] == " banana" and float(worst[0][1]) > 10     # the odd word, by far
     assert not wait_idle(smollm2_llm)["requests"]

@@ -266,3 +266,20 @@ def test_on_a_phone_a_tap_shows_the_alternatives(browser, app_url, smollm2_llm):
     finally:
         context.close()
     wait_engine_idle(smollm2_llm)
+
+
+def test_a_refused_message_keeps_the_conversation_in_view(page, smollm2_llm):
+    """A message over the length limit is refused with a toast naming the limit; the chat keeps
+    showing the conversation (Gradio used to cover every output of the event, the whole chat
+    included, with an "Error" badge) and the message stays in the box to be shortened."""
+    send(page, "Say hi.")
+    bot = page.locator('#chat [data-testid="bot"]')
+    expect(bot.last.locator(".pg-finish")).to_have_count(1, timeout=120_000)
+    send(page, "x" * 5000)
+    expect(page.get_by_text("the limit is 4000").first).to_be_visible(timeout=10_000)
+    time.sleep(1)
+    expect(bot).to_have_count(1)
+    expect(bot.last).to_be_visible()
+    expect(page.locator("#chat").get_by_text("Error", exact=True)).to_have_count(0)
+    assert page.input_value("#msg textarea") == "x" * 5000
+    wait_engine_idle(smollm2_llm)
