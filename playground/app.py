@@ -145,7 +145,9 @@ def build_app(
                     mode = gr.Radio(["chat", "completion"], value=h.default_mode, label="mode", elem_id="mode",
                                     info="chat: the model's chat template; completion: your text is continued "
                                          "as it is (base models)")
-                    system = gr.Textbox(label="System prompt", value=system_prompt, lines=2)
+                    system = gr.Textbox(label="System prompt", value=system_prompt, lines=2, elem_id="system",
+                                        info="chat mode only: completion mode continues your text as it is",
+                                        interactive=not base_model)
                     with gr.Row():
                         temperature = gr.Slider(0.0, 2.0, value=0.7, step=0.05, label="temperature")
                         top_p = gr.Slider(0.05, 1.0, value=0.9, step=0.05, label="top-p")
@@ -238,6 +240,9 @@ def build_app(
         block_map.click(T(h.inspect_block, event_data=True), [session], [inspector], api_visibility="private")
         compare_btn.click(T(h.compare), [session], [compare_view], api_name="compare")
         prompt_btn.click(T(h.prompt_view), [session], [prompt_view], api_name="prompt_view", **engine_q)
+        # The system prompt is part of chat prompts only: editable in chat mode.
+        mode.change(lambda m: gr.update(interactive=m == "chat"), [mode], [system], queue=False,
+                    api_visibility="private", show_progress="hidden")
         lp_metric.change(T(h.set_metric), [session, lp_metric], [lp_view], api_name="logprob_metric",
                          preprocess=False)
         reset.click(T(h.reset_prefix_cache), [session], [prefix], api_name="reset_prefix_cache")

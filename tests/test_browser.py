@@ -283,3 +283,15 @@ def test_a_refused_message_keeps_the_conversation_in_view(page, smollm2_llm):
     expect(page.locator("#chat").get_by_text("Error", exact=True)).to_have_count(0)
     assert page.input_value("#msg textarea") == "x" * 5000
     wait_engine_idle(smollm2_llm)
+
+
+def test_the_system_prompt_is_editable_in_chat_mode_only(page):
+    """Completion prompts are the conversation's text alone: the system prompt box says so and is
+    read-only in completion mode (it looked as if it applied)."""
+    page.get_by_text("Mode, system prompt and sampling").click()
+    box = page.locator("#system textarea")
+    expect(box).to_be_editable(timeout=10_000)
+    page.locator("#mode").get_by_text("completion", exact=True).click()
+    expect(box).not_to_be_editable(timeout=10_000)
+    page.locator("#mode").get_by_text("chat", exact=True).click()
+    expect(box).to_be_editable(timeout=10_000)
