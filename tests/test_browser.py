@@ -295,3 +295,43 @@ def test_the_system_prompt_is_editable_in_chat_mode_only(page):
     expect(box).not_to_be_editable(timeout=10_000)
     page.locator("#mode").get_by_text("chat", exact=True).click()
     expect(box).to_be_editable(timeout=10_000)
+
+
+# JupyterLab 4's rules for an HTML output (@jupyterlab/rendermime/style/base.css and
+# @jupyterlab/outputarea/style/base.css), the ones that reach a table inside it.
+JUPYTERLAB_OUTPUT_CSS = """
+.jp-OutputArea-output{width:600px;height:auto;overflow:auto}
+.jp-RenderedHTMLCommon td,.jp-RenderedHTMLCommon th,.jp-RenderedHTMLCommon tr{vertical-align:middle;
+ padding:0.5em;line-height:normal;white-space:normal;max-width:none;border:none}
+:not(.jp-RenderedMarkdown).jp-RenderedHTMLCommon td{text-align:right}
+.jp-RenderedHTMLCommon tbody tr:nth-child(odd){background:#ffffff}
+.jp-RenderedHTMLCommon tbody tr:nth-child(even){background:#eeeeee}
+"""
+
+
+def test_notebook_logprob_tooltips_fit_a_jupyterlab_output(browser):
+    """Bug 9: in JupyterLab the hover table was clipped by the output area, striped, and its cells
+    wrapped ("74.08" / "%", "wid" / "e") under JupyterLab's ``white-space: normal`` for tables."""
+    from playground.logprobs import token_records
+    from playground.notebook import _logprob_view
+
+    words = [" the", " sea", " is", " wide", "."]
+    lps = [{i: {"logprob": -0.3 - 0.7 * i, "rank": i + 1, "decoded_token": w} for i, w in enumerate(words)}
+           for _ in range(40)]
+    html = _logprob_view(token_records([0] * 40, lps))
+    page = browser.new_page(viewport={"width": 700, "height": 600})
+    try:
+        page.set_content(f"<style>{JUPYTERLAB_OUTPUT_CSS}</style>"
+                         f'<div class="jp-OutputArea-output jp-RenderedHTMLCommon">{html}</div>')
+        page.locator(".lp-tok").last.hover()
+        tip = page.locator(".lp-tok").last.locator(".lp-tip")
+        expect(tip).to_be_visible()
+        area, box = page.locator(".jp-OutputArea-output").bounding_box(), tip.bounding_box()
+        assert box["y"] + box["height"] <= area["y"] + area["height"], "the table is cut by the output area"
+        rows = tip.locator("tr")
+        heights = [rows.nth(i).bounding_box()["height"] for i in range(rows.count())]
+        assert max(heights) < 1.6 * min(heights), f"a cell wraps: row heights {heights}"
+        backgrounds = {rows.nth(i).evaluate("r => getComputedStyle(r).backgroundColor") for i in range(2)}
+        assert backgrounds == {"rgba(0, 0, 0, 0)"}, backgrounds
+    finally:
+        page.close()
