@@ -12,8 +12,9 @@ from gpu_kernels.cuda import backend as cuda_backend
 from .kernels import contiguous, resources
 
 #: (threads, ring stages, stage bytes, register cap, blocks per SM aimed at)
-DECODE_VARIANTS = [(128, 2, 4096, 128, 4), (128, 2, 4096, None, 4), (256, 2, 2048, 128, 3)]
-DECODE_SHAPES = [(64, 8192), (16, 2048), (1, 512), (1, 8192)]
+DECODE_VARIANTS = [(128, 2, 4096, 128, 4), (128, 2, 4096, 128, 2), (128, 2, 4096, 128, 8),
+                   (128, 3, 4096, 128, 4), (128, 4, 2048, 128, 4), (256, 2, 2048, 128, 3)]
+DECODE_SHAPES = [(64, 8192), (64, 2048), (16, 8192), (16, 2048), (1, 2048), (1, 8192)]
 #: tensor-core prefill tiles for head_dim 128: (warps, 16-row tiles per warp, keys, K/V stages)
 PREFILL_VARIANTS = [(4, 2, 32, 2), (4, 2, 32, 3), (4, 1, 32, 2), (4, 1, 64, 2), (2, 2, 32, 2),
                     (4, 2, 16, 2)]

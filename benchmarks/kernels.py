@@ -13,7 +13,8 @@ With a GPU (needs torch) it prints, for the ``cuda`` backend on torch tensors:
   order: GPU time per call with a cold L2 (a 256 MB buffer is rewritten before
   every call), effective KV bandwidth (K and V bytes read / time), and torch's
   ``scaled_dot_product_attention`` on the same sizes in a contiguous cache;
-* host time per call of ``gpu_kernels.paged_decode`` (Python + launch);
+* host time per call of ``gpu_kernels.paged_decode`` / ``paged_prefill`` (Python + launch),
+  beside SDPA's host time per call in the same run;
 * prefill (float16 and bfloat16, causal) on tensor cores: TFLOP/s of useful FLOPs beside
   torch's SDPA on the same data in a contiguous cache, the float32 CUDA-core kernel on the
   same data, and host time per call.
@@ -199,11 +200,10 @@ def contiguous(torch, cache, tables):
 
 def resources(dispatcher, threads, shared=0):
     """'regs R, local L B, B blocks/SM' of the kernel a dispatcher last compiled."""
-    from gpu_kernels.cuda.launch import launcher
-    found = list(launcher(dispatcher)._kernels.values())
+    found = list(dispatcher.overloads.values())
     if not found:
         return "resources unknown"
-    kernel, cukernel = found[-1]
+    kernel = found[-1]
     parts = []
     for name, fmt in (("regs_per_thread", "regs {}"), ("local_mem_per_thread", "local {} B")):
         try:
@@ -211,7 +211,7 @@ def resources(dispatcher, threads, shared=0):
         except Exception:                                   # noqa: BLE001 - best effort
             pass
     try:
-        blocks = cukernel.occupancy.max_active_blocks_per_multiprocessor(threads, shared)
+        blocks = kernel._codelibrary.get_cufunc().kernel.occupancy.max_active_blocks_per_multiprocessor(threads, shared)
         parts.append(f"{blocks} blocks/SM ({blocks * threads // 32} warps)")
     except Exception:                                       # noqa: BLE001
         pass
@@ -222,8 +222,8 @@ def bench_gpu_decode(torch, F, timer, bw, scale):
     from gpu_kernels.cuda import backend as cuda_backend
     print("decode, 32 q heads / 8 KV heads, d=128, fp16, block 16, cold L2")
     print("| batch | context | KV MB | ours µs | ours TB/s | % of copy | SDPA µs | SDPA TB/s "
-          "| ours/SDPA speed | host µs/call | max err vs SDPA |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| ours/SDPA speed | host µs/call | SDPA host µs/call | max err vs SDPA |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for seqs in (1, 16, 64):
         for ctx in (512, 2048, 8192):
             q, kc, vc, bt, lens = decode_case(torch, seqs, ctx)
@@ -237,17 +237,22 @@ def bench_gpu_decode(torch, F, timer, bw, scale):
             q4 = q.unsqueeze(2)                                   # [S, 32, 1, D]
             sdpa = lambda: F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True)  # noqa
             peer = timer(sdpa)
+            peer_host = _host_time(sdpa, 200)
+            torch.cuda.synchronize()
             err = (out.float() - sdpa().squeeze(2).float()).abs().max().item()
             del k4, v4
             print(f"| {seqs} | {ctx} | {kv_bytes / 1e6:.0f} | {ours:.1f} | "
                   f"{kv_bytes / ours / 1e6:.2f} | {100 * kv_bytes / ours / 1e6 / bw:.0f}% | "
                   f"{peer:.1f} | {kv_bytes / peer / 1e6:.2f} | {peer / ours:.2f}x | {host:.0f} | "
-                  f"{err:.1e} |")
+                  f"{peer_host:.0f} | {err:.1e} |")
             del q, kc, vc, bt, out
             torch.cuda.empty_cache()
 
     used = resources(cuda_backend.last_kernels["decode"], cuda_backend.DECODE_THREADS)
     print(f"\ndecode kernel: {used}")
+    from gpu_kernels.cuda.launch import Launcher
+    print("launches: " + ("packed parameters, cuLaunchKernel" if Launcher.fast else
+                          f"Numba's path ({Launcher.fallback})"))
 
 
 def prefill_case(torch, seqs, prompt, dtype):
@@ -266,8 +271,9 @@ def bench_gpu_prefill(torch, F, timer, scale, fp32_peak):
           "(TFLOP/s of useful FLOPs only); tensor cores vs SDPA, and the float32 CUDA-core "
           "kernel (what float32 caches/queries use) on the same data")
     print("| cache | sequences x prompt | ours ms | TFLOP/s | SDPA ms | SDPA TFLOP/s "
-          "| ours / SDPA speed | CUDA-core kernel ms | host µs/call | max err vs SDPA |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| ours / SDPA speed | CUDA-core kernel ms | host µs/call | SDPA host µs/call "
+          "| max err vs SDPA |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for dtype in (torch.float16, torch.bfloat16):
         for seqs, prompt in [(1, 4096), (4, 1024), (16, 512)]:
             q, kc, vc, bt, qsl, lens = prefill_case(torch, seqs, prompt, dtype)
@@ -284,6 +290,8 @@ def bench_gpu_prefill(torch, F, timer, scale, fp32_peak):
             sdpa = lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True,  # noqa
                                                           enable_gqa=True)
             peer = timer(sdpa, reps=7) / 1e3
+            peer_host = _host_time(sdpa, 50)
+            torch.cuda.synchronize()
             ref = sdpa().transpose(1, 2).reshape(seqs * prompt, 32, 128)
             err = (out.float() - ref.float()).abs().max().item()
             cuda_backend.prefill_mma_mode = "off"
@@ -294,7 +302,7 @@ def bench_gpu_prefill(torch, F, timer, scale, fp32_peak):
             name = str(dtype).replace("torch.", "")
             print(f"| {name} | {seqs} x {prompt} | {ms:.3f} | {flops / ms / 1e9:.0f} | "
                   f"{peer:.3f} | {flops / peer / 1e9:.0f} | {peer / ms:.2f}x | {fp32_kernel:.2f} | "
-                  f"{host:.0f} | {err:.1e} |", flush=True)
+                  f"{host:.0f} | {peer_host:.0f} | {err:.1e} |", flush=True)
             del q, kc, vc, bt, out, k4, v4
             torch.cuda.empty_cache()
     tile = default_mma_tile(128)
@@ -319,8 +327,10 @@ def bench_gpu(sweep, only=None):
 
     if sweep:
         from .kernel_sweep import sweep_decode, sweep_prefill
-        sweep_decode(torch, timer, decode_case, scale)
-        sweep_prefill(torch, timer, decode_case, scale, fp32_peak)
+        if only != "prefill":
+            sweep_decode(torch, timer, decode_case, scale)
+        if only != "decode":
+            sweep_prefill(torch, timer, decode_case, scale, fp32_peak)
 
     if only != "prefill":
         bench_gpu_decode(torch, F, timer, bw, scale)

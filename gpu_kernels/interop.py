@@ -36,6 +36,7 @@ as the view is used (``dispatch.py`` holds the arguments during the call).
 from __future__ import annotations
 
 import numpy as np
+from numba import config as _config
 
 from .formats import canonical
 
@@ -161,22 +162,30 @@ def _paddle_device_interface(t):
     return key, cai
 
 
-def _device_interface(x):
-    """(cache key, ``__cuda_array_interface__`` with bf16 as ``<u2``) of any CUDA tensor."""
-    fw = framework(x)
+def _device_key(x, fw):
+    """The cache key of a CUDA tensor's view (pointer, shape, dtype, strides), read without
+    building its ``__cuda_array_interface__`` (torch and Paddle build that dict in Python)."""
+    if fw == "torch":
+        return (x.data_ptr(), x.shape, x.dtype, x.stride())
+    if fw == "paddle":      # dtypes are singletons: id() is a cheap, stable key
+        return (x.data_ptr(), tuple(x.shape), id(x.dtype), tuple(x.strides))
+    cai = x.__cuda_array_interface__
+    return (cai["data"][0], tuple(cai["shape"]), cai["typestr"], cai.get("strides"))
+
+
+def _device_interface(x, fw):
+    """``__cuda_array_interface__`` of any CUDA tensor, bf16 as ``<u2``."""
     if fw == "paddle":
-        return _paddle_device_interface(x)
+        return _paddle_device_interface(x)[1]
     if fw == "torch":
         import torch
         t = x.detach()
-        key = (t.data_ptr(), tuple(t.shape), t.dtype, None if t.is_contiguous() else t.stride())
         bf16 = t.dtype == torch.bfloat16
         cai = dict((t.view(torch.int16) if bf16 else t).__cuda_array_interface__)
         if bf16:                 # the int16 view reports '<i2'; bf16 travels as uint16
             cai["typestr"] = "<u2"
-        return key, cai
-    cai = dict(x.__cuda_array_interface__)
-    return (cai["data"][0], tuple(cai["shape"]), cai["typestr"], cai.get("strides")), cai
+        return cai
+    return dict(x.__cuda_array_interface__)
 
 
 def _simulated_view(x) -> np.ndarray:
@@ -201,16 +210,22 @@ def _is_half(x) -> bool:
 
 
 def device_view(x):
-    """Numba device array over a CUDA tensor's memory (float16 native, bf16 as uint16)."""
-    from numba import config, cuda
-    if config.ENABLE_CUDASIM and not is_cuda(x):
+    """Numba device array over a CUDA tensor's memory (float16 native, bf16 as uint16).
+
+    A cached view costs its key (four attribute reads on a torch tensor) and a dict lookup."""
+    fw = _framework_of_type.get(type(x)) or framework(x)
+    if _config.ENABLE_CUDASIM and not is_cuda(x):
         return _simulated_view(x)
-    if framework(x) == "numba" and cuda.is_cuda_array(x):
-        return x
-    key, cai = _device_interface(x)
+    if fw == "numba":
+        from numba import cuda
+        if cuda.is_cuda_array(x):
+            return x
+    key = _device_key(x, fw)
     view = _device_views.get(key)
     if view is not None:
         return view
+    from numba import cuda
+    cai = _device_interface(x, fw)
     cai.pop("stream", None)      # ordering: the kernels run on the caller's stream (dispatch.py)
     view = cuda.from_cuda_array_interface(cai, owner=None, sync=False)
     return _remember(_device_views, key, view)

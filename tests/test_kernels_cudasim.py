@@ -98,6 +98,22 @@ else:
         assert_close(first, run("decode", prob, None, "reference"), "float32")
         np.testing.assert_array_equal(run("decode", prob, None, "cuda"), first)
 
+    def test_split_rule_caps_many_short_splits(monkeypatch):
+        """Beyond DECODE_MERGE_SPLITS splits, a split keeps DECODE_MIN_CHUNK keys: a table of
+        5 pages (80 keys), 8 blocks aimed at, 16-key grain -> 5 splits without the rule, 3
+        with it (32-key chunks); the merged output stays right."""
+        monkeypatch.setattr(cuda_backend, "decode_target_blocks", 8)
+        prob = make_problem(np.random.default_rng(12), context_lens=[64], query_lens=[1],
+                            num_kv_heads=1, group=1, head_dim=8, block_size=16)
+        prob.query = prob.query[:1]
+        plan = lambda: cuda_backend._decode_plan(prob.query, prob.k_cache, prob.block_tables,  # noqa
+                                                 0, prob.out())
+        assert plan()[2][0] == 5
+        monkeypatch.setattr(cuda_backend, "DECODE_MIN_CHUNK", 32)
+        monkeypatch.setattr(cuda_backend, "DECODE_MERGE_SPLITS", 1)
+        assert plan()[2][0] == 3
+        check("decode", prob, None, "float32")
+
     # (context_lens, query_lens, num_kv_heads, group, head_dim, block_size, cache dtype,
     #  query dtype, windows)
     PREFILL = {

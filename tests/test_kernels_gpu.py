@@ -144,6 +144,7 @@ def test_write_kv_on_torch_tensors(dtype):
 @pytest.mark.parametrize("target_blocks", [1, 2048])
 def test_split_k_extremes(monkeypatch, target_blocks):
     monkeypatch.setattr(cuda_backend, "decode_target_blocks", target_blocks)
+    monkeypatch.setattr(cuda_backend, "DECODE_MIN_CHUNK", 0)      # as many splits as asked for
     prob = make_problem(np.random.default_rng(2), context_lens=[8000, 5, 1300], query_lens=[1] * 3,
                         num_kv_heads=8, group=4, head_dim=128, dtype="float16")
     for _ in range(3):
@@ -195,3 +196,79 @@ def test_tensor_core_prefill_window_across_a_warps_rows(dtype):
     prob = make_problem(np.random.default_rng(9), context_lens=[280], query_lens=[200],
                         num_kv_heads=2, group=1, head_dim=128, block_size=16, dtype=dtype)
     assert_close(gpu_run("prefill", prob, 100), ref_run("prefill", prob, 100), dtype)
+
+
+def test_repeated_calls_follow_scale_window_and_metadata_written_in_place():
+    """Views are cached per tensor pointer and launch parameters packed once per argument
+    tuple: a later call on the same tensors with another scale or window, or with context
+    lengths written into the same tensor, must compute with those."""
+    prob = make_problem(np.random.default_rng(3), context_lens=[700, 33, 1200],
+                        query_lens=[1] * 3, num_kv_heads=2, group=4, head_dim=128,
+                        dtype="float16")
+    prob.query = prob.query[:3]
+    args = {k: to_torch(getattr(prob, k)) for k in
+            ("query", "k_cache", "v_cache", "block_tables", "context_lens")}
+    out = to_torch(prob.out())
+    base_scale = prob.scale
+    for scale, window, lens in [(base_scale, None, [700, 33, 1200]),
+                                (base_scale * 3, 100, [700, 33, 1200]),
+                                (base_scale, None, [650, 20, 1190])]:
+        prob.scale, prob.context_lens = scale, np.array(lens, np.int32)
+        args["context_lens"].copy_(torch.from_numpy(prob.context_lens))
+        gpu_kernels.paged_decode(args["query"], args["k_cache"], args["v_cache"],
+                                 args["block_tables"], args["context_lens"], scale,
+                                 sliding_window=window, out=out)
+        torch.cuda.synchronize()
+        assert_close(to_numpy(out), ref_run("decode", prob, window), "float16")
+    from gpu_kernels.cuda.launch import Launcher
+    assert Launcher.fast, f"launches fell back to Numba's path: {Launcher.fallback}"
+
+
+def test_same_memory_in_another_format_gets_its_own_view():
+    """A cache viewed as bfloat16 has the pointer and shape of its float16 self: the cached
+    view must still follow the format."""
+    prob = make_problem(np.random.default_rng(4), context_lens=[300], query_lens=[1],
+                        num_kv_heads=2, group=4, head_dim=128, dtype="float16")
+    prob.query = prob.query[:1]
+    kc, vc = to_torch(prob.k_cache), to_torch(prob.v_cache)
+    rest = {k: to_torch(getattr(prob, k)) for k in ("query", "block_tables", "context_lens")}
+    for dtype in ("float16", "bfloat16"):
+        k_t, v_t = (kc, vc) if dtype == "float16" else (kc.view(torch.bfloat16),
+                                                       vc.view(torch.bfloat16))
+        out = torch.full(prob.query.shape, float("nan"), dtype=torch.float32, device="cuda")
+        gpu_kernels.paged_decode(rest["query"], k_t, v_t, rest["block_tables"],
+                                 rest["context_lens"], prob.scale, out=out)
+        torch.cuda.synchronize()
+        host = prob.k_cache if dtype == "float16" else prob.k_cache.view(np.uint16)
+        host_v = prob.v_cache if dtype == "float16" else prob.v_cache.view(np.uint16)
+        ref = np.full(prob.query.shape, np.nan, np.float32)
+        gpu_kernels.paged_decode(prob.query, host, host_v, prob.block_tables, prob.context_lens,
+                                 prob.scale, out=ref, backend="cpu")
+        assert_close(out.cpu().numpy(), ref, dtype)
+
+
+def test_kernels_run_on_the_callers_torch_stream():
+    """The query is written on a side stream behind a long sleep; a launch on any other
+    stream would read it before the write lands."""
+    prob = make_problem(np.random.default_rng(5), context_lens=[900, 40], query_lens=[1, 1],
+                        num_kv_heads=2, group=4, head_dim=128, dtype="float16")
+    prob.query = prob.query[:2]
+    args = {k: to_torch(getattr(prob, k)) for k in
+            ("k_cache", "v_cache", "block_tables", "context_lens")}
+    source = to_torch(prob.query)
+    query = torch.zeros_like(source)
+    out = to_torch(prob.out())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    for _ in range(2):                                   # the second call: cached launch
+        out.fill_(float("nan"))
+        query.zero_()
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(20_000_000)
+            query.copy_(source)
+            gpu_kernels.paged_decode(query, args["k_cache"], args["v_cache"],
+                                     args["block_tables"], args["context_lens"], prob.scale,
+                                     out=out)
+        torch.cuda.synchronize()
+        assert_close(to_numpy(out), ref_run("decode", prob, None), "float16")

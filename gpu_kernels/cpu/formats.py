@@ -14,7 +14,8 @@ at compile time from the element type, so there is no run-time branch:
 
 float16 goes through LLVM's ``half`` type (``fpext`` / ``fptrunc``), which
 compiles to the F16C conversion instructions and vectorizes. bfloat16 is bit
-arithmetic on the float32 pattern.
+arithmetic on the float32 pattern. The CUDA kernels have their own definitions
+(``cuda/primitives.py`` says why: one PTX instruction each there).
 """
 from __future__ import annotations
 

@@ -35,6 +35,10 @@ DECODE_STAGES = 2                      # decode: ring slots per warp (cp.async p
 DECODE_STAGE_BYTES = 512 if SIMULATED else 4096   # decode: K + V bytes per warp stage
 DECODE_TABLE = 8 if SIMULATED else 512  # decode: block-table entries a block keeps (chunk limit)
 DECODE_BLOCKS_PER_SM = 4               # decode: split-K aims at this many blocks per SM
+#: decode: beyond DECODE_MERGE_SPLITS splits, a split has at least DECODE_MIN_CHUNK keys (the
+#: last block's merge reads every split's partial: many short splits cost more than they hide)
+DECODE_MERGE_SPLITS = 32
+DECODE_MIN_CHUNK = 0 if SIMULATED else 256
 DECODE_MAX_REGISTERS = 128             # decode, <= 4 heads per block: 4 blocks of 128 per SM
 PREFILL_MAX_REGISTERS = None           # prefill: no cap (shared memory allows 1-2 blocks per SM)
 #: prefill tile (threads, query rows, keys) by head_dim; absent: prefill.default_tile
@@ -71,19 +75,19 @@ _word_views: dict = {}
 
 
 def _words(arr):
-    """The array's memory as a flat uint32 device array (cached per pointer and size)."""
+    """The array's memory as a flat uint32 device array (cached per array object: the views
+    ``interop`` hands out are the same objects call after call)."""
     if isinstance(arr, np.ndarray):                       # simulator
         return arr.reshape(-1).view(np.uint32)
-    ptr = arr.__cuda_array_interface__["data"][0]
-    key = (ptr, arr.nbytes)
-    view = _word_views.get(key)
-    if view is None:
-        from numba.cuda.cudadrv.devicearray import DeviceNDArray
-        view = DeviceNDArray(shape=(arr.nbytes // 4,), strides=(4,), dtype=np.dtype(np.uint32),
-                             gpu_data=arr.gpu_data)
-        if len(_word_views) > 256:
-            _word_views.clear()
-        _word_views[key] = view
+    entry = _word_views.get(id(arr))
+    if entry is not None and entry[0] is arr:
+        return entry[1]
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+    view = DeviceNDArray(shape=(arr.nbytes // 4,), strides=(4,), dtype=np.dtype(np.uint32),
+                         gpu_data=arr.gpu_data)
+    if len(_word_views) > 256:
+        _word_views.clear()
+    _word_views[id(arr)] = (arr, view)                    # holds arr: its id stays its own
     return view
 
 
@@ -161,20 +165,43 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping, *, stream=0):
 # --------------------------------------------------------------------------- attention
 
 
+_plans: dict = {}
+
+
+def _remember_plan(key, plan):
+    if len(_plans) >= 256:
+        _plans.clear()
+    _plans[key] = plan
+    return plan
+
+
 def paged_decode(query, k_cache, v_cache, block_tables, context_lens, scale, window, out, *,
                  stream=0):
-    """One query per sequence; see decode.py."""
+    """One query per sequence; see decode.py. The launch plan (kernel, grid, split sizes,
+    scratch) depends only on shapes, formats and the tunables, and is cached by them."""
+    key = ("decode", query.shape, query.dtype, k_cache.shape, k_cache.dtype, out.dtype,
+           block_tables.shape[1], window, decode_target_blocks, DECODE_THREADS, DECODE_STAGES,
+           DECODE_STAGE_BYTES, DECODE_MAX_REGISTERS, DECODE_BLOCKS_PER_SM, DECODE_MIN_CHUNK,
+           DECODE_MERGE_SPLITS)
+    plan = _plans.get(key) or _remember_plan(key, _decode_plan(
+        query, k_cache, block_tables, window, out))
+    launch, kernel, grid, scratch, tail = plan
+    last_kernels["decode"] = kernel
+    launch(grid, DECODE_THREADS, stream, query, _words(k_cache), _words(v_cache), block_tables,
+           context_lens, out, *scratch, np.float32(scale * LOG2E), np.int32(window), *tail)
+
+
+def _decode_plan(query, k_cache, block_tables, window, out):
     num_seqs, num_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     kind_kv = kind_of(k_cache.dtype)
     _check_row(head_dim, kind_kv)
     group = num_heads // num_kv_heads
     hpb = decode_heads_per_block(group)
-    threads = DECODE_THREADS
-    kernel = build_decode_kernel(threads, group, hpb, head_dim, kind_of(query.dtype), kind_kv,
-                                 kind_of(out.dtype), block_size, DECODE_TABLE, DECODE_STAGES,
-                                 DECODE_STAGE_BYTES, DECODE_MAX_REGISTERS if hpb <= 4 else None)
-    last_kernels["decode"] = kernel
+    kernel = build_decode_kernel(DECODE_THREADS, group, hpb, head_dim, kind_of(query.dtype),
+                                 kind_kv, kind_of(out.dtype), block_size, DECODE_TABLE,
+                                 DECODE_STAGES, DECODE_STAGE_BYTES,
+                                 DECODE_MAX_REGISTERS if hpb <= 4 else None)
     head_blocks = num_kv_heads * (group // hpb)
     _, keys_per_pass, passes = stage_shape(head_dim, k_cache.dtype.itemsize, DECODE_STAGE_BYTES)
     kpw = keys_per_pass * passes                      # keys per warp stage; chunks align to it
@@ -184,7 +211,11 @@ def paged_decode(query, k_cache, v_cache, block_tables, context_lens, scale, win
     grain = SPLIT_GRAIN * kpw // math.gcd(SPLIT_GRAIN, kpw)
     target = decode_target_blocks or DECODE_BLOCKS_PER_SM * _num_sms()
     # whole waves: at most `target` blocks (rounding up would leave a second, thin wave)
-    splits = max(1, min(target // (num_seqs * head_blocks), -(-max_keys // grain), MAX_SPLITS))
+    most = MAX_SPLITS
+    if DECODE_MIN_CHUNK:
+        most = max(DECODE_MERGE_SPLITS, -(-max_keys // DECODE_MIN_CHUNK))
+    splits = max(1, min(target // (num_seqs * head_blocks), -(-max_keys // grain), most,
+                        MAX_SPLITS))
     chunk = -(-max(1, -(-max_keys // splits)) // grain) * grain
     cap = DECODE_TABLE * block_size                   # the block keeps its chunk's table
     chunk = min(chunk, cap - cap % kpw if cap >= kpw else cap)
@@ -192,17 +223,32 @@ def paged_decode(query, k_cache, v_cache, block_tables, context_lens, scale, win
     if splits > MAX_SPLITS:
         raise NotImplementedError(f"cuda decode: {max_keys} keys need {splits} splits of at most "
                                   f"{chunk} keys (> {MAX_SPLITS}); raise DECODE_TABLE")
-    part_ml, part_acc, counters = _split_scratch(num_seqs, head_blocks, splits, hpb, head_dim)
-    launcher(kernel)(
-        (splits, head_blocks, num_seqs), threads, stream, query, _words(k_cache),
-        _words(v_cache), block_tables, context_lens, out, part_ml, part_acc, counters,
-        np.float32(scale * LOG2E), np.int32(window), np.int32(num_kv_heads), np.int32(splits),
-        np.int32(chunk))
+    scratch = _split_scratch(num_seqs, head_blocks, splits, hpb, head_dim)
+    return (launcher(kernel), kernel, (splits, head_blocks, num_seqs), scratch,
+            (np.int32(num_kv_heads), np.int32(splits), np.int32(chunk)))
 
 
 def paged_prefill(query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
                   window, out, *, stream=0):
-    """Packed query chunks (mixed with decodes); see prefill.py."""
+    """Packed query chunks (mixed with decodes); see prefill.py. Plans cached as for decode."""
+    num_tokens = query.shape[0]
+    if num_tokens == 0:
+        return
+    key = ("prefill", query.shape, query.dtype, _c_contiguous(query), k_cache.shape,
+           k_cache.dtype, out.dtype, context_lens.shape[0], prefill_mma_mode,
+           PREFILL_MMA_TILES.get(query.shape[2]), PREFILL_TILES.get(query.shape[2]),
+           PREFILL_MAX_REGISTERS)
+    plan = _plans.get(key) or _remember_plan(key, _prefill_plan(
+        query, k_cache, context_lens.shape[0], out))
+    launch, kernel, grid, threads, q_words, tail = plan
+    last_kernels["prefill"] = kernel
+    launch(grid, threads, stream, query,
+           _words(query) if q_words else _words(k_cache),   # (unused then)
+           _words(k_cache), _words(v_cache), block_tables, query_start_loc, context_lens, out,
+           np.float32(scale * LOG2E), np.int32(window), *tail)
+
+
+def _prefill_plan(query, k_cache, num_seqs, out):
     num_tokens, num_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     kind_kv = kind_of(k_cache.dtype)
@@ -223,18 +269,10 @@ def paged_prefill(query, k_cache, v_cache, block_tables, query_start_loc, contex
         kernel, tile_tokens, shared = build_prefill_kernel(
             tile, group, hpb, kind_q, kind_kv, kind_of(out.dtype), block_size,
             q_words, PREFILL_MAX_REGISTERS)
-    last_kernels["prefill"] = kernel
-    num_seqs = context_lens.shape[0]
     max_tiles = -(-num_tokens // tile_tokens) + num_seqs
-    if num_tokens == 0:
-        return
     head_blocks = num_kv_heads * (group // hpb)
-    launcher(kernel, shared)(
-        max_tiles * head_blocks, tile.threads, stream, query,
-        _words(query) if q_words else _words(k_cache),   # (unused then)
-        _words(k_cache), _words(v_cache), block_tables, query_start_loc, context_lens, out,
-        np.float32(scale * LOG2E), np.int32(window), np.int32(num_kv_heads),
-        np.int32(head_blocks), np.int32(max_tiles))
+    return (launcher(kernel, shared), kernel, max_tiles * head_blocks, tile.threads, q_words,
+            (np.int32(num_kv_heads), np.int32(head_blocks), np.int32(max_tiles)))
 
 
 def _use_mma_prefill(kind_q, kind_kv, head_dim):

@@ -116,6 +116,23 @@ def default_tile(head_dim):
     return PrefillTile(128, 64, 64, head_dim)
 
 
+@cuda.jit(device=True)
+def locate_query_tile(info, k, query_start_loc, num_seqs, tile_tokens):
+    """Query tile ``k`` of the batch, counting each sequence's chunk in tiles of
+    ``tile_tokens`` tokens: ``info[0]`` = its sequence (-1 past the last tile), ``info[1]`` =
+    its index within that chunk. Blocks take tiles from the last one down, so the
+    long-running tiles (late in long chunks) start first."""
+    seen = 0
+    info[0] = -1
+    for s in range(num_seqs):
+        tiles = (query_start_loc[s + 1] - query_start_loc[s] + tile_tokens - 1) // tile_tokens
+        if k < seen + tiles:
+            info[0] = s
+            info[1] = k - seen
+            return
+        seen += tiles
+
+
 @functools.lru_cache(maxsize=None)
 def build_prefill_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_size, q_words,
                          max_registers=None):
@@ -271,17 +288,8 @@ def build_prefill_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_size, 
 
         # ---- which sequence / query tile is this block?
         if tid == 0:
-            k = tiles_bound - 1 - cuda.blockIdx.x // head_blocks   # long-running tiles first
-            seen = 0
-            info_sh[0] = -1
-            for s in range(context_lens.shape[0]):
-                n_s = query_start_loc[s + 1] - query_start_loc[s]
-                tiles = (n_s + BQ - 1) // BQ
-                if k < seen + tiles:
-                    info_sh[0] = s
-                    info_sh[1] = k - seen
-                    break
-                seen += tiles
+            locate_query_tile(info_sh, tiles_bound - 1 - cuda.blockIdx.x // head_blocks,
+                              query_start_loc, context_lens.shape[0], BQ)
         cuda.syncthreads()
         i = info_sh[0]
         if i < 0:

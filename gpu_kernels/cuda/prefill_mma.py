@@ -35,6 +35,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from .mma import mma_ops
+from .prefill import locate_query_tile
 from .primitives import (F32, SIMULATED, exp2, fmax32, from_f32, pack2, register_cap, shfl_xor,
                          to_f32, vmax, vmin)
 from .shared_memory import (cp_async16, cp_async_commit, cp_async_wait, dynamic_shared_vectors,
@@ -172,19 +173,10 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
         info_sh = cuda.shared.array(2, int32)
         scratch = cuda.shared.array(threads, float32)
 
-        # ---- which sequence / query tile is this block? (as in prefill.py)
+        # ---- which sequence / query tile is this block?
         if tid == 0:
-            k = tiles_bound - 1 - cuda.blockIdx.x // head_blocks
-            seen = 0
-            info_sh[0] = -1
-            for s in range(context_lens.shape[0]):
-                n_s = query_start_loc[s + 1] - query_start_loc[s]
-                tiles = (n_s + BQ - 1) // BQ
-                if k < seen + tiles:
-                    info_sh[0] = s
-                    info_sh[1] = k - seen
-                    break
-                seen += tiles
+            locate_query_tile(info_sh, tiles_bound - 1 - cuda.blockIdx.x // head_blocks,
+                              query_start_loc, context_lens.shape[0], BQ)
         cuda.syncthreads()
         i = info_sh[0]
         if i < 0:

@@ -29,6 +29,15 @@ Names:
                                (round to nearest even)
 ``pack2(lo, hi, KIND)``         two float32 -> one uint32 word of two half elements (``lo`` in
                                the low 16 bits; F16 or BF16, round to nearest even)
+
+Half-precision conversions exist once per target, each in the form its target runs best:
+``formats.py`` (NumPy, whole arrays), ``cpu/formats.py`` (Numba CPU: LLVM's ``half`` type,
+i.e. F16C instructions, and bf16 rounding in integer arithmetic) and here. On the GPU every
+conversion is one PTX instruction (``cvt.f32.f16``, ``cvt.rn.f16.f32``, ``cvt.rn.bf16.f32``,
+``cvt.rn.{f16,bf16}x2.f32``; sm_80, which the kernels need anyway for ``cp.async``). A shared
+bit-twiddling definition compiled for both targets would cost the GPU several integer
+instructions and registers per element: in the tensor-core prefill, bf16 rounding that way
+while 128 accumulators are live spilled 528 bytes per thread.
 ``exp2(x)``                    2**x in float32 (fast approximate instruction on the GPU)
 ``fmax32(a, b)``               max of two float32 (one instruction on the GPU)
 ``shfl_idx(v, src, scratch)``  v of lane ``src`` of the calling warp
@@ -203,12 +212,6 @@ else:
         return types.float32(bits), codegen
 
     @intrinsic
-    def _as_u32(typingctx, value):
-        def codegen(context, builder, signature, args):
-            return builder.bitcast(args[0], ir.IntType(32))
-        return types.uint32(value), codegen
-
-    @intrinsic
     def _half_bits_to_f32(typingctx, bits):
         """Low 16 bits of an integer, read as IEEE half -> float32 (cvt.f32.f16)."""
         def codegen(context, builder, signature, args):
@@ -239,26 +242,34 @@ else:
             return builder.call(asm, [args[0]])     # Numba-CUDA keeps float16 values as i16
         return types.float16(value), codegen
 
+    def _cvt_x2(instruction):
+        @intrinsic
+        def cvt_x2(typingctx, hi, lo):
+            """Two float32 -> one word of two halves, ``hi`` in the upper 16 bits (sm_80)."""
+            def codegen(context, builder, signature, args):
+                asm = ir.InlineAsm(ir.FunctionType(ir.IntType(32), [ir.FloatType()] * 2),
+                                   f"{instruction} $0, $1, $2;", "=r,f,f")
+                return builder.call(asm, [args[0], args[1]])
+            return types.uint32(types.float32, types.float32), codegen
+        return cvt_x2
+
+    _cvt_f16x2 = _cvt_x2("cvt.rn.f16x2.f32")
+    _cvt_bf16x2 = _cvt_x2("cvt.rn.bf16x2.f32")
+
     @intrinsic
-    def _f32_to_half_bits(typingctx, value):
-        """float32 -> IEEE half bits in a uint32 (cvt.rn.f16.f32, round to nearest even)."""
+    def _f32_to_bf16(typingctx, value):
+        """float32 -> bfloat16 bits, round to nearest even (cvt.rn.bf16.f32, sm_80)."""
         def codegen(context, builder, signature, args):
             asm = ir.InlineAsm(ir.FunctionType(ir.IntType(16), [ir.FloatType()]),
-                               "cvt.rn.f16.f32 $0, $1;", "=h,f")
-            return builder.zext(builder.call(asm, [args[0]]), ir.IntType(32))
-        return types.uint32(value), codegen
-
-    @cuda.jit(device=True)
-    def _half_bits(v, kind):
-        if kind == BF16:
-            bits = _as_u32(np.float32(v))
-            return (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) \
-                >> np.uint32(16)
-        return _f32_to_half_bits(np.float32(v))
+                               "cvt.rn.bf16.f32 $0, $1;", "=h,f")
+            return builder.call(asm, [args[0]])
+        return types.uint16(types.float32), codegen
 
     @cuda.jit(device=True)
     def pack2(lo, hi, kind):
-        return np.uint32(_half_bits(lo, kind) | (_half_bits(hi, kind) << np.uint32(16)))
+        if kind == BF16:
+            return _cvt_bf16x2(np.float32(hi), np.float32(lo))
+        return _cvt_f16x2(np.float32(hi), np.float32(lo))
 
     @intrinsic
     def _ex2(typingctx, x):
@@ -293,9 +304,7 @@ else:
     @cuda.jit(device=True)
     def from_f32(v, kind):
         if kind == BF16:
-            bits = _as_u32(np.float32(v))
-            return np.uint16((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
-                             >> np.uint32(16))
+            return _f32_to_bf16(np.float32(v))
         if kind == F16:
             return _f32_to_half(np.float32(v))
         return np.float32(v)
