@@ -40,6 +40,7 @@ from .timeline import timeline_html
 __all__ = ["Limits", "Handlers"]
 
 SKIP6 = (gr.skip(),) * 6
+CHAT_UPDATES_PER_S = 5          # a streaming reply's updates to the page
 
 
 MODES = ("chat", "completion")
@@ -178,9 +179,12 @@ class Handlers:
         try:
             if first:
                 yield first
-            sent, lp_at = None, 0.0
+            sent, lp_at, sent_at = None, 0.0, 0.0
             while not done.is_set():
                 changed.wait(0.25)
+                # At most CHAT_UPDATES_PER_S updates: each one re-sends the chat, and a fast engine
+                # would otherwise spend its time on one per token for every streaming tab.
+                time.sleep(max(0.0, sent_at + 1 / CHAT_UPDATES_PER_S - time.monotonic()))
                 changed.clear()
                 self._reply_state(reply)
                 key = (len(reply.token_ids), reply.state, reply.num_prompt_tokens)
@@ -191,7 +195,7 @@ class Handlers:
                 if reply.records and now - lp_at >= 0.5:     # the logprob view twice a second
                     lp, lp_at = render.logprob_html(reply.records, metric=session.lp_metric), now
                 prefix = self.prefix_html(session) if sent is None or sent[2] != key[2] else gr.skip()
-                sent = key
+                sent, sent_at = key, time.monotonic()
                 yield self.chat(session), gr.skip(), lp, prefix, gr.skip(), gr.skip()
         finally:
             if not done.is_set():           # cancelled (Stop, closed tab): abort, let the stream end
