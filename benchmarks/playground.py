@@ -17,13 +17,15 @@ Starts the app as ``python -m playground`` does (load, warm-up, ``build_app``, `
    Decode tok/s is read from the engine's step events in both (steps where every chat decodes),
    so client-side time never enters it. Goal: the app at most 5 % slower, with the map
    refreshed at least 4 times a second per tab (it changes once per engine step, so it can
-   refresh at most min(engine steps/s, 1 / interval) times a second).
+   refresh at most min(engine steps/s, 1 / interval) times a second). The CPU use of this
+   process (engine and app server) and of the tabs' process is printed beside, in cores.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -43,6 +45,18 @@ PROMPTS = ["Tell me about the ocean.", "Describe a forest at night.", "Explain h
            "Write about a city in the rain.", "Describe the moon.", "Tell me about trains.",
            "Describe a mountain village.", "Explain what clouds are."]
 LOGPROBS = 5
+
+
+def cpu_s(pid: int | None = None) -> float | None:
+    """CPU seconds (user + system, all threads) of this process or of ``pid`` (Linux /proc)."""
+    if pid is None:
+        return time.process_time()
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 class DecodeMeter:
@@ -73,10 +87,11 @@ def chat_args(prompt: str, max_tokens: int) -> tuple:
     return (prompt, DEFAULT_SYSTEM_PROMPT, 0.0, 1.0, 0, max_tokens, 0, LOGPROBS, "chat")
 
 
-def engine_alone(llm, prompts: list[str], max_tokens: int) -> float:
+def engine_alone(llm, prompts: list[str], max_tokens: int, cores: list | None = None) -> float:
     """The chats straight through ``LLM.stream`` (the app idles); decode tok/s."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=0, logprobs=LOGPROBS)
     meter = DecodeMeter(llm, len(prompts))
+    cpu0, t0 = cpu_s(), time.perf_counter()
 
     def one(prompt: str) -> None:
         for _ in llm.stream([{"role": "system", "content": DEFAULT_SYSTEM_PROMPT},
@@ -88,6 +103,8 @@ def engine_alone(llm, prompts: list[str], max_tokens: int) -> float:
         t.start()
     for t in threads:
         t.join()
+    if cores is not None:
+        cores.append((cpu_s() - cpu0) / (time.perf_counter() - t0))
     return meter.stop()
 
 
@@ -115,9 +132,14 @@ class Tabs:
         """Every tab sends its chat through the app (and refreshes, with ``ticks``); decode tok/s
         from the engine's steps meanwhile."""
         meter = DecodeMeter(llm, n)
+        cpu0, tabs0, t0 = cpu_s(), cpu_s(self.proc.pid), time.perf_counter()
         self._send(f"round {max_tokens}" + ("" if ticks else " chats"))
         result = self._read()
-        return {**result, "tps": meter.stop(), "steps_per_s": meter.steps_per_s}
+        wall = time.perf_counter() - t0
+        tabs1 = cpu_s(self.proc.pid)
+        return {**result, "tps": meter.stop(), "steps_per_s": meter.steps_per_s,
+                "server_cores": (cpu_s() - cpu0) / wall,
+                "tabs_cores": None if tabs0 is None or tabs1 is None else (tabs1 - tabs0) / wall}
 
     def ticking(self, llm, prompts: list[str], max_tokens: int) -> dict:
         """The chats straight through the engine while every tab refreshes."""
@@ -177,9 +199,9 @@ def main(argv: list[str] | None = None) -> dict:
         tabs = Tabs(url, prompts, args.interval, args.tabs_nice)
         engine_alone(llm, prompts, args.max_tokens)                       # both paths once, unmeasured
         tabs.round(llm, len(prompts), args.max_tokens)
-        alone, app, ticks_only, chats_only = [], [], [], []
+        alone, app, ticks_only, chats_only, alone_cores = [], [], [], [], []
         for i in range(args.repeats):   # A B, B A, ...: slow drifts of the machine cancel out
-            runs = [lambda: alone.append(engine_alone(llm, prompts, args.max_tokens)),
+            runs = [lambda: alone.append(engine_alone(llm, prompts, args.max_tokens, alone_cores)),
                     lambda: app.append(tabs.round(llm, len(prompts), args.max_tokens))]
             if args.split:
                 runs += [lambda: ticks_only.append(tabs.ticking(llm, prompts, args.max_tokens)),
@@ -206,6 +228,11 @@ def main(argv: list[str] | None = None) -> dict:
         "slowdown_pct_paired": round(statistics.median(1 - a["tps"] / b for a, b in zip(app, alone)) * 100, 1),
         "map_refreshes_per_s_per_tab": round(statistics.median(a["maps_per_s"] for a in app), 2),
         "engine_steps_per_s": round(statistics.median(a["steps_per_s"] for a in app), 2),
+        # CPU use during the runs, in cores: this process (engine + app server) and the tabs' process.
+        "server_cores_engine_alone": round(statistics.median(alone_cores), 2),
+        "server_cores_app": round(statistics.median(a["server_cores"] for a in app), 2),
+        "tabs_process_cores": (round(statistics.median(a["tabs_cores"] for a in app), 2)
+                               if all(a["tabs_cores"] is not None for a in app) else None),
         "refresh_round_trip_ms": round(statistics.median(a["tick_ms"] for a in app), 1),
         **({"decode_tok_s_refresh_timers_only": round(statistics.median(a["tps"] for a in ticks_only), 2),
             "decode_tok_s_chats_through_app_only": round(statistics.median(a["tps"] for a in chats_only), 2)}
