@@ -10,15 +10,20 @@ import contextlib
 import ctypes
 import gc
 import importlib.util
+import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/tiny_models.py
+
+import beside  # noqa: E402
+from beside import relay_cudasim_run  # noqa: E402,F401  (the simulator files' outer tests)
 
 _MISSING = object()
 
@@ -32,22 +37,53 @@ def unavailable(reason: str):
     pytest.skip(reason)
 
 
+def _missing_reference() -> list[str]:
+    return [name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None]
+
+
 def require_reference() -> None:
     """The independent references (torch, transformers) of the "reference" extra."""
-    missing = [name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None]
+    missing = _missing_reference()
     if missing:
         unavailable(f"needs {', '.join(missing)}: pip install -e \".[test,reference]\"")
 
 
+@contextlib.contextmanager
+def announced_while(config, what: str, every: float = 30.0):
+    """Say on the terminal what a long fixture is doing, every ``every`` seconds, so a ``-q`` run
+    has no silent stretch (a cold Numba cache makes the first engine compile for minutes).
+
+    The notice is written with pytest's capture suspended, as its live-logging plugin does.
+    """
+    capture = config.pluginmanager.getplugin("capturemanager")
+    done = threading.Event()
+    start = time.monotonic()
+
+    def speak():
+        while not done.wait(every):
+            with capture.global_and_fixture_disabled():
+                sys.stdout.write(f"\n[{what}: {time.monotonic() - start:.0f} s] ")
+                sys.stdout.flush()
+
+    thread = threading.Thread(target=speak, name="announce", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
 @pytest.fixture(scope="session")
-def smollm2_llm():
+def smollm2_llm(request):
     """The default model (SmolLM2-135M-Instruct, native, CPU), shared by every test that reads it.
 
     Tests using it must leave it idle: every request finished or aborted.
     """
     from engine import LLM
 
-    llm = LLM(model="smollm2-135m-instruct")
+    with announced_while(request.config, "loading SmolLM2 and compiling the engine's kernels"):
+        llm = LLM(model="smollm2-135m-instruct")
     yield llm
     assert not llm.snapshot().requests, "a test left requests running on the shared LLM"
 
@@ -73,6 +109,58 @@ def gemma3_checkpoint():
     from engine.loader import load_checkpoint
 
     return load_checkpoint("gemma3-270m")
+
+
+class ReferenceProcess:
+    """``tests/hf_reference.py ARGS`` (HF transformers, the independent reference) in its own
+    process, started now or, with ``start=False``, when `start` is called (the queue of runs
+    beside the suite does, see `pytest_collection_modifyitems`); `result` waits for its JSON answer.
+
+    Its own process, because PaddleFormers switches torch off inside transformers for the rest of a
+    process, and so that transformers' copy of a model never adds to this process's memory.
+    """
+
+    def __init__(self, *args: str, stdin=None, start: bool = True):
+        require_reference()
+        self.args, self._stdin = args, json.dumps(stdin)
+        self._stdout, self._stderr = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+        self._proc: subprocess.Popen | None = None
+        self._started = threading.Event()
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, os.path.join(os.path.dirname(__file__), "hf_reference.py"), *self.args],
+            stdin=subprocess.PIPE, stdout=self._stdout, stderr=self._stderr)
+        self._proc.stdin.write(self._stdin.encode())
+        self._proc.stdin.close()
+        self._started.set()
+
+    def wait(self) -> int:
+        self._started.wait()
+        return self._proc.wait()
+
+    def result(self):
+        if self.wait() != 0:
+            self._stderr.seek(0)
+            raise AssertionError(f"hf_reference.py {' '.join(self.args)} failed:\n"
+                                 f"{self._stderr.read().decode(errors='replace')[-3000:]}")
+        self._stdout.seek(0)
+        return json.loads(self._stdout.read())
+
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def kill(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+    def close(self) -> None:
+        self.kill()
+        self._stdout.close()
+        self._stderr.close()
 
 
 @contextlib.contextmanager
@@ -136,7 +224,7 @@ def pytest_runtest_call(item):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     yield
-    module_ends = nextitem is None or nextitem.module is not item.module
+    module_ends = nextitem is None or nextitem.path != item.path
     if module_ends or getattr(item, "_call_seconds", 0.0) > _COLLECT_AFTER_S:
         gc.collect()
         if _libc is not None:
@@ -149,82 +237,43 @@ except OSError:   # not glibc
     _libc = None
 
 
-# ------------------------------------------------- the CUDA simulator's subprocess
+# ------------------------------------------------- files that run beside the suite (beside.py)
 
-# tests that re-run their own file under NUMBA_ENABLE_CUDASIM=1 through `cudasim_run`
-SIMULATOR_TESTS = ("test_kernels_cudasim.py::test_cuda_kernels_in_the_simulator",
-                   "test_kernels_mma.py::test_tensor_core_prefill_in_the_simulator",
-                   "test_engine_on_cuda_kernels.py::test_engine_on_cuda_kernels_in_the_simulator")
-
-
-class _Output:
-    """A subprocess's combined stdout/stderr, collected by a thread as it comes."""
-
-    def __init__(self, pipe):
-        self._chunks: list[str] = []
-        self._done = False
-        self._cond = threading.Condition()
-        threading.Thread(target=self._read, args=(pipe,), daemon=True, name="cudasim-output").start()
-
-    def _read(self, pipe):
-        for chunk in iter(lambda: pipe.read1(256), b""):
-            with self._cond:
-                self._chunks.append(chunk.decode(errors="replace"))
-                self._cond.notify_all()
-        with self._cond:
-            self._done = True
-            self._cond.notify_all()
-
-    def relay(self, stream) -> str:
-        """Write what came so far to ``stream``, then the rest as it comes; return all of it."""
-        sent = 0
-        while True:
-            with self._cond:
-                while sent == len(self._chunks) and not self._done:
-                    self._cond.wait()
-                new, sent, done = self._chunks[sent:], len(self._chunks), self._done
-            stream.write("".join(new))
-            stream.flush()
-            if done and sent == len(self._chunks):
-                return "".join(self._chunks)
+# transformers' reading of Gemma 3's weights (a minute of one core, 3 GB) is queued first beside
+# the suite, so that it overlaps the suite's start; the test reads it through `queued_reference`
+GEMMA3_WEIGHTS_TEST = "test_loader_gemma3.py::test_gemma3_weights_equal_transformers"
 
 
-def cudasim_run(config, path: str):
-    """``(process, output)`` of ``NUMBA_ENABLE_CUDASIM=1 pytest PATH``, started once per session:
-    at the end of collection when its test was collected, so that it runs beside the others."""
-    runs = config.__dict__.setdefault("_cudasim_runs", {})
-    path = os.path.abspath(path)
-    if path not in runs:
-        root = os.path.dirname(os.path.dirname(path))
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path],
-            env=dict(os.environ, NUMBA_ENABLE_CUDASIM="1"), cwd=root,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        runs[path] = (proc, _Output(proc.stdout))
-    return runs[path]
+@pytest.hookimpl(trylast=True)      # after -m / -k have deselected
+def pytest_collection_modifyitems(config, items):
+    first = []
+    if (not beside.in_a_run_beside() and not config.option.collectonly and not _missing_reference()
+            and any(item.nodeid.endswith(GEMMA3_WEIGHTS_TEST) for item in items)):
+        from engine.loader.zoo import zoo_path
+
+        run = ReferenceProcess("weights", zoo_path("gemma3-270m"), start=False)
+        config.__dict__.setdefault("_queued_references", {})["gemma3-weights"] = run
+        first.append(run)
+    beside.collection_modifyitems(config, items, first=first)
 
 
-def relay_cudasim_run(config, path: str, capsys) -> tuple[int, str]:
-    """Wait for `cudasim_run`'s process, writing its progress to the terminal as it comes;
-    return its exit code and output."""
-    proc, output = cudasim_run(config, path)
-    with capsys.disabled():
-        sys.stdout.write(f"\n[{os.path.basename(path)} in the CUDA simulator] ")
-        out = output.relay(sys.stdout)
-        sys.stdout.write("\n")
-    return proc.wait(), out
+def queued_reference(config, key: str, *args: str) -> ReferenceProcess:
+    """The `ReferenceProcess` queued under ``key`` at collection, or one started now with ``args``."""
+    run = config.__dict__.get("_queued_references", {}).pop(key, None)
+    return run if run is not None else ReferenceProcess(*args)
 
 
 def pytest_collection_finish(session):
-    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" or session.config.option.collectonly:
-        return
-    for item in session.items:
-        if item.nodeid.endswith(SIMULATOR_TESTS):
-            cudasim_run(session.config, str(item.path))
+    beside.collection_finish(session)
+
+
+def pytest_runtest_logreport(report):
+    beside.runtest_logreport(report)
 
 
 def pytest_sessionfinish(session):
-    for proc, _ in session.config.__dict__.get("_cudasim_runs", {}).values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    beside.sessionfinish(session)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    beside.terminal_summary(terminalreporter, config)

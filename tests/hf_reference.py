@@ -1,29 +1,53 @@
-"""Greedy continuations from HF `transformers` reading a GGUF file: the independent reference.
+"""HF `transformers` reading a GGUF file: the independent reference, run in its own process.
 
-Run as a separate process (the tests do), because PaddleFormers, once
-imported, switches torch off inside `transformers` for the rest of a process:
+It runs as a separate process (the tests start it), because PaddleFormers, once imported,
+switches torch off inside `transformers` for the rest of a process, and so that transformers'
+copy of the weights never shares a process with ours:
 
-    python tests/hf_reference.py FILE.gguf --max-new-tokens 12 < prompts.json > continuations.json
+    python tests/hf_reference.py greedy FILE.gguf --max-new-tokens 12 < prompts.json > out.json
+    python tests/hf_reference.py weights FILE.gguf > digests.json
 
-stdin: a JSON list of prompts given as token-id lists (the engine's tokenizer
-makes them, so both sides see the same ids); stdout: a JSON list of the
-greedy continuations (token ids).
+``greedy``: stdin is a JSON list of prompts given as token-id lists (the engine's tokenizer makes
+them, so both sides see the same ids); stdout is a JSON list of the greedy continuations.
+
+``weights``: stdout is ``{name: tensor_digest(...)}`` for every tensor transformers reads from
+the file (dequantized, with transformers' names and layout): a per-tensor comparison result,
+not the tensors, so the caller compares them with its own weights at no memory cost.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
 
 
+def tensor_digest(values) -> dict:
+    """What two float32 tensors must share to be equal element for element (as
+    `numpy.testing.assert_array_equal` sees them: -0.0 equals 0.0), plus sum and largest
+    magnitude to say how far apart they are when they differ."""
+    import numpy as np
+
+    flat = np.asarray(values).reshape(-1)
+    sha, total, absmax = hashlib.sha256(), 0.0, 0.0
+    for start in range(0, flat.size, 1 << 22):       # 16 MB at a time: no copy of a whole tensor
+        chunk = flat[start:start + (1 << 22)].astype(np.float32) + np.float32(0.0)   # -0.0 -> 0.0
+        sha.update(chunk.tobytes())
+        total += float(chunk.sum(dtype=np.float64))
+        absmax = max(absmax, float(np.abs(chunk).max()))
+    return {"shape": list(np.shape(values)), "sha256": sha.hexdigest(), "sum": total, "absmax": absmax}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["greedy", "weights"])
     parser.add_argument("gguf")
-    parser.add_argument("--max-new-tokens", type=int, required=True)
+    parser.add_argument("--max-new-tokens", type=int, help="greedy: tokens per prompt")
     args = parser.parse_args()
-    prompts = json.load(sys.stdin)
+    if args.mode == "greedy" and args.max_new_tokens is None:
+        parser.error("greedy needs --max-new-tokens")
 
     # paddlecodec (a paddleformers dependency) ships a `torchcodec` module without its package
     # metadata, which transformers' audio utilities trip over; declare it absent.
@@ -33,8 +57,25 @@ def main() -> None:
 
     transformers.logging.set_verbosity_error()
     directory, name = os.path.split(os.path.abspath(args.gguf))
+    if args.mode == "weights":
+        json.dump(weight_digests(torch, transformers, directory, name), sys.stdout)
+        return
+    prompts = json.load(sys.stdin)
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name).eval()
     json.dump([greedy(torch, model, ids, args.max_new_tokens) for ids in prompts], sys.stdout)
+
+
+def weight_digests(torch, transformers, directory: str, name: str) -> dict:
+    """transformers' own reading of the file's tensors (`load_gguf_checkpoint`, which dequantizes
+    and renames them for the architecture of its config), digested one at a time."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = transformers.AutoConfig.from_pretrained(directory, gguf_file=name)
+    with torch.device("meta"):      # load_gguf_checkpoint reads only its config and parameter names
+        names_only = transformers.AutoModelForCausalLM.from_config(config)
+    tensors = load_gguf_checkpoint(os.path.join(directory, name), return_tensors=True,
+                                   model_to_load=names_only)["tensors"]
+    return {key: tensor_digest(tensors.pop(key).float().numpy()) for key in sorted(tensors)}
 
 
 def greedy(torch, model, ids: list[int], n: int) -> list[int]:

@@ -8,16 +8,11 @@ Its own module, so that the SmolLM2 models of test_fallback.py are freed before 
 import hashlib
 import json
 import os
-import subprocess
-import sys
 
 import pytest
-from conftest import require_reference
+from conftest import ReferenceProcess, require_reference
 
 from engine import LLM, SamplingParams
-
-HERE = os.path.dirname(__file__)
-
 
 def token_ids(outputs):
     return [o.outputs[0].token_ids for o in outputs]
@@ -51,26 +46,20 @@ def gemma3_transformers(gemma3_checkpoint):
     if memo.is_file():
         yield lambda: (ids, json.loads(memo.read_text()))
         return
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "hf_reference.py"), gemma3_checkpoint.path,
-                             "--max-new-tokens", "12"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    proc.stdin.write(json.dumps(ids))
-    proc.stdin.close()
+    run = ReferenceProcess("greedy", gemma3_checkpoint.path, "--max-new-tokens", "12", stdin=ids)
 
     def result():
-        out = proc.stdout.read()
-        assert proc.wait() == 0, proc.stderr.read()[-3000:]
-        memo.write_text(out)
-        return ids, json.loads(out)
+        continuations = run.result()
+        memo.write_text(json.dumps(continuations))
+        return ids, continuations
 
     yield result
-    if proc.poll() is None:
-        proc.kill()
+    run.close()
 
 
 @pytest.mark.slow
 def test_gemma3_auto_serves_paddleformers_and_matches_transformers(gemma3_transformers):
-    llm = LLM(model="gemma3-270m")
+    llm = LLM(model="gemma3-270m", kv_cache_memory=64 * 1024**2)   # ~1800 tokens, for ~700
     assert llm.model_impl == "paddleformers" and llm.snapshot().model_impl == "paddleformers"
     ids, expected = gemma3_transformers()
     assert len(ids[-1]) > 512

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import torch_transformers
-from test_loader import TEXTS, _model_from_checkpoint
+from conftest import queued_reference, torch_transformers
+from hf_reference import tensor_digest
+from test_loader import TEXTS
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +31,23 @@ def gemma3_state_dict(gemma3_checkpoint):
 
 @pytest.fixture(scope="module")
 def gemma3_reference_model(transformers, gemma3_checkpoint, gemma3_state_dict):
-    """transformers' Gemma3ForCausalLM built from our config and loaded with our weights."""
-    return _model_from_checkpoint(transformers, gemma3_checkpoint, gemma3_state_dict)
+    """transformers' Gemma3ForCausalLM built from our config, its parameters our weights
+    themselves (shared with `gemma3_state_dict`, not copied: a gigabyte less; the norms, which
+    test_gemma3_norm_convention changes in place, are copies)."""
+    import torch
+    from accelerate import init_empty_weights
+
+    config_class = transformers.AutoConfig.for_model(gemma3_checkpoint.config["model_type"]).__class__
+    config = config_class(**{k: v for k, v in gemma3_checkpoint.config.items() if k != "model_type"})
+    with init_empty_weights(include_buffers=False):     # parameters on "meta", computed buffers real
+        model = getattr(transformers, gemma3_checkpoint.architecture)(config)
+    weights = {k: torch.from_numpy(v.copy() if k.endswith("norm.weight") else v)
+               for k, v in gemma3_state_dict.items()}
+    missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    model.tie_weights()
+    assert not [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    return model.eval()
 
 
 @pytest.fixture(scope="module")
@@ -83,21 +99,23 @@ def test_gemma3_checkpoint_metadata(gemma3_checkpoint):
 
 
 @pytest.mark.slow
-def test_gemma3_weights_equal_transformers(transformers, gemma3_checkpoint, gemma3_state_dict):
-    import torch
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    # transformers reads only the config and the parameter names of `model_to_load`: the
-    # architecture on the meta device holds no weights (the reference model is built later).
-    config_class = transformers.AutoConfig.for_model(gemma3_checkpoint.config["model_type"]).__class__
-    config = config_class(**{k: v for k, v in gemma3_checkpoint.config.items() if k != "model_type"})
-    with torch.device("meta"):
-        names_only = getattr(transformers, gemma3_checkpoint.architecture)(config)
-    reference = load_gguf_checkpoint(gemma3_checkpoint.path, return_tensors=True,
-                                     model_to_load=names_only)["tensors"]
+def test_gemma3_weights_equal_transformers(request, gemma3_checkpoint, gemma3_state_dict):
+    """Every tensor equals transformers' own reading of the file (dequantized, renamed, Q/K
+    layout), compared through per-tensor digests from `hf_reference.py`'s process (queued
+    beside the suite at its start, see conftest.py)."""
+    run = queued_reference(request.config, "gemma3-weights", "weights", gemma3_checkpoint.path)
+    try:
+        reference = run.result()
+    finally:
+        run.close()
     assert set(reference) == set(gemma3_state_dict)
+    differ = {}
     for name, ours in gemma3_state_dict.items():
-        np.testing.assert_array_equal(ours, reference.pop(name).float().numpy(), err_msg=name)
+        assert ours.dtype == np.float32, name
+        digest = tensor_digest(ours)
+        if digest != reference[name]:
+            differ[name] = {"ours": digest, "transformers": reference[name]}
+    assert not differ, f"{len(differ)} tensors differ from transformers': {differ}"
 
 
 @pytest.mark.slow

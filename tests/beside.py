@@ -1,0 +1,325 @@
+"""Test files that run in processes beside the suite, one after another, on the second core.
+
+The suite is mostly one process working one test at a time; some files do not need to share it:
+
+* ``SIMULATOR_FILES`` re-run themselves under ``NUMBA_ENABLE_CUDASIM=1`` (which must be set
+  before ``numba.cuda`` is first imported); each has one outer test that relays that run's
+  output as it comes (`relay_cudasim_run`).
+* ``BESIDE_FILES`` run in one plain pytest process beside this one; here, each of their
+  tests waits for that process's report of the same test and passes, fails or skips as it did
+  there (`BesideItem`), so every test keeps its id and outcome.
+
+The runs start, one at a time, at the end of collection, and the tests that read them are
+moved to the end of the session, so the main process never waits while it has work of its
+own. Running one of these files alone (``pytest tests/test_kernels_cpu.py``) runs it here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import pytest
+
+# in the order they run beside the suite (the simulated engine last: it compiles the CPU kernels
+# the suite's first tests have compiled by then)
+SIMULATOR_FILES = ("test_kernels_cudasim.py", "test_kernels_mma.py")
+# (the notebooks' own kernels do their work, so they stay here; Gemma 3 through PaddleFormers goes
+# beside, which keeps the main process's peak to the shared SmolLM2 engine and one model)
+BESIDE_FILES = ("test_kernels_cpu.py", "test_loader.py", "test_fallback_gemma3.py", "test_environment.py")
+LATE_SIMULATOR_FILES = ("test_engine_on_cuda_kernels.py",)
+SIMULATOR_TESTS = ("test_kernels_cudasim.py::test_cuda_kernels_in_the_simulator",
+                   "test_kernels_mma.py::test_tensor_core_prefill_in_the_simulator",
+                   "test_engine_on_cuda_kernels.py::test_engine_on_cuda_kernels_in_the_simulator")
+NOTE_AFTER_S = 30.0     # a test waited for this long says so on the terminal, and again after as long
+REPORT_ENV = "FLEET_TESTS_BESIDE_REPORT"    # set in the beside process: where its reports go
+
+
+def in_a_run_beside() -> bool:
+    return os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" or REPORT_ENV in os.environ
+
+
+class _Output:
+    """A subprocess's combined stdout/stderr, collected by a thread as it comes."""
+
+    def __init__(self, pipe):
+        self._chunks: list[str] = []
+        self._done = False
+        self._cond = threading.Condition()
+        threading.Thread(target=self._read, args=(pipe,), daemon=True, name="beside-output").start()
+
+    def _read(self, pipe):
+        for chunk in iter(lambda: pipe.read1(256), b""):
+            with self._cond:
+                self._chunks.append(chunk.decode(errors="replace"))
+                self._cond.notify_all()
+        with self._cond:
+            self._done = True
+            self._cond.notify_all()
+
+    def text(self) -> str:
+        with self._cond:
+            return "".join(self._chunks)
+
+    def relay(self, stream) -> str:
+        """Write what came so far to ``stream``, then the rest as it comes; return all of it."""
+        sent = 0
+        while True:
+            with self._cond:
+                while sent == len(self._chunks) and not self._done:
+                    self._cond.wait()
+                new, sent, done = self._chunks[sent:], len(self._chunks), self._done
+            stream.write("".join(new))
+            stream.flush()
+            if done and sent == len(self._chunks):
+                return "".join(self._chunks)
+
+
+class _Run:
+    """One pytest process beside the suite: started by `_Queue` when its turn comes."""
+
+    def __init__(self, args: list[str], root: str, env: dict | None = None):
+        self.args, self.root, self.env = args, root, env or {}
+        self.proc: subprocess.Popen | None = None
+        self.output: _Output | None = None
+        self._started = threading.Event()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *self.args],
+            env=dict(os.environ, **self.env), cwd=self.root,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.output = _Output(self.proc.stdout)
+        self._started.set()
+
+    def wait_started(self) -> None:
+        self._started.wait()
+
+    def wait(self) -> int:
+        self.wait_started()
+        return self.proc.wait()
+
+    def ended(self) -> bool:
+        return self.proc is not None and self.proc.poll() is not None
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class _Queue:
+    """Runs jobs (`_Run`s, or anything with ``start``, ``wait`` and ``kill``) one after another in
+    a thread: one core for them, one for the suite."""
+
+    def __init__(self, runs: list[_Run]):
+        self.runs, self._stopped = runs, False
+        self.timings: list[tuple[str, float, int]] = []     # (what, seconds, exit code)
+        threading.Thread(target=self._work, daemon=True, name="beside-queue").start()
+
+    def _work(self):
+        for run in self.runs:
+            if self._stopped:
+                return
+            start = time.monotonic()
+            run.start()
+            returncode = run.wait()
+            self.timings.append((_describe(run), time.monotonic() - start, returncode))
+
+    def stop(self, wait_s: float = 0.0):
+        """Start nothing more; give the run in progress ``wait_s`` to end (its session teardown),
+        then kill what is left."""
+        self._stopped = True
+        deadline = time.monotonic() + wait_s
+        for run in self.runs:
+            while run.running() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            run.kill()
+
+
+class _BesideRun(_Run):
+    """The plain pytest process for ``BESIDE_FILES``: its test reports go to a JSON-lines file."""
+
+    def __init__(self, nodeids: list[str], root: str):
+        fd, self.report_path = tempfile.mkstemp(prefix="beside-", suffix=".jsonl")
+        os.close(fd)
+        super().__init__(nodeids, root, {REPORT_ENV: self.report_path})
+        self._reports: dict[str, list[dict]] = {}
+        self._read = 0
+
+    def reports(self, nodeid: str, timeout_s: float = 3600.0) -> list[dict] | None:
+        """The setup/call/teardown reports of ``nodeid`` (None if the process ended without them)."""
+        deadline = time.monotonic() + timeout_s
+        if not self._started.wait(timeout_s):
+            return None
+        while time.monotonic() < deadline:
+            self._read_new()
+            phases = self._reports.get(nodeid, [])
+            if phases and phases[-1]["when"] == "teardown":
+                return phases
+            if self.proc.poll() is not None:
+                self._read_new()
+                phases = self._reports.get(nodeid, [])
+                return phases if phases and phases[-1]["when"] == "teardown" else None
+            time.sleep(0.2)
+        return None
+
+    def _read_new(self):
+        with open(self.report_path, encoding="utf-8") as fh:
+            fh.seek(self._read)
+            for line in iter(fh.readline, ""):
+                if not line.endswith("\n"):    # being written
+                    break
+                self._read = fh.tell()
+                report = json.loads(line)
+                self._reports.setdefault(report["nodeid"], []).append(report)
+
+    def kill(self):
+        super().kill()
+        if os.path.exists(self.report_path):
+            os.unlink(self.report_path)
+
+
+class BesideItem(pytest.Item):
+    """A test of ``BESIDE_FILES`` as the beside process ran it: same id, same outcome."""
+
+    def __init__(self, *, run: _BesideRun, original: pytest.Item, **kwargs):
+        super().__init__(**kwargs)
+        self.run, self.original = run, original
+        self.own_markers = list(original.own_markers)
+        self.keywords.update(original.keywords)
+
+    def runtest(self):
+        phases, waited = self.run.reports(self.nodeid, timeout_s=NOTE_AFTER_S), NOTE_AFTER_S
+        while phases is None and not self.run.ended() and waited < 3600:
+            # no silent stretch: say what the suite waits for (-q prints nothing else meanwhile)
+            with self.config.pluginmanager.get_plugin("capturemanager").global_and_fixture_disabled():
+                sys.stdout.write(f"\n[{self.nodeid} beside the suite, {waited:.0f} s] ")
+                sys.stdout.flush()
+            phases = self.run.reports(self.nodeid, timeout_s=NOTE_AFTER_S)
+            waited += NOTE_AFTER_S
+        if phases is None:
+            out = self.run.output.text() if self.run.output else ""
+            pytest.fail(f"the process beside the suite ended without running this test:\n{out[-4000:]}",
+                        pytrace=False)
+        failed = [f"[{p['when']} in the process beside the suite]\n{p['longrepr']}"
+                  for p in phases if p["outcome"] == "failed"]
+        if failed:
+            pytest.fail("\n".join(failed), pytrace=False)
+        skipped = [p for p in phases if p["outcome"] == "skipped"]
+        if skipped:
+            pytest.skip(skipped[0]["longrepr"])
+
+    def reportinfo(self):
+        return self.original.reportinfo()
+
+
+# ------------------------------------------------- hooks (conftest.py forwards them)
+
+def collection_modifyitems(config, items: list[pytest.Item], first=()) -> None:
+    """Queue the runs beside (after the jobs ``first``), start nothing yet; move the tests that
+    read them to the end, in run order."""
+    if in_a_run_beside() or config.option.collectonly:
+        return
+    name = lambda item: item.path.name  # noqa: E731
+    beside = [i for i in items if name(i) in BESIDE_FILES]
+    sims = {f: [i for i in items if i.nodeid.endswith(SIMULATOR_TESTS) and name(i) == f]
+            for f in SIMULATOR_FILES + LATE_SIMULATOR_FILES}
+    moved = {id(i) for i in beside} | {id(i) for group in sims.values() for i in group}
+    own = [i for i in items if id(i) not in moved]
+    root = str(config.rootpath)
+    runs = list(first)
+    tail: list[pytest.Item] = []
+    for f in SIMULATOR_FILES:
+        for item in sims[f]:
+            runs.append(_simulator_run(config, str(item.path)))
+            tail.append(item)
+    if beside and own:        # alone, these files run here
+        run = _BesideRun([i.nodeid for i in beside], root)
+        runs.append(run)
+        beside = [BesideItem.from_parent(i.parent, name=i.name, run=run, original=i) for i in beside]
+    tail += beside
+    for f in LATE_SIMULATOR_FILES:
+        for item in sims[f]:
+            runs.append(_simulator_run(config, str(item.path)))
+            tail.append(item)
+    items[:] = own + tail
+    config.__dict__["_beside_runs"] = runs
+
+
+def _simulator_run(config, path: str) -> _Run:
+    runs = config.__dict__.setdefault("_cudasim_runs", {})
+    path = os.path.abspath(path)
+    if path not in runs:
+        runs[path] = _Run([path], os.path.dirname(os.path.dirname(path)), {"NUMBA_ENABLE_CUDASIM": "1"})
+    return runs[path]
+
+
+def collection_finish(session) -> None:
+    runs = session.config.__dict__.get("_beside_runs")
+    if runs:
+        session.config.__dict__["_beside_queue"] = _Queue(runs)
+
+
+def _describe(run) -> str:
+    names = sorted({os.path.basename(a.split("::")[0]) for a in run.args if not a.startswith("-")})
+    if isinstance(run, _Run):
+        return " ".join(names) + (" (CUDA simulator)" if run.env.get("NUMBA_ENABLE_CUDASIM") else "")
+    return "hf_reference.py " + " ".join(run.args[:1])
+
+
+def terminal_summary(terminalreporter, config) -> None:
+    """How long each run beside the suite took (they are not in --durations)."""
+    queue = config.__dict__.get("_beside_queue")
+    if queue is not None and queue.timings:
+        terminalreporter.write_sep("-", "beside the suite, one after another")
+        for what, seconds, returncode in queue.timings:
+            terminalreporter.write_line(f"{seconds:7.1f}s  {what}" + (f"  (exit {returncode})" if returncode else ""))
+        for run in queue.runs:
+            if isinstance(run, _BesideRun) and run.ended() and run.proc.returncode not in (0, 1):
+                terminalreporter.write_line(f"the process beside the suite exited with {run.proc.returncode}:\n"
+                                            f"{run.output.text()[-3000:]}", red=True)
+
+
+def sessionfinish(session) -> None:
+    queue = session.config.__dict__.get("_beside_queue")
+    if queue is not None:        # a session that ran to its end lets the last run finish
+        queue.stop(wait_s=0.0 if session.shouldstop or session.shouldfail else 120.0)
+
+
+def runtest_logreport(report) -> None:
+    """In the beside process: append each phase's outcome for the suite's process to read."""
+    path = os.environ.get(REPORT_ENV)
+    if not path:
+        return
+    longrepr = report.longrepr
+    if report.skipped and isinstance(longrepr, tuple):       # (file, line, "Skipped: reason")
+        text = f"{longrepr[0]}:{longrepr[1]}: {longrepr[2].removeprefix('Skipped: ')}"
+    else:
+        text = "" if longrepr is None else str(getattr(report, "longreprtext", longrepr))
+    line = json.dumps({"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
+                       "longrepr": text, "duration": report.duration})
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(line + "\n")
+
+
+def relay_cudasim_run(config, path: str, capsys) -> tuple[int, str]:
+    """Wait for the simulator run of ``path`` (started now if it is not queued), writing its
+    progress to the terminal as it comes; return its exit code and output."""
+    run = _simulator_run(config, path)
+    if run.proc is None and not any(run is r for r in config.__dict__.get("_beside_runs", ())):
+        run.start()
+    run.wait_started()
+    with capsys.disabled():
+        sys.stdout.write(f"\n[{os.path.basename(path)} in the CUDA simulator] ")
+        out = run.output.relay(sys.stdout)
+        sys.stdout.write("\n")
+    return run.proc.wait(), out
