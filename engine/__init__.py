@@ -14,6 +14,10 @@ from .outputs import CompletionOutput, RequestOutput, StreamDelta
 from .request import Logprob, RequestMetrics
 from .sampling_params import SamplingParams
 
+from .logs import undo_paddle_root_logging  # noqa: E402  (after the imports above, which import Paddle)
+
+undo_paddle_root_logging()
+
 __all__ = [
     "LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput", "StreamDelta",
     "Logprob", "RequestMetrics", "add_engine_args", "config_from_args",

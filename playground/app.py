@@ -21,6 +21,8 @@ from .chatview import META_CSS
 from .handlers import Handlers, Limits
 from .monitor import EngineMonitor
 from .inspector import BLOCK_CLICK_JS, block_inspector_html
+from .minimap import MINIMAP_HTML, MINIMAP_JS
+from .prompt_view import PROMPT_VIEW_EMPTY
 from .serve_commands import serve_commands_html
 from .timeline import timeline_html
 
@@ -126,6 +128,7 @@ def build_app(
         # config (which lists this callback) on every page load.
         session = gr.State(lambda: ChatSession(), delete_callback=lambda s: h.stop(s))
         _html(_header(snap, limits, base_model), "header")
+        _html(MINIMAP_HTML, "kv-mini", js=MINIMAP_JS)
         with gr.Row(equal_height=False):
             with gr.Column(scale=5, min_width=420):
                 chatbot = gr.Chatbot(label="Chat", height=440, elem_id="chat", buttons=["copy"])
@@ -142,7 +145,9 @@ def build_app(
                     mode = gr.Radio(["chat", "completion"], value=h.default_mode, label="mode", elem_id="mode",
                                     info="chat: the model's chat template; completion: your text is continued "
                                          "as it is (base models)")
-                    system = gr.Textbox(label="System prompt", value=system_prompt, lines=2)
+                    system = gr.Textbox(label="System prompt", value=system_prompt, lines=2, elem_id="system",
+                                        info="chat mode only: completion mode continues your text as it is",
+                                        interactive=not base_model)
                     with gr.Row():
                         temperature = gr.Slider(0.0, 2.0, value=0.7, step=0.05, label="temperature")
                         top_p = gr.Slider(0.05, 1.0, value=0.9, step=0.05, label="top-p")
@@ -166,6 +171,10 @@ def build_app(
                     compare_btn = gr.Button("Compare the shown reply with another branch", size="sm",
                                             elem_id="compare")
                     compare_view = _html("", "compare-view")
+                with gr.Accordion("Prompt view: what surprised the model in the prompt", open=False,
+                                  elem_id="prompt-box"):
+                    prompt_btn = gr.Button("Score the shown reply's prompt", size="sm", elem_id="score-prompt")
+                    prompt_view = _html(PROMPT_VIEW_EMPTY, "prompt-view")
             with gr.Column(scale=4, min_width=380):
                 gr.Markdown("**KV cache blocks** — one cell per physical block, live; click one to inspect it, "
                             "hover a legend entry to find its blocks")
@@ -204,17 +213,20 @@ def build_app(
         # value from the HTTP API is a readable error, not a failure inside a component.
         engine_q = dict(concurrency_limit=concurrency, concurrency_id="engine", show_progress="hidden",
                         preprocess=False)
+        # A refused input is a toast; Gradio would also cover the event's outputs (the whole chat)
+        # with an "Error" badge, so the event's status goes to the hidden bridge component instead.
+        chat_q = dict(engine_q, show_progress_on=[nav])
         chat_events = [
             # trigger_mode="multiple": a message sent while a reply streams is queued by the handler
             # (Gradio's default, "once", would silently drop the second submission).
             send.click(T(h.send), [msg, session, system, *sampling, mode], chat_out, api_name="chat",
-                       trigger_mode="multiple", **engine_q),
+                       trigger_mode="multiple", **chat_q),
             msg.submit(T(h.send), [msg, session, system, *sampling, mode], chat_out, api_visibility="private",
-                       trigger_mode="multiple", **engine_q),
+                       trigger_mode="multiple", **chat_q),
             regen.click(T(h.regenerate), [session, system, *sampling, mode], chat_out, api_name="regenerate",
-                        **engine_q),
+                        **chat_q),
             branch.click(T(h.branch), [token_index, alternative, session, *sampling], chat_out, api_name="branch",
-                         **engine_q),
+                         **chat_q),
             fire.click(T(h.batch_demo), [n_batch, session, system, *sampling], [batch_view], api_name="batch_demo",
                        concurrency_limit=1, concurrency_id="batch", preprocess=False),
         ]
@@ -227,6 +239,10 @@ def build_app(
         nav.click(T(h.navigate, event_data=True), [session], chat_out, api_visibility="private")
         block_map.click(T(h.inspect_block, event_data=True), [session], [inspector], api_visibility="private")
         compare_btn.click(T(h.compare), [session], [compare_view], api_name="compare")
+        prompt_btn.click(T(h.prompt_view), [session], [prompt_view], api_name="prompt_view", **engine_q)
+        # The system prompt is part of chat prompts only: editable in chat mode.
+        mode.change(lambda m: gr.update(interactive=m == "chat"), [mode], [system], queue=False,
+                    api_visibility="private", show_progress="hidden")
         lp_metric.change(T(h.set_metric), [session, lp_metric], [lp_view], api_name="logprob_metric",
                          preprocess=False)
         reset.click(T(h.reset_prefix_cache), [session], [prefix], api_name="reset_prefix_cache")

@@ -33,12 +33,14 @@ from .inputs import InputError, Limits
 from .inspector import block_inspector_html
 from .logprobs import METRICS
 from .monitor import EngineMonitor
+from .prompt_view import prompt_view_html, score_prompt
 from .tabs import Tabs
 from .timeline import timeline_html
 
 __all__ = ["Limits", "Handlers"]
 
 SKIP6 = (gr.skip(),) * 6
+CHAT_UPDATES_PER_S = 5          # a streaming reply's updates to the page
 
 
 MODES = ("chat", "completion")
@@ -177,9 +179,12 @@ class Handlers:
         try:
             if first:
                 yield first
-            sent, lp_at = None, 0.0
+            sent, lp_at, sent_at = None, 0.0, 0.0
             while not done.is_set():
                 changed.wait(0.25)
+                # At most CHAT_UPDATES_PER_S updates: each one re-sends the chat, and a fast engine
+                # would otherwise spend its time on one per token for every streaming tab.
+                time.sleep(max(0.0, sent_at + 1 / CHAT_UPDATES_PER_S - time.monotonic()))
                 changed.clear()
                 self._reply_state(reply)
                 key = (len(reply.token_ids), reply.state, reply.num_prompt_tokens)
@@ -190,7 +195,7 @@ class Handlers:
                 if reply.records and now - lp_at >= 0.5:     # the logprob view twice a second
                     lp, lp_at = render.logprob_html(reply.records, metric=session.lp_metric), now
                 prefix = self.prefix_html(session) if sent is None or sent[2] != key[2] else gr.skip()
-                sent = key
+                sent, sent_at = key, time.monotonic()
                 yield self.chat(session), gr.skip(), lp, prefix, gr.skip(), gr.skip()
         finally:
             if not done.is_set():           # cancelled (Stop, closed tab): abort, let the stream end
@@ -359,6 +364,18 @@ class Handlers:
         return compare_html(session.tree, session.tree.last_reply(),
                             lambda records, selected: render.logprob_html(records, selected=selected,
                                                                           metric=session.lp_metric))
+
+    @checked
+    def prompt_view(self, session: ChatSession) -> str:
+        """The shown reply's prompt, scored: which of its tokens surprised the model."""
+        node = session.tree.last_reply()
+        if node is None or not node.reply.prompt_token_ids:
+            raise InputError("Send a message first: the prompt view scores the prompt of the reply shown.")
+        try:
+            records = score_prompt(self.llm, node.reply.prompt_token_ids, top_k=5)
+        except Exception as exc:  # the engine refused or failed the scoring request
+            raise gr.Error(f"Scoring the prompt failed: {type(exc).__name__}: {exc}") from exc
+        return prompt_view_html(records, metric=session.lp_metric)
 
     @checked
     def set_metric(self, session: ChatSession, metric: Any) -> str:

@@ -46,8 +46,9 @@ from . import render
 from .chat import ChatSession, Reply, stream_reply
 from .logprobs import token_records
 from .monitor import EngineMonitor
+from .prompt_view import prompt_view_html, score_prompt
 
-__all__ = ["Playground", "show_blocks", "show_logprobs", "show_prefix_stats", "show_alignment",
+__all__ = ["Playground", "show_blocks", "show_logprobs", "show_prompt", "show_prefix_stats", "show_alignment",
            "chat_html", "DEFAULT_SYSTEM_PROMPT"]
 
 DEFAULT_SYSTEM_PROMPT = "You are a concise, friendly assistant. Answer in a few sentences."
@@ -131,6 +132,30 @@ def show_logprobs(output: Any, *, tokenizer: Any = None) -> HTML:
     """
     decode = (lambda t: tokenizer.decode([t])) if tokenizer is not None else None
     return HTML(_logprob_view(_logprob_records(output, decode)))
+
+
+def _prompt_view(records: Sequence[Mapping[str, Any]] | None) -> str:
+    html = prompt_view_html(records)
+    return f'<div class="lp-room" style="padding-bottom:{"12em" if records else "0"}">{html}</div>'
+
+
+def show_prompt(llm: Any, prompt: Any, *, top_k: int = 5) -> HTML:
+    """Which tokens of ``prompt`` surprised the model: each coloured by its probability given the
+    tokens before it; hover one for the top-k the model expected there.
+
+    ``prompt`` is a string, chat messages (the chat template is applied, as ``llm.chat`` does),
+    a token-id list, or a ``RequestOutput``/``Playground`` reply (its prompt)."""
+    tokenizer = llm.get_tokenizer()
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt, add_special_tokens=True)
+    elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], Mapping):
+        ids = tokenizer.encode(tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True),
+                               add_special_tokens=False)
+    elif hasattr(prompt, "prompt_token_ids"):
+        ids = prompt.prompt_token_ids
+    else:
+        ids = list(prompt)
+    return HTML(_prompt_view(score_prompt(llm, ids, top_k=top_k)))
 
 
 def show_alignment(report: Any) -> HTML:
@@ -232,6 +257,10 @@ class Playground:
         self.block_map = W.HTML(layout=L(width="100%"))
         self.prefix_panel = W.HTML(layout=L(width="100%"))
         self.logprob_view = W.HTML(_logprob_view([]), layout=L(width="100%"))
+        self.prompt_button = W.Button(description="Score the prompt", icon="search",
+                                      tooltip="which tokens of the last reply's prompt surprised the model",
+                                      layout=L(width="auto"))
+        self.prompt_view = W.HTML(_prompt_view(None), layout=L(width="100%"))
         self.engine_panel = W.HTML(layout=L(width="100%"))
 
         self.send_button.on_click(lambda _: self._send_from_ui())
@@ -239,6 +268,7 @@ class Playground:
         self.clear_button.on_click(lambda _: self.clear())
         self.refresh_button.on_click(lambda _: self.refresh())
         self.reset_button.on_click(lambda _: self.reset_prefix_cache())
+        self.prompt_button.on_click(lambda _: self._score_from_ui())
 
         def titled(title, *children):
             return W.VBox([W.HTML(f"<b>{title}</b>"), *children], layout=L(width="50%", padding="0 6px"))
@@ -249,7 +279,7 @@ class Playground:
             W.HBox([titled("Chat", self.chat, self.input, buttons, self.status, settings),
                     titled("KV cache blocks (one cell per physical block)", self.block_map,
                            self.refresh_button)]),
-            W.HBox([titled("Logprobs of the reply", self.logprob_view),
+            W.HBox([titled("Logprobs of the reply", self.logprob_view, self.prompt_button, self.prompt_view),
                     titled("Prefix cache", self.prefix_panel, self.reset_button)]),
             titled("Engine", self.engine_panel),
         ])
@@ -308,8 +338,24 @@ class Playground:
         with self._busy:                 # wait for the streaming thread to finish the turn
             self.session.reset()
             self.reply = None
+        self._set(self.prompt_view, "value", _prompt_view(None))
         self._set(self.status, "value", "ready")
         self.refresh()
+
+    def score_prompt(self) -> list[dict]:
+        """Score the last reply's prompt into the prompt view; return its token records."""
+        reply = self.reply
+        if reply is None or not reply.prompt_token_ids:
+            raise ValueError("send a message first: the prompt view scores the last reply's prompt")
+        records = score_prompt(self.llm, reply.prompt_token_ids, top_k=max(int(self.logprobs.value), 1))
+        self._set(self.prompt_view, "value", _prompt_view(records))
+        return records
+
+    def _score_from_ui(self) -> None:
+        try:
+            self.score_prompt()
+        except Exception as exc:   # shown, not raised into the front end's comm handler
+            self._set(self.status, "value", f"<span style='color:#b91c1c'>{escape(str(exc))}</span>")
 
     def reset_prefix_cache(self) -> None:
         """Evict every cached block (the next prompts are computed from scratch)."""

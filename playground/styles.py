@@ -50,14 +50,16 @@ CSS = """<style>
 .lp-tok.lp-selected{outline:2px solid #4f46e5;outline-offset:1px}
 .lp-tok.lp-forced{text-decoration:underline dashed #4f46e5 2px}
 .lp-tip{display:none;position:absolute;left:0;top:1.7em;z-index:50;background:#0f172a;color:#f8fafc;
- border-radius:6px;padding:6px 8px;font-size:12px;white-space:nowrap;line-height:1.4;pointer-events:none}
+ border-radius:6px;padding:6px 8px;font-size:12px;white-space:nowrap;line-height:1.4;pointer-events:none;
+ width:max-content}
 .lp-tok:hover .lp-tip{display:block}
 .lp-hint-tap{display:none}
 @media (hover:none){.lp-hint-hover{display:none}.lp-hint-tap{display:inline}
  .lp-tok.lp-selected .lp-tip{display:block}}
 .lp-tip table{border-collapse:collapse;background:transparent!important;margin:0!important;border:0!important}
 .lp-tip tr,.lp-tip tr:nth-child(odd),.lp-tip tr:nth-child(even),.lp-tip tr:hover{background:transparent!important}
-.lp-tip td{padding:0 6px 0 0!important;color:#e2e8f0!important;border:0!important;text-align:left!important}
+.lp-tip td{padding:0 6px 0 0!important;color:#e2e8f0!important;border:0!important;text-align:left!important;
+ white-space:nowrap!important}
 .lp-tip .lp-chosen td{color:#a5b4fc!important;font-weight:600}
 .lp-scale{display:flex;align-items:center;gap:6px;margin-top:6px;color:#64748b;font-size:11px}
 .lp-scale span.bar{width:120px;height:8px;border-radius:4px;

@@ -466,3 +466,21 @@ def test_a_message_sent_while_a_reply_streams_is_queued_once(client, smollm2_llm
     assert len([m for m in chat if m["role"] == "assistant"]) == len(users)   # both answered, in order
     assert "pg-finish-" in reply_meta(chat) and first.result()[0]
     assert not wait_idle(smollm2_llm)["requests"]
+
+
+def test_the_prompt_view_shows_what_surprised_the_model(client, smollm2_llm):
+    with pytest.raises(Exception, match="Send a message first"):
+        client.predict(api_name="/prompt_view")
+    client.predict("The capital of Italy is banana. Is that right?", SYSTEM, *greedy(4), api_name="/chat")
+    html = client.predict(api_name="/prompt_view")
+    # Every prompt token is shown; the first has nothing before it, the rest carry their top-5.
+    prompt = smollm2_llm.get_tokenizer().apply_chat_template(
+        [{"role": "system", "content": SYSTEM},
+         {"role": "user", "content": "The capital of Italy is banana. Is that right?"}], add_generation_prompt=True)
+    n = len(smollm2_llm.get_tokenizer().encode(prompt, add_special_tokens=False))
+    assert len(re.findall(r'class="lp-tok[^"]*" data-index=', html)) == n
+    assert f"{n} prompt tokens" in html
+    assert re.search(r'data-index="0"[^>]*>&lt;\|im_start\|&gt;<', html)    # the first token, spelled out
+    worst = re.findall(r'class="pv-worst" data-index="\d+">([^<]*)</span> ([\d.]+)', html)
+    assert worst[0][0] == " banana" and float(worst[0][1]) > 10     # the odd word, by far
+    assert not wait_idle(smollm2_llm)["requests"]

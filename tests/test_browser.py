@@ -215,6 +215,40 @@ def test_block_inspector_and_legend_highlight(page, smollm2_llm):
     expect(inspector).to_contain_text("cached, reusable", timeout=10_000)
 
 
+def test_on_a_phone_a_sticky_mini_map_follows_the_chat(browser, app_url, smollm2_llm, tmp_path):
+    """On a narrow screen the columns stack and the block map is far below the chat: a mini-map
+    stays at the top of the screen while the chat scrolls, mirrors the map, and a tap on it
+    scrolls to the full map. Wide screens do not show it."""
+    context = browser.new_context(viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True)
+    phone = context.new_page()
+    try:
+        phone.goto(app_url)
+        phone.wait_for_selector("#kv-map .kv-cell")
+        send(phone, "Describe Rome in three short paragraphs.")
+        phone.wait_for_selector('#kv-map .kv-cell.kv-used[data-owners^="chat-"]', timeout=60_000)
+        phone.locator("#stop").scroll_into_view_if_needed()          # down the chat, past the header
+        mini = phone.locator("#kv-mini")
+        expect(mini.locator('.kv-cell.kv-used[data-owners^="chat-"]').first).to_be_visible(timeout=10_000)
+        box = mini.bounding_box()
+        assert box["y"] >= -1 and box["y"] + box["height"] <= 844 * 0.2, box   # on screen, and small
+        assert mini.locator(".kv-cell").count() == phone.locator("#kv-map .kv-cell").count()
+        phone.screenshot(path=str(tmp_path / "phone.png"))
+        mini.tap()
+        phone.wait_for_function("Math.abs(document.querySelector('#kv-map').getBoundingClientRect().top) < 250",
+                                timeout=10_000)
+        phone.click("#stop")
+    finally:
+        context.close()
+    wide = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        wide.goto(app_url)
+        wide.wait_for_selector("#kv-map .kv-cell")
+        expect(wide.locator("#kv-mini")).to_be_hidden()
+    finally:
+        wide.close()
+    wait_engine_idle(smollm2_llm)
+
+
 def test_on_a_phone_a_tap_shows_the_alternatives(browser, app_url, smollm2_llm):
     context = browser.new_context(viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True)
     phone = context.new_page()
@@ -232,3 +266,72 @@ def test_on_a_phone_a_tap_shows_the_alternatives(browser, app_url, smollm2_llm):
     finally:
         context.close()
     wait_engine_idle(smollm2_llm)
+
+
+def test_a_refused_message_keeps_the_conversation_in_view(page, smollm2_llm):
+    """A message over the length limit is refused with a toast naming the limit; the chat keeps
+    showing the conversation (Gradio used to cover every output of the event, the whole chat
+    included, with an "Error" badge) and the message stays in the box to be shortened."""
+    send(page, "Say hi.")
+    bot = page.locator('#chat [data-testid="bot"]')
+    expect(bot.last.locator(".pg-finish")).to_have_count(1, timeout=120_000)
+    send(page, "x" * 5000)
+    expect(page.get_by_text("the limit is 4000").first).to_be_visible(timeout=10_000)
+    time.sleep(1)
+    expect(bot).to_have_count(1)
+    expect(bot.last).to_be_visible()
+    expect(page.locator("#chat").get_by_text("Error", exact=True)).to_have_count(0)
+    assert page.input_value("#msg textarea") == "x" * 5000
+    wait_engine_idle(smollm2_llm)
+
+
+def test_the_system_prompt_is_editable_in_chat_mode_only(page):
+    """Completion prompts are the conversation's text alone: the system prompt box says so and is
+    read-only in completion mode (it looked as if it applied)."""
+    page.get_by_text("Mode, system prompt and sampling").click()
+    box = page.locator("#system textarea")
+    expect(box).to_be_editable(timeout=10_000)
+    page.locator("#mode").get_by_text("completion", exact=True).click()
+    expect(box).not_to_be_editable(timeout=10_000)
+    page.locator("#mode").get_by_text("chat", exact=True).click()
+    expect(box).to_be_editable(timeout=10_000)
+
+
+# JupyterLab 4's rules for an HTML output (@jupyterlab/rendermime/style/base.css and
+# @jupyterlab/outputarea/style/base.css), the ones that reach a table inside it.
+JUPYTERLAB_OUTPUT_CSS = """
+.jp-OutputArea-output{width:600px;height:auto;overflow:auto}
+.jp-RenderedHTMLCommon td,.jp-RenderedHTMLCommon th,.jp-RenderedHTMLCommon tr{vertical-align:middle;
+ padding:0.5em;line-height:normal;white-space:normal;max-width:none;border:none}
+:not(.jp-RenderedMarkdown).jp-RenderedHTMLCommon td{text-align:right}
+.jp-RenderedHTMLCommon tbody tr:nth-child(odd){background:#ffffff}
+.jp-RenderedHTMLCommon tbody tr:nth-child(even){background:#eeeeee}
+"""
+
+
+def test_notebook_logprob_tooltips_fit_a_jupyterlab_output(browser):
+    """Bug 9: in JupyterLab the hover table was clipped by the output area, striped, and its cells
+    wrapped ("74.08" / "%", "wid" / "e") under JupyterLab's ``white-space: normal`` for tables."""
+    from playground.logprobs import token_records
+    from playground.notebook import _logprob_view
+
+    words = [" the", " sea", " is", " wide", "."]
+    lps = [{i: {"logprob": -0.3 - 0.7 * i, "rank": i + 1, "decoded_token": w} for i, w in enumerate(words)}
+           for _ in range(40)]
+    html = _logprob_view(token_records([0] * 40, lps))
+    page = browser.new_page(viewport={"width": 700, "height": 600})
+    try:
+        page.set_content(f"<style>{JUPYTERLAB_OUTPUT_CSS}</style>"
+                         f'<div class="jp-OutputArea-output jp-RenderedHTMLCommon">{html}</div>')
+        page.locator(".lp-tok").last.hover()
+        tip = page.locator(".lp-tok").last.locator(".lp-tip")
+        expect(tip).to_be_visible()
+        area, box = page.locator(".jp-OutputArea-output").bounding_box(), tip.bounding_box()
+        assert box["y"] + box["height"] <= area["y"] + area["height"], "the table is cut by the output area"
+        rows = tip.locator("tr")
+        heights = [rows.nth(i).bounding_box()["height"] for i in range(rows.count())]
+        assert max(heights) < 1.6 * min(heights), f"a cell wraps: row heights {heights}"
+        backgrounds = {rows.nth(i).evaluate("r => getComputedStyle(r).backgroundColor") for i in range(2)}
+        assert backgrounds == {"rgba(0, 0, 0, 0)"}, backgrounds
+    finally:
+        page.close()

@@ -8,7 +8,8 @@ import ipywidgets as widgets
 import pytest
 
 from engine import SamplingParams
-from playground.notebook import DEFAULT_SYSTEM_PROMPT, Playground, show_blocks, show_logprobs, show_prefix_stats
+from playground.notebook import (DEFAULT_SYSTEM_PROMPT, Playground, show_blocks, show_logprobs, show_prefix_stats,
+                                 show_prompt)
 
 QUESTION = "What is the capital of France?"
 
@@ -151,3 +152,19 @@ def test_show_functions_render_snapshots_and_outputs(smollm2_llm):
     last = outs[-1]
     assert f'<b class="cached-tokens">{last.num_cached_tokens}</b> of {len(last.prompt_token_ids)}' in stats
     assert 'data-stat="hit tokens"' in stats
+
+
+def test_the_prompt_view_scores_the_last_replys_prompt(pg, smollm2_llm):
+    with pytest.raises(ValueError, match="send a message first"):
+        pg.score_prompt()
+    reply = pg.send("The capital of Italy is banana. Is that right?")
+    pg.prompt_button.click()
+    html = pg.prompt_view.value
+    assert len(re.findall(r'class="lp-tok[^"]*" data-index=', html)) == len(reply.prompt_token_ids)
+    assert re.search(r'class="pv-worst" data-index="\d+"> banana</span>', html)
+    # The same renderer serves the one-shot view, from text or chat messages.
+    messages = [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT},
+                {"role": "user", "content": "The capital of Italy is banana. Is that right?"}]
+    assert show_prompt(smollm2_llm, messages).data == html
+    pg.clear()
+    assert "lp-tok" not in pg.prompt_view.value

@@ -79,3 +79,52 @@ def test_notebook_runs_and_its_checks_pass(path, tmp_path):
     for kind in SHOWS[path.stem]:
         assert _outputs(nb, kind), f"{path.name} should display {kind}"
     assert elapsed < NOTEBOOK_BUDGET_S, f"{path.name} took {elapsed:.0f} s"
+
+
+def _run_cells(sources: list[str], tmp_path) -> nbformat.NotebookNode:
+    nb = nbformat.v4.new_notebook()
+    nb.metadata.kernelspec = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell(s) for s in sources]
+    NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute(env=_kernel_env())
+    return nb
+
+
+def test_loading_weights_leaves_no_view_of_a_closed_widget(tmp_path):
+    """The loader's progress bar is an ipywidgets bar in a kernel. JupyterLab drops a closed
+    widget's model, so a saved output that still shows it reopens as "Error displaying widget:
+    model not found": every widget view left in the outputs must belong to a live widget."""
+    model_dir = tmp_path / "tiny"
+    nb = _run_cells([
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+        "from tiny_models import make_tiny_model\n"
+        "from engine.loader.hf import iter_safetensors, safetensors_files\n"
+        f"d = make_tiny_model({str(model_dir)!r})\n"
+        "config = json.load(open(d + '/config.json'))\n"
+        "print(len(list(iter_safetensors(safetensors_files(d), config))), 'tensors')",
+        "from ipywidgets.widgets.widget import _instances\n"
+        "print('live:', ' '.join(sorted(_instances)))",
+    ], tmp_path)
+    assert "tensors" in "".join(_outputs(nb, "stdout"))
+    live = "".join(_outputs(nb, "stdout")).split("live:")[1].split()
+    views = [v["model_id"] for v in _outputs(nb, "application/vnd.jupyter.widget-view+json")]
+    assert [m for m in views if m not in live] == [], "an output shows a widget that was closed"
+
+
+@pytest.mark.parametrize("first", ["engine", "paddle"])
+def test_a_notebook_shows_the_engines_warnings_but_not_its_info(first, tmp_path):
+    """Importing Paddle gives the root logger a stderr handler at INFO, so every library's INFO
+    record printed as red stderr in a notebook's first cell. The engine's logger behaves as a
+    library's: its warnings show, its INFO records only where the application asks for them."""
+    nb = _run_cells([
+        f"import {first}\nimport engine, logging\n"
+        "logging.getLogger('engine').info('an info record')\n"
+        "logging.getLogger('engine').warning('a warning record')",
+        "logging.basicConfig(level=logging.INFO, format='app: %(message)s')\n"
+        "logging.getLogger('engine').info('asked for')",
+    ], tmp_path)
+    stderr = ["".join(o.text for o in cell.outputs if o.get("name") == "stderr") for cell in nb.cells]
+    assert "a warning record" in stderr[0]
+    assert "an info record" not in stderr[0]
+    assert "app: asked for" in stderr[1]

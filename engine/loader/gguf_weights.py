@@ -24,11 +24,11 @@ from typing import Iterator
 
 import numpy as np
 from gguf.quants import dequantize
-from tqdm.auto import tqdm
 
 from .checkpoint import check_finite, numpy_dtype
 from .gguf_file import GGUFFile, GGUFTensor
 from .gguf_names import SKIPPED, hf_name, undo_rope_permutation
+from .progress import load_progress
 
 def dequantized(f: GGUFFile, tensor: GGUFTensor) -> np.ndarray:
     """A GGUF tensor as float32 in NumPy (row-major, HF ``[out, in]`` for linear weights)."""
@@ -42,8 +42,8 @@ def iter_gguf_weights(f: GGUFFile, config: dict, dtype: str = "float32",
     out_dtype = numpy_dtype(dtype)
     arch = f.architecture
     tensors = [t for t in f.tensors.values() if t.name not in SKIPPED]
-    bar = tqdm(tensors, desc=f"loading {config['architectures'][0]}", unit="tensor",
-               disable=not progress, leave=False)
+    bar = load_progress(tensors, desc=f"loading {config['architectures'][0]}", unit="tensor",
+                        disable=not progress, leave=False)
     for tensor in bar:
         name = hf_name(tensor.name, arch)
         try:

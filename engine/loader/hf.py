@@ -22,11 +22,11 @@ import ml_dtypes  # noqa: F401  (registers NumPy's "bfloat16" dtype, which safet
 import numpy as np
 from safetensors import safe_open
 from tokenizers import Tokenizer as HFTokenizer
-from tqdm.auto import tqdm
 
 from ..tokenizer import Tokenizer
 from .checkpoint import Checkpoint, check_finite, numpy_dtype, validate_config
 from .gguf_tokenizer import GEMMA_CHAT_TEMPLATE
+from .progress import load_progress
 
 
 def _read_json(path: str) -> dict:
@@ -122,8 +122,8 @@ def iter_safetensors(files: list[str], config: dict, dtype: str = "float32",
     for path in files:
         with _open_safetensors(path) as fh:
             names.extend((path, key) for key in fh.keys())
-    bar = tqdm(total=len(names), desc=f"loading {config['architectures'][0]}", unit="tensor",
-               disable=not progress, leave=False)
+    bar = load_progress(total=len(names), desc=f"loading {config['architectures'][0]}", unit="tensor",
+                        disable=not progress, leave=False)
     for path in files:
         with _open_safetensors(path) as fh:
             for key in fh.keys():

@@ -1,0 +1,108 @@
+"""The browser side of ``python -m benchmarks.playground``: open tabs of the playground, driven over
+HTTP in their own process (as a browser is), so their client work never runs under the engine's
+interpreter lock. Started by the benchmark; reads one command per line on stdin:
+
+``round MAX_TOKENS`` — every tab fires the page's refresh timer every ``--interval`` s and
+sends its chat (``/chat``, greedy); when all chats have finished, one JSON line is printed:
+block maps received per second per tab, and the timer's round-trip times.
+``round MAX_TOKENS chats`` — the chats without the timers.
+``ticks`` — the timers alone: ``{"ticking": n}`` at once, the JSON line after a ``stop`` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+
+import gradio_client
+
+SYSTEM = "You are a concise, friendly assistant. Answer in a few sentences."
+LOGPROBS = 5
+
+
+def chat_args(prompt: str, max_tokens: int) -> tuple:
+    """``/chat``'s inputs: message, system, temperature, top-p, top-k, max tokens, seed, logprobs, mode."""
+    return (prompt, SYSTEM, 0.0, 1.0, 0, max_tokens, 0, LOGPROBS, "chat")
+
+
+class Tab:
+    """One browser tab: its own session, its chat, its refresh timer."""
+
+    def __init__(self, url: str, prompt: str):
+        self.client = gradio_client.Client(url, verbose=False)
+        self.prompt = prompt
+        deps = self.client.config["dependencies"]
+        self.tick = next(i for i, d in enumerate(deps) if any(t[1] == "tick" for t in d.get("targets", [])))
+        # The timer's event is not part of the public API; a browser tab calls it all the same.
+        self.client.endpoints[self.tick].is_valid = True
+        self.maps = 0
+        self.tick_s: list[float] = []
+
+    def refresh_every(self, interval: float, stop: threading.Event) -> None:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            block_map = self.client.predict(fn_index=self.tick)[0]
+            self.tick_s.append(time.perf_counter() - t0)
+            self.maps += isinstance(block_map, str)            # a new map, not "unchanged"
+            stop.wait(max(0.0, interval - (time.perf_counter() - t0)))
+
+    def chat(self, max_tokens: int) -> None:
+        self.client.predict(*chat_args(self.prompt, max_tokens), api_name="/chat")
+
+
+def run_round(tabs: list[Tab], max_tokens: int | None, interval: float, ticks: bool = True) -> dict:
+    """Timers (``ticks``) and chats (``max_tokens``, None: wait for a ``stop`` line instead)."""
+    stop = threading.Event()
+    maps0 = [t.maps for t in tabs]
+    ticks0 = [len(t.tick_s) for t in tabs]
+    timers = [threading.Thread(target=t.refresh_every, args=(interval, stop)) for t in tabs if ticks]
+    for t in timers:
+        t.start()
+    time.sleep(2 * interval)
+    t0 = time.perf_counter()
+    if max_tokens is None:
+        print(json.dumps({"ticking": len(tabs)}), flush=True)
+        sys.stdin.readline()
+    else:
+        chats = [threading.Thread(target=t.chat, args=(max_tokens,)) for t in tabs]
+        for t in chats:
+            t.start()
+        for t in chats:
+            t.join()
+    elapsed = time.perf_counter() - t0
+    stop.set()
+    for t in timers:
+        t.join()
+    ticks = [s for t, n in zip(tabs, ticks0) for s in t.tick_s[n:]]
+    return {"maps_per_s": statistics.median((t.maps - m) / elapsed for t, m in zip(tabs, maps0)),
+            "tick_ms": statistics.median(ticks) * 1000 if ticks else None}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("url")
+    parser.add_argument("--interval", type=float, default=0.25)
+    parser.add_argument("--prompts", nargs="+", required=True, help="one chat per tab")
+    parser.add_argument("--nice", type=int, default=0, help="lower this process's CPU priority")
+    args = parser.parse_args(argv)
+    os.nice(args.nice)
+    tabs = [Tab(args.url, p) for p in args.prompts]
+    print(json.dumps({"ready": len(tabs)}), flush=True)
+    for line in sys.stdin:
+        command, *rest = line.split()
+        if command == "round":
+            result = run_round(tabs, int(rest[0]), args.interval, ticks=rest[1:] != ["chats"])
+        elif command == "ticks":
+            result = run_round(tabs, None, args.interval)
+        else:
+            raise SystemExit(f"unknown command {command!r}: round MAX_TOKENS [chats], ticks")
+        print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
