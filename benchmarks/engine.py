@@ -6,6 +6,9 @@ Sections (all on the same SmolLM2 GGUF, float32 activations, CPU):
    single-stream decode and 16-stream aggregate decode of the engine
    (``cpu_decode="fused"``, the default, and ``"paddle"``) beside llama.cpp on
    the same file, token ids and thread count (`benchmarks.llama_cpp`);
+   llama.cpp and the default engine alternate round by round (prefill,
+   decode, the engine's 16 streams), so that both see the same load on a
+   shared machine;
 2. **model_impl** -- the native engine, the PaddleFormers backend and
    PaddleFormers' own ``generate``, each engine row with quantized and with
    float matmuls (`benchmarks.fallback`);
@@ -95,26 +98,68 @@ def prefill_text(tokenizer, n: int) -> list[int]:
     return ids[:n]
 
 
-def engine_side(model: str, cpu_decode: str, text: list[int], prompt: list[int], tokens: int,
-                streams: int, repeats: int) -> dict:
-    """Prefill, single-stream and ``streams``-stream decode of the engine (fresh ``LLM``)."""
-    llm = LLM(model=model, cpu_decode=cpu_decode, enable_prefix_caching=False, max_num_batched_tokens=2048)
-    runner = bench_fallback.EngineRunner(llm)
-    runner.generate([prompt], 2)  # warm up: kernels compiled
-    best = float("inf")
-    for _ in range(repeats):
+class EngineSide:
+    """A fresh ``LLM`` measured the same way as the peer: prefill, single-stream and multi-stream decode."""
+
+    def __init__(self, model: str, cpu_decode: str, prompt: list[int]):
+        self.llm = LLM(model=model, cpu_decode=cpu_decode, enable_prefix_caching=False, max_num_batched_tokens=2048)
+        self.runner = bench_fallback.EngineRunner(self.llm)
+        self.runner.generate([prompt], 2)  # warm up: kernels compiled
+
+    def prefill_s(self, text: list[int]) -> float:
         t0 = time.perf_counter()
-        runner.generate([text], 1)
-        best = min(best, time.perf_counter() - t0)
-    gaps, out = [], []
+        self.runner.generate([text], 1)
+        return time.perf_counter() - t0
+
+    def decode(self, prompt: list[int], tokens: int) -> tuple[list[float], list[int]]:
+        return self.runner.token_intervals(prompt, tokens)
+
+    def multi_tok_s(self, tokens: int, streams: int, repeats: int) -> float:
+        return concurrency(self.llm, tokens, levels=(streams,), repeats=repeats)[streams]
+
+    def close(self) -> str:
+        path = self.llm.snapshot().decode_path
+        self.llm.shutdown()
+        return path
+
+
+def interleaved(sides: dict, text: list[int], prompt: list[int], tokens: int, repeats: int,
+                streams: int) -> dict:
+    """Prefill, single-stream decode and (where a side has it) ``streams``-stream decode of every
+    side, round by round (each round runs every side once, in turn), so that the sides share
+    whatever load the machine has at the time."""
+    best = {name: float("inf") for name in sides}
+    gaps = {name: [] for name in sides}
+    multi = {name: 0.0 for name in sides}
+    out = {}
     for _ in range(repeats):
-        g, out = runner.token_intervals(prompt, tokens)
-        gaps += g
-    multi = concurrency(llm, tokens, levels=(streams,), repeats=repeats)[streams]
-    path = llm.snapshot().decode_path
-    llm.shutdown()
-    return {"prefill_tok_s": len(text) / best, "decode_tok_s": 1.0 / statistics.median(gaps),
-            "multi_tok_s": multi, "decode_path": path, "tokens": out}
+        for name, side in sides.items():
+            best[name] = min(best[name], side.prefill_s(text))
+        for name, side in sides.items():
+            g, out[name] = side.decode(prompt, tokens)
+            gaps[name] += g
+        for name, side in sides.items():
+            if hasattr(side, "multi_tok_s"):
+                multi[name] = max(multi[name], side.multi_tok_s(tokens, streams, 1))
+    return {name: {"prefill_tok_s": len(text) / best[name], "decode_tok_s": 1.0 / statistics.median(gaps[name]),
+                   "multi_tok_s": multi[name] or None, "tokens": out[name]} for name in sides}
+
+
+class PeerSide:
+    """llama.cpp with the interface of `EngineSide` (its prefill: ``Llama.eval`` from an empty cache)."""
+
+    def __init__(self, path: str, threads: int, prompt: list[int]):
+        self.peer = peer.LlamaCppPeer(path, threads)
+        self.peer.decode(prompt, 2)  # warm up
+
+    def prefill_s(self, text: list[int]) -> float:
+        return len(text) / self.peer.prefill_tok_s(text, 1)
+
+    def decode(self, prompt: list[int], tokens: int) -> tuple[list[float], list[int]]:
+        return self.peer.decode(prompt, tokens)
+
+    def close(self) -> None:
+        self.peer.close()
 
 
 def peer_section(model: str, tokens: int, streams: int, repeats: int, prefill_tokens: int) -> dict:
@@ -124,22 +169,29 @@ def peer_section(model: str, tokens: int, streams: int, repeats: int, prefill_to
     text = prefill_text(checkpoint.tokenizer, prefill_tokens)
     prompt = checkpoint.tokenizer.encode(bench_fallback.STORY, add_special_tokens=True)
     threads = peer.threads()
-    rows = {}
     version = peer.available()
+    lc_name = f"llama.cpp {version}"
     if version is None:
         print(f"llama.cpp column skipped: llama_cpp is not installed; install it with {peer.INSTALL}")
-    else:
-        lc = peer.LlamaCppPeer(checkpoint.path, threads)
-        lc.decode(prompt, 2)  # warm up
-        decode, lc_tokens = lc.decode_tok_s(prompt, tokens, repeats)
-        rows[f"llama.cpp {version}"] = {"prefill_tok_s": lc.prefill_tok_s(text, repeats), "decode_tok_s": decode,
-                                        "multi_tok_s": None, "tokens": lc_tokens}
-        lc.close()
-    for path in ("fused", "paddle"):
-        rows[f"engine, cpu_decode={path}"] = engine_side(model, path, text, prompt, tokens, streams, repeats)
+    load_start = os.getloadavg()[0]
+    # llama.cpp and the default engine run round by round; the engine's Paddle decode path after them
+    sides = {"engine, cpu_decode=fused": EngineSide(model, "fused", prompt)}
+    if version is not None:
+        sides = {lc_name: PeerSide(checkpoint.path, threads, prompt), **sides}
+    rows = interleaved(sides, text, prompt, tokens, repeats, streams)
+    for name, side in sides.items():
+        path = side.close()
+        if path:
+            rows[name]["decode_path"] = path
+    paddle_side = EngineSide(model, "paddle", prompt)
+    rows["engine, cpu_decode=paddle"] = interleaved({"paddle": paddle_side}, text, prompt, tokens, repeats,
+                                                    streams)["paddle"]
+    rows["engine, cpu_decode=paddle"]["decode_path"] = paddle_side.close()
+    load_end = os.getloadavg()[0]
 
     print(f"peer — {os.path.basename(checkpoint.path)}, {threads} threads, greedy; prefill: {len(text)} tokens "
-          f"of real text, decode: {tokens} tokens")
+          f"of real text, decode: {tokens} tokens; llama.cpp and the fused engine measured round by round; "
+          f"load average {load_start:.1f} at the start, {load_end:.1f} at the end")
     print(f"{'':<30}{'prefill tok/s':>15}{'decode tok/s':>15}{f'{streams} streams tok/s':>18}")
     for name, r in rows.items():
         multi = f"{r['multi_tok_s']:.1f}" if r["multi_tok_s"] else "-"
@@ -157,7 +209,7 @@ def peer_section(model: str, tokens: int, streams: int, repeats: int, prefill_to
     for r in rows.values():
         r.pop("tokens")
     return {"threads": threads, "prefill_tokens": len(text), "decode_tokens": tokens, "streams": streams,
-            "rows": rows}
+            "load_average": [load_start, load_end], "rows": rows}
 
 
 def environment() -> dict:

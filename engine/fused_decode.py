@@ -16,6 +16,10 @@ to a model (GPU, half-precision, borrowed implementations).
 
 from __future__ import annotations
 
+import threading
+import weakref
+
+import numba
 import numpy as np
 import paddle
 from numba import types
@@ -23,12 +27,14 @@ from numba.typed import List
 
 from gpu_kernels.cpu import decode_step as kernel
 from gpu_kernels.cpu.blas import single_threaded_blas
+from gpu_kernels.cpu.sync import STRIDE
 from gpu_kernels.interop import host_view
 
 from .attention import AttentionMetadata
 from .models.llama import Linear, LlamaForCausalLM
 
 _F1, _F2 = types.float32[::1], types.float32[:, ::1]
+MAX_THREADS = 8  # team size cap: a decode step of a small model has little work per phase
 
 
 def fused_decode_support(model, kv_dtype: str, device: str, attention_backend: str | None = None) -> str | None:
@@ -61,8 +67,8 @@ class FusedDecode:
         formats, self.float_w, self.codes, self.nibbles = [], List.empty_list(_F2), List(), List()
         self.scales, self.offsets = List.empty_list(_F2), List.empty_list(_F2)
         placeholder_f2 = np.zeros((1, 1), np.float32)
-        placeholder_i8 = np.zeros((1, 1, 1), np.int8)
-        placeholder_u8 = np.zeros((1, 1, 1), np.uint8)
+        placeholder_i8 = np.zeros((1, 1), np.int8)
+        placeholder_u8 = np.zeros((1, 1), np.uint8)
         norms, qk_norms, bias = List.empty_list(_F1), List.empty_list(_F1), List.empty_list(_F1)
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -76,9 +82,13 @@ class FusedDecode:
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 fmt, w, c, n, s, o = self._linear(linear, placeholder_f2, placeholder_i8, placeholder_u8)
                 formats.append(fmt)
-                for lst, a in ((self.float_w, w), (self.codes, c), (self.nibbles, n), (self.scales, s),
-                               (self.offsets, o)):
-                    lst.append(a)
+                self._append(w, c, n, s, o)
+        # the LM head joins the stack when it is in blocks (a float head runs as Paddle's matmul)
+        self.has_head = getattr(model, "lm_head_blocks", None) is not None
+        if self.has_head:
+            fmt, w, c, n, s, o = self._blocks(model.lm_head_blocks, placeholder_f2, placeholder_i8, placeholder_u8)
+            formats.append(fmt)
+            self._append(w, c, n, s, o)
         self.formats = np.asarray(formats, np.int64)
         self.norms, self.qk_norms, self.qkv_bias = norms, qk_norms, bias
         self.embed = self._view(model.embed_tokens.weight)
@@ -89,22 +99,68 @@ class FusedDecode:
             self.k_caches.append(self._view(k))
             self.v_caches.append(self._view(v))
         self.scale = np.float32(cfg.head_dim ** -0.5)
-        self.parallel = True
+        self.counters = np.zeros(kernel.num_phases(len(model.layers)) * STRIDE, np.int64)
+        self.marks = np.zeros((kernel.num_phases(len(model.layers)), 0), np.int64)
+        self.epoch = 0
+        self._max_rows = max(s.shape[0] for s in self.scales)
+        self._buffer = np.empty(0, np.float32)  # the per-layer results of a step, grown to the largest batch
+        self._team = None
+        self.threads = min(numba.get_num_threads(), MAX_THREADS)
+
+    @property
+    def threads(self) -> int:
+        """Threads that run a step together (the caller and ``threads - 1`` team members)."""
+        return 1 if self._team is None else self._team.size
+
+    @threads.setter
+    def threads(self, n: int) -> None:
+        if self._team is not None:
+            self._team.close()
+            self._team = None
+        if n > 1:
+            self._team = _Team(n)
+            weakref.finalize(self, self._team.close)
+
+    def _buffers(self, num_tokens: int):
+        """The step's shared per-layer result buffers for ``num_tokens`` sequences (views of one array)."""
+        cfg, layers = self.cfg, len(self.k_caches)
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        widths = (q_size + 2 * kv_size, q_size, cfg.hidden_size, 2 * cfg.intermediate_size, cfg.hidden_size)
+        need = layers * num_tokens * sum(widths)
+        if self._buffer.size < need:
+            self._buffer = np.empty(need, np.float32)
+        views, at = [], 0
+        for width in widths:
+            n = layers * num_tokens * width
+            views.append(self._buffer[at:at + n].reshape(layers, num_tokens, width))
+            at += n
+        views[1] = views[1].reshape(layers, num_tokens, cfg.num_heads, cfg.head_dim)
+        return views
 
     def _view(self, tensor: paddle.Tensor) -> np.ndarray:
         self._keep.append(tensor)
         return host_view(tensor)
 
+    def _append(self, w, c, n, s, o):
+        for lst, a in ((self.float_w, w), (self.codes, c), (self.nibbles, n), (self.scales, s), (self.offsets, o)):
+            lst.append(a)
+
     def _linear(self, linear: Linear, f2, i8, u8):
-        blocks = linear.block_weight
-        if blocks is None:
+        if linear.block_weight is None:
             return kernel.FLOAT, self._view(linear.weight), i8, u8, f2, f2
+        return self._blocks(linear.block_weight, f2, i8, u8)
+
+    @staticmethod
+    def _blocks(blocks, f2, i8, u8):
+        rows = blocks.codes.shape[0]
+        scales = np.ascontiguousarray(blocks.scales)
         if blocks.kind in ("Q4_0", "Q4_1"):
             codes, offsets = blocks.codes, blocks.offsets
             if blocks.kind == "Q4_0":  # codes q - 8: d * (q - 8) = d * q + (-8 d), exactly
                 codes, offsets = codes + np.int8(8), offsets - 8 * blocks.scales
-            return kernel.NIBBLE, f2, i8, _pack_nibbles(codes), blocks.scales, offsets
-        return kernel.INT8, f2, blocks.codes, u8, blocks.scales, blocks.offsets
+            return kernel.NIBBLE, f2, i8, _pack_nibbles(codes).reshape(rows, -1), scales, np.ascontiguousarray(offsets)
+        codes = np.ascontiguousarray(blocks.codes).reshape(rows, -1)
+        return kernel.INT8, f2, codes, u8, scales, np.ascontiguousarray(blocks.offsets)
 
     @property
     def weight_bytes(self) -> int:
@@ -120,12 +176,80 @@ class FusedDecode:
 
     def forward(self, input_ids: paddle.Tensor, meta: AttentionMetadata) -> paddle.Tensor:
         """Hidden states [num_seqs, hidden] after the final norm; the step's K/V land in the cache."""
-        out = np.empty((meta.num_tokens, self.cfg.hidden_size), np.float32)
-        kernel.decode_step(
-            host_view(input_ids), host_view(meta.positions), host_view(meta.slot_mapping),
-            host_view(meta.block_tables), host_view(meta.context_lens),
-            self.embed, self.norms, self.qk_norms, self.qkv_bias, self.final_norm, self.cos, self.sin,
-            self.formats, self.float_w, self.codes, self.nibbles, self.scales, self.offsets,
-            self.k_caches, self.v_caches, self.cfg.num_heads, self.cfg.num_kv_heads,
-            np.float32(self.cfg.rms_norm_eps), self.scale, self.parallel, out)
-        return paddle.to_tensor(out)
+        hidden, _ = self.step(host_view(input_ids), host_view(meta.positions), host_view(meta.slot_mapping),
+                              host_view(meta.block_tables), host_view(meta.context_lens), np.zeros(0, np.int64))
+        return paddle.to_tensor(hidden)
+
+    def step(self, token_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, block_tables: np.ndarray,
+             context_lens: np.ndarray, logit_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """One decode step on NumPy metadata (as `AttentionMetadata` holds it): the hidden states
+        [num_seqs, hidden] after the final norm, and the logits of the hidden rows ``logit_rows``
+        (None when the LM head is not in blocks: `LlamaForCausalLM.compute_logits` then computes
+        them); the step's K/V land in the cache."""
+        num_tokens = len(token_ids)
+        out = np.empty((num_tokens, self.cfg.hidden_size), np.float32)
+        rows = np.asarray(logit_rows, np.int64)
+        logits = np.empty((len(rows) if self.has_head else 0, self.cfg.vocab_size), np.float32)
+        self.counters[:] = 0
+        self.epoch += 1
+        items = -(-self._max_rows // kernel.ROWS) + 8 + num_tokens * self.cfg.num_kv_heads  # bounds any phase's
+        if self.marks.shape[1] < items:
+            self.marks = np.zeros((self.marks.shape[0], items), np.int64)
+        args = (self.counters, self.marks, self.epoch, token_ids, positions, slots, block_tables, context_lens,
+                self.embed, self.norms, self.qk_norms, self.qkv_bias, self.final_norm, self.cos, self.sin,
+                self.formats, self.float_w, self.codes, self.nibbles, self.scales, self.offsets,
+                self.k_caches, self.v_caches, self.cfg.num_heads, self.cfg.num_kv_heads,
+                np.float32(self.cfg.rms_norm_eps), self.scale, *self._buffers(num_tokens), out, rows, logits)
+        if self._team is None:
+            kernel.decode_step(0, 1, *args)
+        else:
+            self._team.run(args)
+        return out, (logits if self.has_head else None)
+
+
+class _Team:
+    """Threads 1 .. size - 1 of the decode step (the caller is thread 0), each parked until a step.
+
+    The kernel releases the GIL, so the members compute while the caller does;
+    they share the step's work through its counters (`gpu_kernels.cpu.sync`).
+    """
+
+    def __init__(self, size: int):
+        self.size = size
+        self._args = None
+        self._go = [threading.Event() for _ in range(size - 1)]
+        self._done = [threading.Event() for _ in range(size - 1)]
+        for tid in range(1, size):
+            threading.Thread(target=self._member, args=(tid,), name=f"fused-decode-{tid}", daemon=True).start()
+
+    def _member(self, tid: int) -> None:
+        go, done = self._go[tid - 1], self._done[tid - 1]
+        while True:
+            go.wait()
+            go.clear()
+            args = self._args
+            if args is None:
+                return
+            try:
+                kernel.decode_step(tid, self.size, *args)
+            finally:
+                done.set()
+
+    def run(self, args) -> None:
+        """One step on the whole team; returns when every member is finished with ``args``."""
+        self._args = args
+        for go in self._go:
+            go.set()
+        try:
+            kernel.decode_step(0, self.size, *args)
+        finally:
+            for done in self._done:
+                done.wait()
+                done.clear()
+            self._args = None
+
+    def close(self) -> None:
+        """Let the members exit."""
+        self._args = None
+        for go in self._go:
+            go.set()

@@ -62,8 +62,9 @@ class ModelRunner:
                 self.decode_path = f"paddle ({reason})"
             logger.info("cpu_decode=fused: decode steps run %s", self.decode_path)
 
-    def build_metadata(self, batch: SchedulerOutput):
-        """Pack the batch: input ids, metadata, and the row index of each scheduled chunk's start."""
+    def pack(self, batch: SchedulerOutput) -> dict[str, np.ndarray]:
+        """The batch as NumPy arrays: input ids, positions, KV slots, block tables (zero-padded),
+        context lengths and the row index of each scheduled chunk's start (``starts``)."""
         bs = self.block_size
         ids, positions, slots, starts = [], [], [], [0]
         context_lens, tables = [], []
@@ -81,27 +82,29 @@ class ModelRunner:
         padded = np.zeros((len(tables), width), dtype=np.int32)
         for i, t in enumerate(tables):
             padded[i, : len(t)] = t
-        pos_t = paddle.to_tensor(np.concatenate(positions))
+        return {"ids": np.concatenate(ids), "positions": np.concatenate(positions), "slots": np.concatenate(slots),
+                "block_tables": padded, "context_lens": np.asarray(context_lens, dtype=np.int32),
+                "starts": np.asarray(starts, dtype=np.int32)}
+
+    def build_metadata(self, batch: SchedulerOutput, packed: dict[str, np.ndarray] | None = None):
+        """Pack the batch: input ids, metadata, and the row index of each scheduled chunk's start."""
+        p = self.pack(batch) if packed is None else packed
         meta = AttentionMetadata(
-            positions=pos_t,
-            slot_mapping=paddle.to_tensor(np.concatenate(slots)),
-            block_tables=paddle.to_tensor(padded),
-            context_lens=paddle.to_tensor(np.asarray(context_lens, dtype=np.int32)),
-            query_start_loc=paddle.to_tensor(np.asarray(starts, dtype=np.int32)),
+            positions=paddle.to_tensor(p["positions"]),
+            slot_mapping=paddle.to_tensor(p["slots"]),
+            block_tables=paddle.to_tensor(p["block_tables"]),
+            context_lens=paddle.to_tensor(p["context_lens"]),
+            query_start_loc=paddle.to_tensor(p["starts"]),
             decode_only=all(s.num_new_tokens == 1 for s in batch.scheduled),
-            num_tokens=starts[-1],
+            num_tokens=int(p["starts"][-1]),
             backend=self.attention_backend,
         )
-        return paddle.to_tensor(np.concatenate(ids)), meta, starts
+        return paddle.to_tensor(p["ids"]), meta, p["starts"].tolist()
 
     @paddle.no_grad()
     def execute(self, batch: SchedulerOutput) -> StepLogits:
-        input_ids, meta, starts = self.build_metadata(batch)
-        if self.fused_decode is not None and meta.decode_only:
-            hidden = self.fused_decode.forward(input_ids, meta)
-        else:
-            hidden = self.model.forward(input_ids, meta.positions, meta, self.kv_caches)
-
+        packed = self.pack(batch)
+        starts = packed["starts"].tolist()
         rows, sample_ids, prompt_spans = [], [], []
         for s, start in zip(batch.scheduled, starts):
             req = s.request
@@ -117,9 +120,21 @@ class ModelRunner:
                 sample_ids.append(req.request_id)
         sample_start = len(rows)
         rows.extend(start + s.num_new_tokens - 1 for s, start in zip(batch.scheduled, starts) if s.completes_sequence)
+
+        logits = None
+        if self.fused_decode is not None and all(s.num_new_tokens == 1 for s in batch.scheduled):
+            # the fused step reads the packed arrays as they are: no Paddle tensors on this path
+            hidden, logits = self.fused_decode.step(
+                packed["ids"], packed["positions"], packed["slots"], packed["block_tables"],
+                packed["context_lens"], np.asarray(rows, dtype=np.int64))
+            hidden = paddle.to_tensor(hidden) if logits is None else None
+        else:
+            input_ids, meta, _ = self.build_metadata(batch, packed)
+            hidden = self.model.forward(input_ids, meta.positions, meta, self.kv_caches)
         if not rows:
             return StepLogits(np.zeros((0, 0), np.float32), [])
-        selected = paddle.index_select(hidden, paddle.to_tensor(np.asarray(rows, dtype=np.int64)))
-        logits = self.model.compute_logits(selected).numpy()
+        if logits is None:
+            selected = paddle.index_select(hidden, paddle.to_tensor(np.asarray(rows, dtype=np.int64)))
+            logits = self.model.compute_logits(selected).numpy()
         prompt_rows = {rid: (lo, logits[at: at + n]) for rid, lo, at, n in prompt_spans}
         return StepLogits(logits[sample_start:], sample_ids, prompt_rows)

@@ -66,12 +66,31 @@ def test_one_row_is_computed_the_same_with_or_without_threads(monkeypatch):
                                   serial)
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+def test_packed_nibbles_compute_like_their_int8_codes(rows):
+    """Q4 codes packed two a byte (byte j of a block: code j low, code j + 16 high) give the
+    product of the int8 codes they pack."""
+    rng = np.random.default_rng(7)
+    raw, w = _quantized(rng, 40, 128, QT.Q4_1)
+    blocks = unpack(raw, QT.Q4_1, w.shape)
+    c = blocks.codes.view(np.uint8)
+    nibbles = np.ascontiguousarray(c[..., :16] | (c[..., 16:] << 4))
+    x = rng.standard_normal((rows, 128)).astype(np.float32)
+    from_codes = cpu_block_matmul.block_matmul(x, blocks.codes, blocks.scales, blocks.offsets)
+    from_nibbles = cpu_block_matmul.block_matmul(x, nibbles, blocks.scales, blocks.offsets)
+    np.testing.assert_allclose(from_nibbles, from_codes, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(from_nibbles, x @ w.T, rtol=1e-5, atol=1e-4)
+
+
 def test_block_matmul_rejects_mismatched_inputs():
     blocks = unpack(_quantized(np.random.default_rng(3), 4, 64, QT.Q8_0)[0], QT.Q8_0, (4, 64))
     with pytest.raises(ValueError, match="does not match"):
         cpu_block_matmul.block_matmul(np.zeros((1, 96), np.float32), blocks.codes, blocks.scales, blocks.offsets)
     with pytest.raises(ValueError, match="float32"):
         cpu_block_matmul.block_matmul(np.zeros((1, 64), np.float64), blocks.codes, blocks.scales, blocks.offsets)
+    with pytest.raises(ValueError, match="does not match"):  # nibbles hold 16 bytes a block, not 32
+        cpu_block_matmul.block_matmul(np.zeros((1, 64), np.float32), blocks.codes.view(np.uint8), blocks.scales,
+                                      blocks.offsets)
 
 
 def test_block_weight_multiplies_float32_paddle_tensors():

@@ -1,6 +1,7 @@
 """The fused CPU decode step against the Paddle layers it replaces, token for token."""
 
 import contextlib
+import threading
 
 import gguf
 import numpy as np
@@ -14,6 +15,7 @@ from engine.config import EngineConfig
 from engine.fused_decode import FusedDecode, fused_decode_support
 from engine.loader.gguf_blocks import unpack
 from gpu_kernels.cpu import decode_step as kernel
+from gpu_kernels.cpu.sync import STRIDE
 from tiny_models import make_tiny_model, tiny_prompts
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=1)
@@ -71,18 +73,86 @@ def test_block_linears_compute_with_the_checkpoint_weights(qtype, tokens):
 
     class Layer:  # what FusedDecode reads from a native Linear
         block_weight = BlockWeight(blocks)
-    f2, i8, u8 = np.zeros((1, 1), np.float32), np.zeros((1, 1, 1), np.int8), np.zeros((1, 1, 1), np.uint8)
+    f2, i8, u8 = np.zeros((1, 1), np.float32), np.zeros((1, 1), np.int8), np.zeros((1, 1), np.uint8)
     fmt, _, codes, nibbles, scales, offsets = FusedDecode._linear(FusedDecode.__new__(FusedDecode), Layer, f2, i8, u8)
     assert fmt == (kernel.INT8 if qtype == QT.Q8_0 else kernel.NIBBLE)
 
     x = rng.standard_normal((tokens, in_features)).astype(np.float32)
-    out = np.empty((tokens, out_features), np.float32)
-    formats = np.array([fmt])
-    for parallel in (False, True):
-        out[:] = np.nan
-        kernel._linear(0, x, formats, List([f2]), List([codes]), List([nibbles]), List([scales]), List([offsets]),
-                       out, parallel)
+    lists = (np.array([fmt]), List([f2]), List([codes]), List([nibbles]), List([scales]), List([offsets]))
+    results = []
+    for threads in (1, 2):  # the rows shared by a team of threads through the phase's counters
+        out = np.full((tokens, out_features), np.nan, np.float32)
+        counters, marks = np.zeros(STRIDE, np.int64), np.zeros((1, out_features), np.int64)
+        team = [threading.Thread(target=kernel._linear_phase, args=(0, x, *lists, out, counters, marks, 1, 0, threads))
+                for _ in range(threads)]
+        for t in team:
+            t.start()
+        for t in team:
+            t.join()
         np.testing.assert_allclose(out, x @ blocks.dequantize().T, rtol=1e-5, atol=1e-4)
+        results.append(out)
+    np.testing.assert_array_equal(results[0], results[1])
+
+
+def test_a_late_team_member_finds_the_work_done_and_returns():
+    """A thread that reaches a phase after the others finished it (descheduled on a busy machine)
+    finds every item marked finished in this step and computes nothing; in the next step
+    (a new epoch) the same marks no longer count."""
+    rng = np.random.default_rng(11)
+    raw = gguf.quants.quantize(rng.standard_normal((64, 96)).astype(np.float32), QT.Q8_0)
+    blocks = unpack(raw, QT.Q8_0, (64, 96))
+    codes = np.ascontiguousarray(blocks.codes).reshape(64, -1)
+    lists = (np.array([kernel.INT8]), List([np.zeros((1, 1), np.float32)]), List([codes]),
+             List([np.zeros((1, 1), np.uint8)]), List([blocks.scales]), List([blocks.offsets]))
+    x = rng.standard_normal((1, 96)).astype(np.float32)
+    counters, marks = np.zeros(STRIDE, np.int64), np.zeros((1, 64), np.int64)
+    first = np.full((1, 64), np.nan, np.float32)
+    kernel._linear_phase(0, x, *lists, first, counters, marks, 1, 0, 2)  # alone: every item of the phase
+    np.testing.assert_allclose(first, x @ blocks.dequantize().T, rtol=1e-5, atol=1e-4)
+    late = np.full((1, 64), np.nan, np.float32)
+    worker = threading.Thread(target=kernel._linear_phase, args=(0, x, *lists, late, counters, marks, 1, 0, 2))
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive()
+    assert np.isnan(late).all()  # it computed nothing
+    counters[:] = 0
+    kernel._linear_phase(0, x, *lists, late, counters, marks, 2, 0, 2)  # the next step
+    np.testing.assert_array_equal(late, first)
+
+
+def test_unfinished_items_are_run_by_whoever_gets_there():
+    """Items another thread claimed but never finished (it was descheduled) are run by the thread
+    that finds them unfinished, instead of being waited for."""
+    rng = np.random.default_rng(12)
+    raw = gguf.quants.quantize(rng.standard_normal((64, 96)).astype(np.float32), QT.Q8_0)
+    blocks = unpack(raw, QT.Q8_0, (64, 96))
+    codes = np.ascontiguousarray(blocks.codes).reshape(64, -1)
+    lists = (np.array([kernel.INT8]), List([np.zeros((1, 1), np.float32)]), List([codes]),
+             List([np.zeros((1, 1), np.uint8)]), List([blocks.scales]), List([blocks.offsets]))
+    x = rng.standard_normal((1, 96)).astype(np.float32)
+    counters, marks = np.zeros(STRIDE, np.int64), np.zeros((1, 64), np.int64)
+    counters[0] = 64 // kernel.ROWS  # every item claimed by a thread that went away
+    out = np.full((1, 64), np.nan, np.float32)
+    kernel._linear_phase(0, x, *lists, out, counters, marks, 1, 0, 2)
+    np.testing.assert_allclose(out, x @ blocks.dequantize().T, rtol=1e-5, atol=1e-4)
+    assert (marks == 1).sum() == 64 // kernel.ROWS
+
+
+def test_fused_decode_team_gives_the_single_threads_numbers(tmp_path):
+    """The step's items shared by two threads or run by one: the same logits, bit for bit."""
+    llm = LLM(model=make_tiny_model(str(tmp_path), seed=3), cpu_decode="fused", block_size=4,
+              enable_prefix_caching=False)  # both rounds prefill the same way
+    fused = llm.engine.runner.fused_decode
+    outputs = []
+    for threads in (1, 2):
+        fused.threads = threads
+        assert fused.threads == threads
+        outputs.append(llm.generate(tiny_prompts(4), GREEDY))
+    llm.shutdown()
+    for one, two in zip(*outputs):
+        assert one.outputs[0].token_ids == two.outputs[0].token_ids
+        for a, b in zip(one.outputs[0].logprobs, two.outputs[0].logprobs):
+            assert {t: lp.logprob for t, lp in a.items()} == {t: lp.logprob for t, lp in b.items()}
 
 
 def test_fused_decode_falls_back_and_says_why(tmp_path):

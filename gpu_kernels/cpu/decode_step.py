@@ -1,122 +1,168 @@
-"""One decode step of a Llama-family decoder as one Numba call (CPU).
+"""One decode step of a Llama-family decoder as one Numba call per thread (CPU).
 
 Eager Paddle runs a decode step as a few hundred small ops, each with its own
 dispatch; for a small model the step is then mostly dispatch, not arithmetic.
 ``decode_step`` runs the whole stack -- embedding, every layer (RMSNorm, QKV
 projection, optional Q/K head norms, RoPE, KV-cache write, paged attention,
-output projection, MLP) and the final norm -- for ``T`` sequences with one new
-token each, in one compiled call. The matmuls are matrix-vector products bound
-by reading the weights, so each weight row is read once per step and applied to
-all ``T`` tokens, and the rows are split over the cores (``prange``).
+output projection, MLP), the final norm and the LM head -- for ``T`` sequences
+with one new token each. Each weight row is read once per step and applied to
+all ``T`` tokens.
+
+A team of threads calls ``decode_step`` together (`engine.fused_decode` keeps
+the team), each with its ``tid``; alone, one thread does everything. The
+threads walk the same *phases* -- per layer: QKV, attention, O, gate/up, down;
+then the LM head -- and share each phase's items (`cpu.sync`): ``ROWS`` (one
+token) or ``TILE`` (several) output rows of a matmul, one (sequence, KV head)
+of attention. A thread that runs out of items to claim runs the unfinished
+ones itself rather than wait, so no thread ever waits for another (a
+descheduled one on a busy machine costs the others one item, not the step).
+Cheap row-wise work between matmuls (norms, residual adds, SiLU) every thread
+does for itself on its own copy. Every phase writes its own per-layer buffer,
+so a thread that falls behind never finds its inputs overwritten; it finds the
+items finished and catches up. A result does not depend on which thread
+computed it, nor on how many did.
 
 A linear ``k`` of the stack comes in one of three formats (``formats[k]``):
 
 ============  ===========================================================
 ``FLOAT``     ``float_w[k]``: float32 ``[in, out]`` (the Paddle parameter)
-``INT8``      ``codes[k]`` int8 ``[out, in // 32, 32]``: ``W = scale * code + offset``
-``NIBBLE``    ``nibbles[k]`` uint8 ``[out, in // 32, 16]``: byte ``j`` holds code ``j``
-              in its low and code ``j + 16`` in its high four bits (GGUF's Q4 order)
+``INT8``      ``codes[k]`` int8 ``[out, in // 32 * 32]``: ``W = scale * code + offset``
+``NIBBLE``    ``nibbles[k]`` uint8 ``[out, in // 32 * 16]``: byte ``j`` of a block holds
+              code ``j`` in its low and code ``j + 16`` in its high four bits (GGUF's Q4 order)
 ============  ===========================================================
 
 with ``scales[k]`` / ``offsets[k]`` float32 ``[out, in // 32]`` for the block
-formats. The lists hold one entry per linear in the order ``layer * 4 + (qkv,
-o, gate_up, down)``; entries of the formats a linear does not use are
-placeholders. Attention reuses the paged-attention pieces of ``attention.py``.
+formats; block rows run the row kernels of ``block_matmul.py`` (the same ones
+its matmul runs). The lists hold one entry per linear in the order
+``layer * 4 + (qkv, o, gate_up, down)``, then optionally the LM head (block
+formats only); entries of the formats a linear does not use are placeholders.
+Attention reuses the paged-attention pieces of ``attention.py``.
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from .attention import decode_item, store_rows
+from .block_matmul import BLOCK, ROWS, block_sums, matvec_rows, tiled_rows
+from .sync import claim, finish, finished
 
 FLOAT, INT8, NIBBLE = 0, 1, 2
 QKV, O_PROJ, GATE_UP, DOWN = 0, 1, 2, 3
-BLOCK = 32
-ROWS = 16  # output rows per work item of a one-token block-format linear
-TILE = 64  # weight rows dequantized per work item for several tokens (64 x in float32 stays in L2)
+PHASES_PER_LAYER = 5  # QKV, attention, O, gate/up, down
 
-_PAR = dict(parallel=True, fastmath=True, cache=True, nogil=True, boundscheck=False)
 _SEQ = dict(fastmath=True, cache=True, nogil=True, boundscheck=False)
+TILE = 256  # most weight rows per tile of a several-token matmul
 
 
-def _block_linear(x, codes, nibbles, scales, offsets, nibble, out):
-    """out[0, o] = sum_i x[0, i] * W[o, i] for one token and a block-format W (int8 codes or nibbles):
-    ``sum_b scale * (codes . x_b) + offset * sum(x_b)`` with 32 partial sums per row.
-    Nibbles are widened through int32 (AVX2 converts int32 to float32, not int64).
-    """
-    num_out, num_blocks = scales.shape
-    half = BLOCK // 2
-    low, four = np.int32(15), np.int32(4)
-    x3 = x[0].reshape((num_blocks, BLOCK))
-    block_sums = np.empty(num_blocks, np.float32)
-    for b in range(num_blocks):
-        block_sums[b] = x3[b].sum()
-    for item in prange((num_out + ROWS - 1) // ROWS):
-        acc = np.empty(BLOCK, np.float32)
-        for o in range(item * ROWS, min(num_out, item * ROWS + ROWS)):
-            acc[:] = 0
-            shift = np.float32(0.0)
-            for b in range(num_blocks):
-                s = scales[o, b]
-                if nibble:
-                    for j in range(half):
-                        p = np.int32(nibbles[o, b, j])
-                        acc[j] += s * (np.float32(p & low) * x3[b, j])
-                        acc[j + half] += s * (np.float32(p >> four) * x3[b, j + half])
-                else:
-                    for j in range(BLOCK):
-                        acc[j] += s * (np.float32(codes[o, b, j]) * x3[b, j])
-                shift += offsets[o, b] * block_sums[b]
-            out[0, o] = acc.sum() + shift
+def num_phases(num_layers: int) -> int:
+    """Phases of one step (the LM head's included); the counters array holds ``sync.STRIDE`` per phase."""
+    return PHASES_PER_LAYER * num_layers + 1
 
 
-def _block_linear_tiled(x, codes, nibbles, scales, offsets, nibble, out):
-    """The same product for several tokens: each work item dequantizes ``TILE`` weight rows
-    to float32 (cache-resident) and multiplies them with every token through BLAS."""
-    num_out, num_blocks = scales.shape
-    half = BLOCK // 2
-    low, four = np.int32(15), np.int32(4)
-    xt = np.ascontiguousarray(x.T)
-    for item in prange((num_out + TILE - 1) // TILE):
-        lo = item * TILE
-        hi = min(num_out, lo + TILE)
-        w = np.empty((hi - lo, num_blocks * BLOCK), np.float32)
-        for o in range(lo, hi):
-            for b in range(num_blocks):
-                s, m = scales[o, b], offsets[o, b]
-                base = b * BLOCK
-                if nibble:
-                    for j in range(half):
-                        p = np.int32(nibbles[o, b, j])
-                        w[o - lo, base + j] = s * np.float32(p & low) + m
-                        w[o - lo, base + j + half] = s * np.float32(p >> four) + m
-                else:
-                    for j in range(BLOCK):
-                        w[o - lo, base + j] = s * np.float32(codes[o, b, j]) + m
-        y = np.dot(w, xt)
-        for o in range(lo, hi):
-            for t in range(x.shape[0]):
-                out[t, o] = y[o - lo, t]
+@njit(**_SEQ)
+def _rows_of(k, x, formats, float_w, codes, nibbles, scales, offsets, sums, xt, w, out, lo, hi):
+    """out[:, lo:hi] for linear ``k`` (block formats)."""
+    if x.shape[0] == 1:
+        if formats[k] == NIBBLE:
+            matvec_rows(x[0], nibbles[k], scales[k], offsets[k], sums, out[0], lo, hi)
+        else:
+            matvec_rows(x[0], codes[k], scales[k], offsets[k], sums, out[0], lo, hi)
+    elif formats[k] == NIBBLE:
+        tiled_rows(xt, nibbles[k], scales[k], offsets[k], w, out, lo, hi)
+    else:
+        tiled_rows(xt, codes[k], scales[k], offsets[k], w, out, lo, hi)
 
 
-def _float_linear(x, w, out):
-    """out = x @ w for a float32 ``[in, out]`` weight (BLAS)."""
-    out[:] = np.dot(x, w)
+@njit(**_SEQ)
+def _linear_phase(k, x, formats, float_w, codes, nibbles, scales, offsets, out, counters, marks, epoch, phase,
+                  team_size):
+    """out = x @ W_k.T as one phase: this thread runs the items it claims, then every item not yet
+    finished (`cpu.sync`)."""
+    if formats[k] == FLOAT:  # one item: a BLAS call on the whole [in, out] weight
+        if claim(counters, phase) == 0 or not finished(marks, phase, 0, epoch):
+            out[:] = np.dot(x, float_w[k])
+            finish(marks, phase, 0, epoch)
+        return
+    num_out, num_blocks = scales[k].shape
+    sums = np.empty(num_blocks, np.float32)
+    xt = np.empty((1, 1), np.float32)
+    w = np.empty((1, 1), np.float32)
+    if x.shape[0] == 1:
+        rows = ROWS
+        block_sums(x[0], sums)
+    else:  # tiles of up to TILE rows (BLAS is most efficient on tall tiles), a multiple of team_size of them
+        items = max(team_size, (num_out + TILE - 1) // TILE)
+        items = (items + team_size - 1) // team_size * team_size
+        rows = (num_out + items - 1) // items
+        xt = np.ascontiguousarray(x.T)
+        w = np.empty((rows, num_blocks * BLOCK), np.float32)
+    items = (num_out + rows - 1) // rows
+    item = claim(counters, phase)
+    while item < items:
+        lo = item * rows
+        _rows_of(k, x, formats, float_w, codes, nibbles, scales, offsets, sums, xt, w, out, lo, min(num_out, lo + rows))
+        finish(marks, phase, item, epoch)
+        item = claim(counters, phase)
+    for item in range(items):  # held by another thread (or one that has not come yet): run it here too
+        if not finished(marks, phase, item, epoch):
+            lo = item * rows
+            _rows_of(k, x, formats, float_w, codes, nibbles, scales, offsets, sums, xt, w, out, lo,
+                     min(num_out, lo + rows))
+            finish(marks, phase, item, epoch)
 
 
-def _attention(q, k_cache, v_cache, block_tables, context_lens, scale, out):
-    """Paged decode attention: every (sequence, KV head) is one work item (no key split)."""
-    num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
+@njit(**_SEQ)
+def _attention_item(item, layer, qkv, positions, slots, block_tables, context_lens, qk_norms, qkv_bias,
+                    cos_table, sin_table, k_cache, v_cache, num_heads, num_kv_heads, eps, scale,
+                    q, part_m, part_l, part_acc, out):
+    """Sequence ``t``, KV head ``h``: bias, Q/K norms and RoPE of its heads, its K/V into the cache,
+    paged attention of its query heads."""
+    head_dim = k_cache.shape[3]
+    block_size = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    part_m = np.empty((num_seqs, num_kv_heads, 1, group), np.float32)
-    part_l = np.empty((num_seqs, num_kv_heads, 1, group), np.float32)
-    part_acc = np.empty((num_seqs, num_kv_heads, 1, group, head_dim), np.float32)
-    for item in prange(num_seqs * num_kv_heads):
-        i, h = item // num_kv_heads, item % num_kv_heads
-        decode_item(q, k_cache, v_cache, block_tables, context_lens, scale, 0, i, h, 0, part_m, part_l, part_acc)
-        store_rows(out, i, 1, h * group, group, part_l[i, h, 0], part_acc[i, h, 0])
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    t, h = item // num_kv_heads, item % num_kv_heads
+    row = qkv[t].copy()
+    if len(qkv_bias) > 0:
+        row += qkv_bias[layer]
+    qh = row[h * group * head_dim:(h + 1) * group * head_dim].reshape((group, head_dim))
+    kh = row[q_size + h * head_dim:q_size + (h + 1) * head_dim].reshape((1, head_dim))
+    vh = row[q_size + kv_size + h * head_dim:q_size + kv_size + (h + 1) * head_dim]
+    if len(qk_norms) > 0:
+        _rms_norm(qh.copy(), qk_norms[2 * layer], eps, qh)
+        _rms_norm(kh.copy(), qk_norms[2 * layer + 1], eps, kh)
+    pos = positions[t]
+    _rope(qh, cos_table[pos], sin_table[pos])
+    _rope(kh, cos_table[pos], sin_table[pos])
+    q[t, h * group:(h + 1) * group] = qh
+    slot = slots[t]
+    blk, off = slot // block_size, slot % block_size
+    k_cache[blk, h, off, :] = kh[0]
+    v_cache[blk, h, off, :] = vh
+    decode_item(q, k_cache, v_cache, block_tables, context_lens, scale, 0, t, h, 0, part_m, part_l, part_acc)
+    store_rows(out, t, 1, h * group, group, part_l[t, h, 0], part_acc[t, h, 0])
+
+
+@njit(**_SEQ)
+def _attention_phase(layer, qkv, positions, slots, block_tables, context_lens, qk_norms, qkv_bias,
+                     cos_table, sin_table, k_cache, v_cache, num_heads, num_kv_heads, eps, scale,
+                     q, part_m, part_l, part_acc, out, counters, marks, epoch, phase):
+    """Attention of every (sequence, KV head) as the phase's items -> out [T, num_heads, head_dim]."""
+    items = qkv.shape[0] * num_kv_heads
+    item = claim(counters, phase)
+    while item < items:
+        _attention_item(item, layer, qkv, positions, slots, block_tables, context_lens, qk_norms, qkv_bias,
+                        cos_table, sin_table, k_cache, v_cache, num_heads, num_kv_heads, eps, scale,
+                        q, part_m, part_l, part_acc, out)
+        finish(marks, phase, item, epoch)
+        item = claim(counters, phase)
+    for item in range(items):
+        if not finished(marks, phase, item, epoch):
+            _attention_item(item, layer, qkv, positions, slots, block_tables, context_lens, qk_norms, qkv_bias,
+                            cos_table, sin_table, k_cache, v_cache, num_heads, num_kv_heads, eps, scale,
+                            q, part_m, part_l, part_acc, out)
+            finish(marks, phase, item, epoch)
 
 
 @njit(**_SEQ)
@@ -143,95 +189,73 @@ def _rope(heads, cos, sin):
             heads[h, d + half] = x2 * cos[d + half] + x1 * sin[d + half]
 
 
-# each kernel twice: threads split its work (parallel) or the calling thread runs it all (serial)
-_block_linear_par, _block_linear_seq = njit(**_PAR)(_block_linear), njit(**_SEQ)(_block_linear)
-_tiled_par, _tiled_seq = njit(**_PAR)(_block_linear_tiled), njit(**_SEQ)(_block_linear_tiled)
-_float_linear_jit = njit(**_SEQ)(_float_linear)
-_attention_par, _attention_seq = njit(**_PAR)(_attention), njit(**_SEQ)(_attention)
-
-
 @njit(**_SEQ)
-def _linear(k, x, formats, float_w, codes, nibbles, scales, offsets, out, parallel):
-    if formats[k] == FLOAT:
-        _float_linear_jit(x, float_w[k], out)
-    elif x.shape[0] > 1:
-        if parallel:
-            _tiled_par(x, codes[k], nibbles[k], scales[k], offsets[k], formats[k] == NIBBLE, out)
-        else:
-            _tiled_seq(x, codes[k], nibbles[k], scales[k], offsets[k], formats[k] == NIBBLE, out)
-    elif parallel:
-        _block_linear_par(x, codes[k], nibbles[k], scales[k], offsets[k], formats[k] == NIBBLE, out)
-    else:
-        _block_linear_seq(x, codes[k], nibbles[k], scales[k], offsets[k], formats[k] == NIBBLE, out)
-
-
-@njit(**_SEQ)
-def decode_step(token_ids, positions, slots, block_tables, context_lens,
+def decode_step(tid, team_size, counters, marks, epoch, token_ids, positions, slots, block_tables, context_lens,
                 embed, norms, qk_norms, qkv_bias, final_norm, cos_table, sin_table,
                 formats, float_w, codes, nibbles, scales, offsets,
-                k_caches, v_caches, num_heads, num_kv_heads, eps, scale, parallel, out):
-    """Hidden states after the final norm for ``T`` decoding sequences, written to ``out`` [T, hidden].
+                k_caches, v_caches, num_heads, num_kv_heads, eps, scale,
+                qkv_buf, attn_buf, o_buf, gate_up_buf, down_buf, out, logit_rows, logits):
+    """Thread ``tid`` (of ``team_size``)'s part of one decode step for ``T`` sequences (one new token each).
 
+    Thread 0 writes the hidden states after the final norm to ``out`` [T, hidden];
+    where the stack has an LM head (linear ``4 * num_layers``), the logits of the
+    hidden rows ``logit_rows`` go to ``logits`` [len(logit_rows), vocab].
+
+    counters: int64 ``[num_phases(num_layers) * STRIDE]``, zeroed, and marks: int64
+    ``[num_phases(num_layers), >= items of any phase]``, shared by the team; epoch: this
+    step's number, never used before with these marks (`cpu.sync`);
     token_ids, positions, slots: [T] (new token, its position, its KV-cache slot);
     block_tables [T, max_blocks] and context_lens [T] (including the new token)
     as for ``paged_decode``; norms: 2 per layer (input, post-attention);
     qk_norms: 2 per layer (Q, K) or empty; qkv_bias: 1 per layer or empty;
-    k_caches / v_caches: float32 ``[num_blocks, kv_heads, block_size, head_dim]`` per layer.
+    k_caches / v_caches: float32 ``[num_blocks, kv_heads, block_size, head_dim]`` per layer;
+    ``*_buf``: the shared per-layer results, ``[num_layers, T, ...]`` (attention's
+    ``[num_layers, T, num_heads, head_dim]``).
     """
     num_tokens = token_ids.shape[0]
     hidden = embed.shape[1]
     num_layers = len(k_caches)
     head_dim = k_caches[0].shape[3]
-    block_size = k_caches[0].shape[2]
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    x = np.empty((num_tokens, hidden), np.float32)
+    group = num_heads // num_kv_heads
+    q_size = num_heads * head_dim
+    inter = gate_up_buf.shape[2] // 2
+    x = np.empty((num_tokens, hidden), np.float32)  # this thread's copy of the residual stream
     for t in range(num_tokens):
         x[t] = embed[token_ids[t]]
     h = np.empty_like(x)
-    qkv = np.empty((num_tokens, q_size + 2 * kv_size), np.float32)
-    attn = np.empty((num_tokens, num_heads, head_dim), np.float32)
-    proj = np.empty_like(x)
-    inter = scales[GATE_UP].shape[0] // 2 if formats[GATE_UP] != FLOAT else float_w[GATE_UP].shape[1] // 2
-    gate_up = np.empty((num_tokens, 2 * inter), np.float32)
     act = np.empty((num_tokens, inter), np.float32)
+    q = np.empty((num_tokens, num_heads, head_dim), np.float32)
+    part_m = np.empty((num_tokens, num_kv_heads, 1, group), np.float32)
+    part_l = np.empty((num_tokens, num_kv_heads, 1, group), np.float32)
+    part_acc = np.empty((num_tokens, num_kv_heads, 1, group, head_dim), np.float32)
     for layer in range(num_layers):
-        lin = 4 * layer
+        lin, phase = 4 * layer, PHASES_PER_LAYER * layer
         _rms_norm(x, norms[2 * layer], eps, h)
-        _linear(lin + QKV, h, formats, float_w, codes, nibbles, scales, offsets, qkv, parallel)
-        if len(qkv_bias) > 0:
-            bias = qkv_bias[layer]
-            for t in range(num_tokens):
-                for i in range(qkv.shape[1]):
-                    qkv[t, i] += bias[i]
-        k_cache, v_cache = k_caches[layer], v_caches[layer]
-        for t in range(num_tokens):
-            q = qkv[t, :q_size].reshape((num_heads, head_dim))
-            k = qkv[t, q_size:q_size + kv_size].reshape((num_kv_heads, head_dim))
-            v = qkv[t, q_size + kv_size:].reshape((num_kv_heads, head_dim))
-            if len(qk_norms) > 0:
-                _rms_norm(q.copy(), qk_norms[2 * layer], eps, q)
-                _rms_norm(k.copy(), qk_norms[2 * layer + 1], eps, k)
-            pos = positions[t]
-            _rope(q, cos_table[pos], sin_table[pos])
-            _rope(k, cos_table[pos], sin_table[pos])
-            attn[t] = q
-            slot = slots[t]
-            blk, off = slot // block_size, slot % block_size
-            k_cache[blk, :, off, :] = k
-            v_cache[blk, :, off, :] = v
-        if parallel:
-            _attention_par(attn.copy(), k_cache, v_cache, block_tables, context_lens, scale, attn)
-        else:
-            _attention_seq(attn.copy(), k_cache, v_cache, block_tables, context_lens, scale, attn)
-        _linear(lin + O_PROJ, attn.reshape((num_tokens, q_size)), formats, float_w, codes, nibbles,
-                scales, offsets, proj, parallel)
-        x += proj
+        _linear_phase(lin + QKV, h, formats, float_w, codes, nibbles, scales, offsets, qkv_buf[layer],
+                      counters, marks, epoch, phase, team_size)
+        _attention_phase(layer, qkv_buf[layer], positions, slots, block_tables, context_lens, qk_norms, qkv_bias,
+                         cos_table, sin_table, k_caches[layer], v_caches[layer], num_heads, num_kv_heads, eps,
+                         scale, q, part_m, part_l, part_acc, attn_buf[layer], counters, marks, epoch, phase + 1)
+        _linear_phase(lin + O_PROJ, attn_buf[layer].reshape((num_tokens, q_size)), formats, float_w, codes,
+                      nibbles, scales, offsets, o_buf[layer], counters, marks, epoch, phase + 2, team_size)
+        x += o_buf[layer]
         _rms_norm(x, norms[2 * layer + 1], eps, h)
-        _linear(lin + GATE_UP, h, formats, float_w, codes, nibbles, scales, offsets, gate_up, parallel)
+        _linear_phase(lin + GATE_UP, h, formats, float_w, codes, nibbles, scales, offsets, gate_up_buf[layer],
+                      counters, marks, epoch, phase + 3, team_size)
+        gate_up = gate_up_buf[layer]
         for t in range(num_tokens):
             for i in range(inter):
                 g = gate_up[t, i]
                 act[t, i] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[t, inter + i]
-        _linear(lin + DOWN, act, formats, float_w, codes, nibbles, scales, offsets, proj, parallel)
-        x += proj
-    _rms_norm(x, final_norm, eps, out)
+        _linear_phase(lin + DOWN, act, formats, float_w, codes, nibbles, scales, offsets, down_buf[layer],
+                      counters, marks, epoch, phase + 4, team_size)
+        x += down_buf[layer]
+    _rms_norm(x, final_norm, eps, h)
+    if tid == 0:
+        out[:] = h
+    if len(formats) > 4 * num_layers and len(logit_rows) > 0:
+        rows = np.empty((len(logit_rows), hidden), np.float32)
+        for i in range(len(logit_rows)):
+            rows[i] = h[logit_rows[i]]
+        _linear_phase(4 * num_layers, rows, formats, float_w, codes, nibbles, scales, offsets, logits,
+                      counters, marks, epoch, PHASES_PER_LAYER * num_layers, team_size)
