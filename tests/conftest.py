@@ -88,6 +88,24 @@ def smollm2_llm(request):
     assert not llm.snapshot().requests, "a test left requests running on the shared LLM"
 
 
+@pytest.fixture
+def paced_engine(smollm2_llm, monkeypatch):
+    """The shared engine with every model step taking at least 0.1 s, for tests that act
+    *while a reply streams* (Stop, a message sent mid-reply): on a fast machine the whole reply
+    can otherwise end before the test acts. Only the pace changes, not what a step computes."""
+    runner = smollm2_llm.engine.runner
+    execute = runner.execute
+
+    def paced(*args, **kwargs):
+        start = time.monotonic()
+        out = execute(*args, **kwargs)
+        time.sleep(max(0.0, 0.1 - (time.monotonic() - start)))
+        return out
+
+    monkeypatch.setattr(runner, "execute", paced)
+    return smollm2_llm
+
+
 @pytest.fixture(scope="session")
 def smollm2_checkpoint():
     """`engine.loader.Checkpoint` of the default model (SmolLM2-135M-Instruct, Q4_1 GGUF)."""

@@ -152,13 +152,13 @@ def test_cancel_aborts_and_frees_blocks(client, smollm2_llm, events):
     assert events.finished()[rid] == "abort"
 
 
-def test_stop_endpoint_aborts_this_tabs_request(client, smollm2_llm, events):
+def test_stop_endpoint_aborts_this_tabs_request(client, paced_engine, events):
     job = client.submit("Count from one to one hundred in words.", SYSTEM, *greedy(64, 0), api_name="/chat")
     deadline = time.monotonic() + 60
     while len(job.outputs()) < 3 and time.monotonic() < deadline:
         time.sleep(0.02)
     client.predict(api_name="/stop")
-    wait_idle(smollm2_llm)
+    wait_idle(paced_engine)
     assert list(events.finished("chat-").values()) == ["abort"]
 
 
@@ -258,7 +258,7 @@ def test_branch_is_bound_to_the_reply_shown(client, smollm2_llm):
     assert not wait_idle(smollm2_llm)["requests"]
 
 
-def test_stop_marks_the_reply_stopped_without_a_cursor(client, smollm2_llm):
+def test_stop_marks_the_reply_stopped_without_a_cursor(client, paced_engine):
     """Bug 3: Stop left the ▌ cursor forever and no "(stopped)" marker."""
     job = client.submit("Count from one to one hundred in words.", SYSTEM, *greedy(64, 0), api_name="/chat")
     deadline = time.monotonic() + 60
@@ -268,7 +268,7 @@ def test_stop_marks_the_reply_stopped_without_a_cursor(client, smollm2_llm):
     assert reply_text(chat).endswith("*(stopped)*") and "▌" not in reply_text(chat)
     assert 'class="pg-finish pg-finish-abort"' in reply_meta(chat)
     assert "⏹" not in content(chat[-1])                    # no glyph that needs an emoji font
-    wait_idle(smollm2_llm)
+    wait_idle(paced_engine)
 
 
 def test_replies_cut_by_max_tokens_say_length(client):
@@ -448,7 +448,7 @@ def test_a_tab_keeps_its_first_session():
     assert len(tabs) == 2
 
 
-def test_a_message_sent_while_a_reply_streams_is_queued_once(client, smollm2_llm):
+def test_a_message_sent_while_a_reply_streams_is_queued_once(client, paced_engine):
     """Bug 2: a message submitted mid-stream was lost; now it waits for the reply, and a second one is refused."""
     first = client.submit("Count from one to thirty in words.", SYSTEM, *greedy(40, 0), api_name="/chat")
     deadline = time.monotonic() + 60
@@ -465,7 +465,7 @@ def test_a_message_sent_while_a_reply_streams_is_queued_once(client, smollm2_llm
     assert users[-2:] == ["Count from one to thirty in words.", "Thanks!"]
     assert len([m for m in chat if m["role"] == "assistant"]) == len(users)   # both answered, in order
     assert "pg-finish-" in reply_meta(chat) and first.result()[0]
-    assert not wait_idle(smollm2_llm)["requests"]
+    assert not wait_idle(paced_engine)["requests"]
 
 
 def test_the_prompt_view_shows_what_surprised_the_model(client, smollm2_llm):

@@ -154,7 +154,7 @@ def greedy_long_replies(page) -> None:
         expect(box).to_have_value(value)
 
 
-def test_typing_during_a_reply_is_kept_and_the_message_is_queued(page, smollm2_llm):
+def test_typing_during_a_reply_is_kept_and_the_message_is_queued(page, paced_engine):
     greedy_long_replies(page)
     send(page, "Count from one to forty in words, one number per line.")
     bot = page.locator('#chat [data-testid="bot"]')
