@@ -92,7 +92,7 @@ def wait_idle(llm, timeout=20.0):
     return snap
 
 
-def test_chat_streams_a_reply(client, smollm2_llm):
+def test_chat_streams_a_reply(client, paced_engine):
     job = client.submit("What is the capital of France?", SYSTEM, *greedy(16), api_name="/chat")
     updates = list(job)
     chat, msg, logprobs_html, prefix_html, *_ = job.result()
@@ -114,7 +114,7 @@ def test_chat_streams_a_reply(client, smollm2_llm):
     assert 1 <= n_tokens <= 16
     assert logprobs_html.count('class="lp-alt"') + logprobs_html.count('class="lp-chosen"') >= 3 * n_tokens
     assert "prompt tokens" in prefix_html
-    assert not wait_idle(smollm2_llm)["requests"]
+    assert not wait_idle(paced_engine)["requests"]
 
 
 def test_two_clients_each_get_their_own_answer_batched(app, smollm2_llm, events):
@@ -136,17 +136,17 @@ def test_two_clients_each_get_their_own_answer_batched(app, smollm2_llm, events)
     assert len(reasons) == 2 and set(reasons.values()) <= {"length", "stop"}
 
 
-def test_cancel_aborts_and_frees_blocks(client, smollm2_llm, events):
+def test_cancel_aborts_and_frees_blocks(client, paced_engine, events):
     job = client.submit("Write a long story about a dragon and a knight.", SYSTEM, 0.7, 0.9, 0, 64, 1, 0,
                         api_name="/chat")
     deadline = time.monotonic() + 60
     while len(job.outputs()) < 3 and time.monotonic() < deadline:
         time.sleep(0.02)
-    running = [r for r in smollm2_llm.snapshot().to_dict()["requests"] if r["request_id"].startswith("chat-")]
+    running = [r for r in paced_engine.snapshot().to_dict()["requests"] if r["request_id"].startswith("chat-")]
     assert running and running[0]["block_table"], "the request should hold KV blocks while streaming"
     rid = running[0]["request_id"]
     job.cancel()
-    snap = wait_idle(smollm2_llm)
+    snap = wait_idle(paced_engine)
     assert not snap["requests"]
     assert not [b for b in snap["blocks"] if rid in b["owners"] or b["ref_cnt"] > 0]
     assert events.finished()[rid] == "abort"
@@ -239,7 +239,7 @@ def test_a_custom_alternative_is_forced_as_text(client, smollm2_llm):
     assert not wait_idle(smollm2_llm)["requests"]
 
 
-def test_branch_is_bound_to_the_reply_shown(client, smollm2_llm):
+def test_branch_is_bound_to_the_reply_shown(client, paced_engine):
     """Bug 1: a branch choice must not leak into a newer reply; branching while a reply streams is refused."""
     first = client.submit("Say hello in French.", SYSTEM, *greedy(8), api_name="/chat")
     first.result()
@@ -255,7 +255,7 @@ def test_branch_is_bound_to_the_reply_shown(client, smollm2_llm):
     assert len([m for m in chat if m["role"] == "assistant"]) == 2   # the streaming reply was not replaced
     cleared = client.predict(api_name="/clear")
     assert cleared[0] == [] and cleared[4] is None                # Clear empties the controls too
-    assert not wait_idle(smollm2_llm)["requests"]
+    assert not wait_idle(paced_engine)["requests"]
 
 
 def test_stop_marks_the_reply_stopped_without_a_cursor(client, paced_engine):
