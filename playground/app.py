@@ -249,7 +249,7 @@ def build_app(
         align.click(T(h.align), [session, system], [align_view], api_name="align", concurrency_limit=1,
                     concurrency_id="align", preprocess=False)
         panels = dict(fn=T(h.refresh), inputs=[session], outputs=[block_map, prefix, engine, timeline],
-                      show_progress="hidden", concurrency_limit=None, api_visibility="private")
+                      show_progress="hidden", concurrency_limit=None, api_visibility="private", queue=False)
         timer.tick(**panels)
         demo.load(**panels)
         demo.unload(h.tabs.forget)
