@@ -79,7 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     from .app import build_app, launch
 
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    # Our own records at INFO; other libraries' (httpx logs every request Gradio makes) at WARNING.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in ("engine", "playground"):
+        logging.getLogger(name).setLevel(logging.INFO)
     _stop_on_sigterm()
     demo = llm = None
     try:

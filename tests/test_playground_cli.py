@@ -86,6 +86,7 @@ def test_start_up_is_announced_and_ctrl_c_or_sigterm_stops_it_cleanly(tiny):
         assert rc == 0, (signum, rc, text[-2000:], err[-3000:])
         assert "Traceback" not in err and "FatalError" not in err, (signum, err[-3000:])
         assert "Error Message Summary" not in text and "No ccache found" not in err
+        assert "HTTP Request:" not in text + err, "other libraries' INFO records (httpx) reach the terminal"
         said = [next(i for i, line in enumerate(lines) if line.startswith(start)) for start in
                 ("Starting", "Loading", "Warming up", "Warmed up", "* Running on local URL", "Ready",
                  "Stopped")]
