@@ -192,7 +192,7 @@ def test_closing_the_tab_mid_stream_aborts_its_request(page, smollm2_llm):
     assert reasons[rid] == "abort"
 
 
-def test_block_inspector_and_legend_highlight(page, smollm2_llm):
+def test_block_inspector_and_legend_highlight(page, paced_engine):
     send(page, "Write a short poem about the sea.")
     cell = page.locator('#kv-map .kv-cell.kv-used[data-owners^="chat-"]').first
     cell.wait_for(timeout=30_000)
@@ -200,6 +200,8 @@ def test_block_inspector_and_legend_highlight(page, smollm2_llm):
     legend = page.locator('#kv-map .kv-legend-item[data-kind="owner"]', has_text="this chat")
     legend.hover()
     n_owned = int(legend.inner_text().rsplit("(", 1)[1].rstrip(")"))
+    page.wait_for_function("document.querySelectorAll('#kv-map .kv-grid.kv-dim .kv-cell.kv-hl').length > 0",
+                           timeout=5_000)
     highlighted = page.locator("#kv-map .kv-grid.kv-dim .kv-cell.kv-hl").count()
     assert highlighted >= 1 and abs(highlighted - n_owned) <= 1      # the map may move on by a block
     # Clicking a block of this chat shows its state, owner and the text of its tokens.
@@ -209,7 +211,7 @@ def test_block_inspector_and_legend_highlight(page, smollm2_llm):
     expect(inspector.locator('tr[data-field="state"]')).to_contain_text("used")
     assert len(inspector.locator(".block-text").inner_text()) > 5
     expect(page.locator('#chat [data-testid="bot"]').last.locator(".pg-finish")).to_have_count(1, timeout=120_000)
-    wait_engine_idle(smollm2_llm)
+    wait_engine_idle(paced_engine)
     # A finished chat's full blocks stay in the prefix cache: reusable, no owner.
     page.locator("#kv-map .kv-cell.kv-cached").first.click()
     expect(inspector).to_contain_text("cached, reusable", timeout=10_000)
