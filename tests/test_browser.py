@@ -123,7 +123,7 @@ def test_click_a_token_and_branch(page, smollm2_llm):
     expect(page.locator("#compare-view .compare-col")).to_have_count(2)
 
 
-def test_stop_marks_the_reply_and_removes_the_cursor(page, smollm2_llm):
+def test_stop_marks_the_reply_and_removes_the_cursor(page, paced_engine):
     greedy_long_replies(page)
     send(page, "Count from one to two hundred in words, one number per line.")
     bot = page.locator('#chat [data-testid="bot"]').last
@@ -135,7 +135,7 @@ def test_stop_marks_the_reply_and_removes_the_cursor(page, smollm2_llm):
     page.wait_for_timeout(1500)                 # no late streamed update brings the cursor back
     expect(bot).not_to_contain_text("▌")
     assert page.inner_text("#stop").strip() == "Stop"
-    wait_engine_idle(smollm2_llm)
+    wait_engine_idle(paced_engine)
 
 
 def greedy_long_replies(page) -> None:
@@ -171,19 +171,19 @@ def test_typing_during_a_reply_is_kept_and_the_message_is_queued(page, paced_eng
     assert page.input_value("#msg textarea") == ""
 
 
-def test_closing_the_tab_mid_stream_aborts_its_request(page, smollm2_llm):
+def test_closing_the_tab_mid_stream_aborts_its_request(page, paced_engine):
     finished = []
-    unsubscribe = smollm2_llm.subscribe(
+    unsubscribe = paced_engine.subscribe(
         lambda e: finished.append(e.data) if e.kind == "request_finished" else None)
     try:
         send(page, "Count from one to two hundred in words, one number per line.")
         page.wait_for_selector('#chat [data-testid="bot"]', timeout=30_000)
         deadline = time.monotonic() + 30
-        while not smollm2_llm.snapshot().requests and time.monotonic() < deadline:
+        while not paced_engine.snapshot().requests and time.monotonic() < deadline:
             time.sleep(0.05)
-        rid = smollm2_llm.snapshot().requests[0].request_id
+        rid = paced_engine.snapshot().requests[0].request_id
         page.close()
-        snap = wait_engine_idle(smollm2_llm)
+        snap = wait_engine_idle(paced_engine)
     finally:
         unsubscribe()
     assert not snap["requests"]
