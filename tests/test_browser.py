@@ -62,7 +62,7 @@ def wait_engine_idle(llm, timeout=30.0) -> dict:
     return snap
 
 
-def test_chat_reply_block_map_and_screenshot(page, smollm2_llm, tmp_path):
+def test_chat_reply_block_map_and_screenshot(page, paced_engine, tmp_path):
     step_before = int(page.get_attribute("#kv-map .kv-map", "data-step"))
     send(page, "Write a short poem about the sea.")
     # While the reply streams, the block map shows blocks owned by this chat, labelled in the legend.
@@ -217,7 +217,7 @@ def test_block_inspector_and_legend_highlight(page, paced_engine):
     expect(inspector).to_contain_text("cached, reusable", timeout=10_000)
 
 
-def test_on_a_phone_a_sticky_mini_map_follows_the_chat(browser, app_url, smollm2_llm, tmp_path):
+def test_on_a_phone_a_sticky_mini_map_follows_the_chat(browser, app_url, paced_engine, tmp_path):
     """On a narrow screen the columns stack and the block map is far below the chat: a mini-map
     stays at the top of the screen while the chat scrolls, mirrors the map, and a tap on it
     scrolls to the full map. Wide screens do not show it."""
@@ -248,7 +248,7 @@ def test_on_a_phone_a_sticky_mini_map_follows_the_chat(browser, app_url, smollm2
         expect(wide.locator("#kv-mini")).to_be_hidden()
     finally:
         wide.close()
-    wait_engine_idle(smollm2_llm)
+    wait_engine_idle(paced_engine)
 
 
 def test_on_a_phone_a_tap_shows_the_alternatives(browser, app_url, smollm2_llm):
