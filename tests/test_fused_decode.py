@@ -94,16 +94,22 @@ def test_block_linears_compute_with_the_checkpoint_weights(qtype, tokens):
     np.testing.assert_array_equal(results[0], results[1])
 
 
-def test_a_late_team_member_finds_the_work_done_and_returns():
-    """A thread that reaches a phase after the others finished it (descheduled on a busy machine)
-    finds every item marked finished in this step and computes nothing; in the next step
-    (a new epoch) the same marks no longer count."""
-    rng = np.random.default_rng(11)
+def _one_q8_linear(rng):
+    """A random 64 x 96 Q8_0 weight and the per-linear lists `_linear_phase` reads (one linear, int8 codes)."""
     raw = gguf.quants.quantize(rng.standard_normal((64, 96)).astype(np.float32), QT.Q8_0)
     blocks = unpack(raw, QT.Q8_0, (64, 96))
     codes = np.ascontiguousarray(blocks.codes).reshape(64, -1)
     lists = (np.array([kernel.INT8]), List([np.zeros((1, 1), np.float32)]), List([codes]),
              List([np.zeros((1, 1), np.uint8)]), List([blocks.scales]), List([blocks.offsets]))
+    return blocks, lists
+
+
+def test_a_late_team_member_finds_the_work_done_and_returns():
+    """A thread that reaches a phase after the others finished it (descheduled on a busy machine)
+    finds every item marked finished in this step and computes nothing; in the next step
+    (a new epoch) the same marks no longer count."""
+    rng = np.random.default_rng(11)
+    blocks, lists = _one_q8_linear(rng)
     x = rng.standard_normal((1, 96)).astype(np.float32)
     counters, marks = np.zeros(STRIDE, np.int64), np.zeros((1, 64), np.int64)
     first = np.full((1, 64), np.nan, np.float32)
@@ -124,11 +130,7 @@ def test_unfinished_items_are_run_by_whoever_gets_there():
     """Items another thread claimed but never finished (it was descheduled) are run by the thread
     that finds them unfinished, instead of being waited for."""
     rng = np.random.default_rng(12)
-    raw = gguf.quants.quantize(rng.standard_normal((64, 96)).astype(np.float32), QT.Q8_0)
-    blocks = unpack(raw, QT.Q8_0, (64, 96))
-    codes = np.ascontiguousarray(blocks.codes).reshape(64, -1)
-    lists = (np.array([kernel.INT8]), List([np.zeros((1, 1), np.float32)]), List([codes]),
-             List([np.zeros((1, 1), np.uint8)]), List([blocks.scales]), List([blocks.offsets]))
+    blocks, lists = _one_q8_linear(rng)
     x = rng.standard_normal((1, 96)).astype(np.float32)
     counters, marks = np.zeros(STRIDE, np.int64), np.zeros((1, 64), np.int64)
     counters[0] = 64 // kernel.ROWS  # every item claimed by a thread that went away
