@@ -255,6 +255,16 @@ except OSError:   # not glibc
     _libc = None
 
 
+def pytest_unconfigure(config):
+    """What is left when the session ends dies with the process. pytest's unraisable-exception
+    check (next, in its cleanup) runs five full collections, and the interpreter's exit one
+    more, each walking every object of Paddle, torch, transformers, gradio, Numba and the
+    models -- 10-15 s after the summary of a full run. The last test's teardown has just run a
+    full collection (above), so the survivors are frozen out of those walks (`gc.freeze`);
+    garbage made since, and its unraisable exceptions, are still collected and reported."""
+    gc.freeze()
+
+
 # ------------------------------------------------- files that run beside the suite (beside.py)
 
 # transformers' reading of Gemma 3's weights (a minute of one core, 3 GB) is queued first beside
