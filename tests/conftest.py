@@ -229,10 +229,22 @@ def torch_transformers():
 
 # An LLM lives in reference cycles (model layers, hooks, threads), so refcounting does not free
 # it: without a full collection, each test's LLM would stay until the collector's rare
-# oldest-generation pass, and the process would grow by a model per test. A full collection costs
-# ~0.1-0.2 s with everything imported: it runs after tests that took long enough to have loaded
-# a model, and at the end of each module (when its module fixtures are gone).
+# oldest-generation pass, and the process would grow by a model per test. A full collection runs
+# after tests that took long enough to have loaded a model, and at the end of each module (when
+# its module fixtures are gone).
+#
+# A full collection walks every object the collector tracks: with Paddle, torch, transformers,
+# gradio and Numba imported, over half a million, 0.5 s and more each time on a busy machine --
+# about a hundred times in a full run. What is alive once collection has imported the test
+# modules, and what survives a module's end (libraries, session fixtures, compiled kernels),
+# lives until the process ends, so it is frozen out of later collections (`gc.freeze`): they
+# walk only what the tests since have made.
 _COLLECT_AFTER_S = 1.0
+
+
+def _collect_and_freeze() -> None:
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -246,10 +258,12 @@ def pytest_runtest_call(item):
 def pytest_runtest_teardown(item, nextitem):
     yield
     module_ends = nextitem is None or nextitem.path != item.path
-    if module_ends or getattr(item, "_call_seconds", 0.0) > _COLLECT_AFTER_S:
+    if module_ends:
+        _collect_and_freeze()
+    elif getattr(item, "_call_seconds", 0.0) > _COLLECT_AFTER_S:
         gc.collect()
-        if _libc is not None:
-            _libc.malloc_trim(0)     # hand the freed heap back to the system
+    if (module_ends or getattr(item, "_call_seconds", 0.0) > _COLLECT_AFTER_S) and _libc is not None:
+        _libc.malloc_trim(0)     # hand the freed heap back to the system
 
 
 try:
@@ -337,6 +351,7 @@ def queued_reference(config, key: str, *args: str) -> ReferenceProcess:
 
 
 def pytest_collection_finish(session):
+    _collect_and_freeze()
     beside.collection_finish(session)
 
 
