@@ -355,6 +355,10 @@ def pytest_collection_finish(session):
     beside.collection_finish(session)
 
 
+def pytest_runtest_setup(item):
+    beside.runtest_setup(item)
+
+
 def pytest_runtest_logreport(report):
     beside.runtest_logreport(report)
 
