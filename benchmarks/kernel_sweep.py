@@ -94,3 +94,36 @@ def sweep_prefill(torch, timer, decode_case, scale, fp32_peak):
     cuda_backend.PREFILL_MMA_TILES.clear()
     cuda_backend.PREFILL_MMA_TILES.update(defaults)
     print()
+
+
+#: decode split rule: (DECODE_MERGE_SPLITS, DECODE_MIN_CHUNK); (32, 0) = no minimum
+SPLIT_RULES = [(32, 0), (32, 256), (16, 256), (32, 512), (16, 512)]
+SPLIT_SHAPES = [(1, 2048), (1, 8192), (1, 16384), (1, 32768), (4, 8192), (4, 32768)]
+
+
+def sweep_split_rule(torch, timer, decode_case, scale):
+    """Decode µs per split rule at few sequences and long contexts, SDPA beside (same run)."""
+    import torch.nn.functional as F
+    defaults = cuda_backend.DECODE_MERGE_SPLITS, cuda_backend.DECODE_MIN_CHUNK
+    print("decode split rule (merge splits, min chunk): µs per call; SDPA µs; best / SDPA")
+    try:
+        for seqs, ctx in SPLIT_SHAPES:
+            q, kc, vc, bt, lens = decode_case(torch, seqs, ctx)
+            out = torch.empty_like(q)
+            call = lambda: gpu_kernels.paged_decode(q, kc, vc, bt, lens, scale, out=out)  # noqa
+            cells = []
+            for merge, min_chunk in SPLIT_RULES:
+                cuda_backend.DECODE_MERGE_SPLITS, cuda_backend.DECODE_MIN_CHUNK = merge, min_chunk
+                cells.append(min(timer(call), timer(call)))
+            k4, v4 = contiguous(torch, kc, bt), contiguous(torch, vc, bt)
+            q4 = q.unsqueeze(2)
+            peer = min(timer(lambda: F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True))
+                       for _ in range(2))
+            row = " ".join(f"{r}:{t:.1f}" for r, t in zip(SPLIT_RULES, cells))
+            print(f"  {seqs}x{ctx}: {row} | SDPA {peer:.1f} | {peer / min(cells):.2f}x",
+                  flush=True)
+            del q, kc, vc, bt, out, k4, v4
+            torch.cuda.empty_cache()
+    finally:
+        cuda_backend.DECODE_MERGE_SPLITS, cuda_backend.DECODE_MIN_CHUNK = defaults
+    print()

@@ -35,10 +35,14 @@ import gpu_kernels
 from gpu_kernels.testing import make_problem
 
 
-def _host_time(fn, reps):
+def _host_time(fn, reps, sync=None):
+    """Median wall time of one call (µs). ``sync`` (GPU): wait for the device before each
+    call, so that a full launch queue does not make the host wait inside the call."""
     fn()
     times = []
     for _ in range(reps):
+        if sync is not None:
+            sync()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -231,13 +235,13 @@ def bench_gpu_decode(torch, F, timer, bw, scale):
             call = lambda: gpu_kernels.paged_decode(q, kc, vc, bt, lens, scale, out=out)  # noqa
             ours = timer(call)
             kv_bytes = 2 * seqs * ctx * 8 * 128 * 2
-            host = _host_time(call, 200)
+            host = _host_time(call, 200, torch.cuda.synchronize)
             torch.cuda.synchronize()
             k4, v4 = contiguous(torch, kc, bt), contiguous(torch, vc, bt)
             q4 = q.unsqueeze(2)                                   # [S, 32, 1, D]
             sdpa = lambda: F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True)  # noqa
             peer = timer(sdpa)
-            peer_host = _host_time(sdpa, 200)
+            peer_host = _host_time(sdpa, 200, torch.cuda.synchronize)
             torch.cuda.synchronize()
             err = (out.float() - sdpa().squeeze(2).float()).abs().max().item()
             del k4, v4
@@ -282,7 +286,7 @@ def bench_gpu_prefill(torch, F, timer, scale, fp32_peak):
                                                      out=out)
             ms = timer(call, reps=7) / 1e3
             mma_kernel = cuda_backend.last_kernels["prefill"]
-            host = _host_time(call, 50)
+            host = _host_time(call, 50, torch.cuda.synchronize)
             torch.cuda.synchronize()
             flops = cuda_backend.prefill_flops([prompt] * seqs, [prompt] * seqs, 32, 128)
             k4, v4 = contiguous(torch, kc, bt), contiguous(torch, vc, bt)
@@ -290,7 +294,7 @@ def bench_gpu_prefill(torch, F, timer, scale, fp32_peak):
             sdpa = lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True,  # noqa
                                                           enable_gqa=True)
             peer = timer(sdpa, reps=7) / 1e3
-            peer_host = _host_time(sdpa, 50)
+            peer_host = _host_time(sdpa, 50, torch.cuda.synchronize)
             torch.cuda.synchronize()
             ref = sdpa().transpose(1, 2).reshape(seqs * prompt, 32, 128)
             err = (out.float() - ref.float()).abs().max().item()
@@ -310,7 +314,7 @@ def bench_gpu_prefill(torch, F, timer, scale, fp32_peak):
     print(f"\nprefill kernel (tensor cores, bf16): {tile}: {used}")
 
 
-def bench_gpu(sweep, only=None):
+def bench_gpu(sweep, only=None, split_rule=False):
     import torch
     import torch.nn.functional as F
     from numba import cuda
@@ -325,6 +329,9 @@ def bench_gpu(sweep, only=None):
     print(f"measured device copy bandwidth: {bw:.2f} TB/s (read + write)\n")
     scale = 128 ** -0.5
 
+    if split_rule:
+        from .kernel_sweep import sweep_split_rule
+        sweep_split_rule(torch, timer, decode_case, scale)
     if sweep:
         from .kernel_sweep import sweep_decode, sweep_prefill
         if only != "prefill":
@@ -342,6 +349,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="GPU: also time kernel variants")
     parser.add_argument("--only", choices=["decode", "prefill"], help="GPU: one table only")
+    parser.add_argument("--split-rule", action="store_true",
+                        help="GPU: also time decode split rules at long contexts")
     args = parser.parse_args(argv)
     try:
         from numba import cuda
@@ -351,7 +360,7 @@ def main(argv=None):
     except ImportError:
         gpu = False
     if gpu:
-        bench_gpu(args.sweep, args.only)
+        bench_gpu(args.sweep, args.only, args.split_rule)
     else:
         bench_cpu()
         bench_cpu_prefill()
