@@ -35,14 +35,12 @@ import gpu_kernels
 from gpu_kernels.testing import make_problem
 
 
-def _host_time(fn, reps, sync=None):
-    """Median wall time of one call (µs). ``sync`` (GPU): wait for the device before each
-    call, so that a full launch queue does not make the host wait inside the call."""
+def _host_time(fn, reps):
+    """Median wall time of one call (µs). On the GPU the calls queue behind each other, as
+    in the engine (waiting for the device before each call would time a waking CPU)."""
     fn()
     times = []
     for _ in range(reps):
-        if sync is not None:
-            sync()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -235,13 +233,13 @@ def bench_gpu_decode(torch, F, timer, bw, scale):
             call = lambda: gpu_kernels.paged_decode(q, kc, vc, bt, lens, scale, out=out)  # noqa
             ours = timer(call)
             kv_bytes = 2 * seqs * ctx * 8 * 128 * 2
-            host = _host_time(call, 200, torch.cuda.synchronize)
+            host = _host_time(call, 200)
             torch.cuda.synchronize()
             k4, v4 = contiguous(torch, kc, bt), contiguous(torch, vc, bt)
             q4 = q.unsqueeze(2)                                   # [S, 32, 1, D]
             sdpa = lambda: F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True)  # noqa
             peer = timer(sdpa)
-            peer_host = _host_time(sdpa, 200, torch.cuda.synchronize)
+            peer_host = _host_time(sdpa, 200)
             torch.cuda.synchronize()
             err = (out.float() - sdpa().squeeze(2).float()).abs().max().item()
             del k4, v4
@@ -286,7 +284,7 @@ def bench_gpu_prefill(torch, F, timer, scale, fp32_peak):
                                                      out=out)
             ms = timer(call, reps=7) / 1e3
             mma_kernel = cuda_backend.last_kernels["prefill"]
-            host = _host_time(call, 50, torch.cuda.synchronize)
+            host = _host_time(call, 50)
             torch.cuda.synchronize()
             flops = cuda_backend.prefill_flops([prompt] * seqs, [prompt] * seqs, 32, 128)
             k4, v4 = contiguous(torch, kc, bt), contiguous(torch, vc, bt)
@@ -294,7 +292,7 @@ def bench_gpu_prefill(torch, F, timer, scale, fp32_peak):
             sdpa = lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True,  # noqa
                                                           enable_gqa=True)
             peer = timer(sdpa, reps=7) / 1e3
-            peer_host = _host_time(sdpa, 50, torch.cuda.synchronize)
+            peer_host = _host_time(sdpa, 50)
             torch.cuda.synchronize()
             ref = sdpa().transpose(1, 2).reshape(seqs * prompt, 32, 128)
             err = (out.float() - ref.float()).abs().max().item()

@@ -21,7 +21,10 @@ differs is the arithmetic, laid out as in FlashAttention-2:
 * K and V tiles go through ``stages`` shared buffers: the copies of the next ``stages - 1``
   tiles (``cp.async``, paged through the block table) are in flight while tile ``j`` is
   computed, one barrier per tile; a warp skips a key tile that none of its rows can see
-  (causal future, before the window).
+  (causal future, before the window);
+* the block-table entries a copy needs are loaded one tile ahead into registers
+  (``table_ahead``), so that a copy never waits for its page numbers;
+* a contiguous half output is written a word (two elements) at a time.
 
 Shared memory: ``(R + 2 stages BK) (D + 8) * 2`` bytes, dynamic (sized at launch).
 """
@@ -65,6 +68,7 @@ class MmaTile:
     head_dim: int
     stages: int = 2             # K/V tile buffers (copies in flight: stages - 1)
     max_registers: int = None
+    table_ahead: bool = True    # block-table entries of the next copy loaded a tile early
 
     @property
     def threads(self):
@@ -93,12 +97,13 @@ def default_mma_tile(head_dim):
 
 @functools.lru_cache(maxsize=None)
 def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_size, q_words,
-                             use_mma, lto=True):
+                             use_mma, lto=True, o_words=False):
     """Compile-time specialization (all arguments constants); returns ``(kernel, tokens per
     query tile, dynamic shared bytes)`` like ``prefill.build_prefill_kernel``.
 
     ``use_mma``: tensor cores through ``mma.cu`` (``lto``: with link-time optimization);
-    else the plain-Numba products."""
+    else the plain-Numba products. ``o_words``: the kernel's ``ow`` argument is the output's
+    memory as 32-bit words (a C-contiguous half output), written two elements at a time."""
     tile.check()
     if kind_kv == F32 or kind_q == F32:
         raise NotImplementedError("tensor-core prefill takes float16/bfloat16 queries and caches")
@@ -122,6 +127,8 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
     CPT = ROW_VECS // TPK                   # 16-byte vectors per thread and key
     QVPT = -(-R * ROW_VECS // threads)
     QASYNC = q_words and kind_q == kind_kv
+    OWORDS = o_words and kind_o != F32
+    AHEAD = tile.table_ahead
     SKIP = not SIMULATED                    # warps skip invisible tiles (the simulator's
     #                                         shuffles are block barriers: all threads must call)
     qk, pv = mma_ops(kind_kv, MT, NT, D, use_mma)
@@ -140,12 +147,21 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
         jit_options["lto"] = True
 
     @cuda.jit(device=True, inline="always")
-    def fetch(kw, vw, smem, block_tables, i, kt0, nk, hi, kvh, num_kv_heads, tid, b):
-        """Start copying K and V of keys kt0 .. kt0 + nk - 1 (zeros past them) to buffer b.
+    def table_entries(pages, block_tables, i, kt0, hi, tid):
+        """The pages of this thread's keys of the tile at kt0 (clamped to the last visible
+        key: always a valid entry)."""
+        for u in range(PASSES):
+            j = vmin(kt0 + tid // TPK + KEYS_PER_PASS * u, hi - 1)
+            pages[u] = block_tables[i, j // BS]
 
-        ``TPK`` threads share a key (one block-table lookup each), ``CPT`` 16-byte vectors
-        apiece, a warp's vectors of a key contiguous; past the last key the copy reads the
-        last visible key (a valid address) and writes zeros."""
+    @cuda.jit(device=True, inline="always")
+    def fetch(kw, vw, smem, pages, kt0, nk, hi, kvh, num_kv_heads, tid, b):
+        """Start copying K and V of keys kt0 .. kt0 + nk - 1 (zeros past them) to buffer b,
+        ``pages`` holding their block-table entries (``table_entries``).
+
+        ``TPK`` threads share a key, ``CPT`` 16-byte vectors apiece, a warp's vectors of a
+        key contiguous; past the last key the copy reads the last visible key (a valid
+        address) and writes zeros."""
         koff = K_OFF + 2 * b * TILE_WORDS
         lane_w = (tid % TPK) * 4
         for u in range(PASSES):
@@ -153,7 +169,7 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
             if key < BK:
                 j = vmin(kt0 + key, hi - 1)
                 jb = j // BS
-                src = (block_tables[i, jb] * num_kv_heads + kvh) * PAGE_WORDS \
+                src = (pages[u] * num_kv_heads + kvh) * PAGE_WORDS \
                     + (j - jb * BS) * ROW_WORDS + lane_w
                 nbytes = 16 if key < nk else 0
                 dst = koff + key * SW + lane_w
@@ -163,7 +179,7 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
                                nbytes)
 
     @cuda.jit(**jit_options)
-    def prefill(q, qw, kw, vw, block_tables, query_start_loc, context_lens, out,
+    def prefill(q, qw, kw, vw, block_tables, query_start_loc, context_lens, out, ow,
                 scale_log2, window, num_kv_heads, head_blocks, tiles_bound):
         tid = cuda.threadIdx.x
         hb = cuda.blockIdx.x % head_blocks
@@ -194,8 +210,9 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
         n_tiles = (hi - lo + BK - 1) // BK
         num_heads = q.shape[1]
 
-        fetch(kw, vw, smem, block_tables, i, lo, vmin(BK, hi - lo), hi, kvh, num_kv_heads, tid,
-              0)
+        pages = cuda.local.array(PASSES, int32)
+        table_entries(pages, block_tables, i, lo, hi, tid)
+        fetch(kw, vw, smem, pages, lo, vmin(BK, hi - lo), hi, kvh, num_kv_heads, tid, 0)
         if QASYNC:
             for u in range(QVPT):
                 vi = tid + threads * u
@@ -210,9 +227,12 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
         cp_async_commit()                              # group 0: Q and key tile 0
         for st in range(1, STAGES - 1):                # groups 1 .. STAGES - 2: tiles ahead
             if st < n_tiles:
-                fetch(kw, vw, smem, block_tables, i, lo + st * BK, vmin(BK, hi - lo - st * BK),
+                table_entries(pages, block_tables, i, lo + st * BK, hi, tid)
+                fetch(kw, vw, smem, pages, lo + st * BK, vmin(BK, hi - lo - st * BK),
                       hi, kvh, num_kv_heads, tid, st)
             cp_async_commit()
+        if AHEAD:                                      # entries of the first copy in the loop
+            table_entries(pages, block_tables, i, lo + (STAGES - 1) * BK, hi, tid)
         if not QASYNC:
             for idx in range(tid, R * ROW_WORDS, threads):
                 r = idx // ROW_WORDS
@@ -254,8 +274,12 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
             cuda.syncthreads()                         # ... and everyone's; all are done with
             nxt = it + STAGES - 1                      # the buffer that tile nxt refills
             if nxt < n_tiles:
-                fetch(kw, vw, smem, block_tables, i, lo + nxt * BK,
+                if not AHEAD:
+                    table_entries(pages, block_tables, i, lo + nxt * BK, hi, tid)
+                fetch(kw, vw, smem, pages, lo + nxt * BK,
                       vmin(BK, hi - lo - nxt * BK), hi, kvh, num_kv_heads, tid, nxt % STAGES)
+                if AHEAD and nxt + 1 < n_tiles:        # used one tile from now
+                    table_entries(pages, block_tables, i, lo + (nxt + 1) * BK, hi, tid)
             cp_async_commit()
             nk = vmin(BK, hi - kt0)
             koff = K_OFF + 2 * b * TILE_WORDS
@@ -333,10 +357,17 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
                     inv = float32(1.0) / total if total > 0 else float32(0.0)
                     orow = row0 + tok
                     oh = head0 + r % hpb
-                    for nd in range(DT):
-                        out[orow, oh, nd * 8 + 2 * t] = \
-                            from_f32(o[(m * DT + nd) * 4 + 2 * h] * inv, kind_o)
-                        out[orow, oh, nd * 8 + 2 * t + 1] = \
-                            from_f32(o[(m * DT + nd) * 4 + 2 * h + 1] * inv, kind_o)
+                    if OWORDS:
+                        base = (orow * num_heads + oh) * ROW_WORDS + t
+                        for nd in range(DT):
+                            ow[base + nd * 4] = pack2(o[(m * DT + nd) * 4 + 2 * h] * inv,
+                                                      o[(m * DT + nd) * 4 + 2 * h + 1] * inv,
+                                                      kind_o)
+                    else:
+                        for nd in range(DT):
+                            out[orow, oh, nd * 8 + 2 * t] = \
+                                from_f32(o[(m * DT + nd) * 4 + 2 * h] * inv, kind_o)
+                            out[orow, oh, nd * 8 + 2 * t + 1] = \
+                                from_f32(o[(m * DT + nd) * 4 + 2 * h + 1] * inv, kind_o)
 
     return prefill, BQ, dyn_bytes
