@@ -16,9 +16,9 @@ DECODE_VARIANTS = [(128, 2, 4096, 128, 4), (128, 2, 4096, 128, 2), (128, 2, 4096
                    (128, 3, 4096, 128, 4), (128, 4, 2048, 128, 4), (256, 2, 2048, 128, 3)]
 DECODE_SHAPES = [(64, 8192), (64, 2048), (16, 8192), (16, 2048), (1, 2048), (1, 8192)]
 #: tensor-core prefill tiles for head_dim 128: (warps, 16-row tiles per warp, keys, K/V stages,
-#: register cap, block-table entries a tile ahead)
-PREFILL_VARIANTS = [(4, 2, 32, 2, None, True), (4, 2, 32, 2, None, False),
-                    (4, 2, 32, 3, None, True), (4, 1, 32, 2, None, True)]
+#: register cap, rescale slack)
+PREFILL_VARIANTS = [(4, 2, 32, 3, None, 8.0), (4, 2, 32, 3, None, 0.0), (4, 2, 32, 2, None, 8.0),
+                    (4, 2, 32, 4, None, 8.0), (4, 1, 32, 2, None, 8.0)]
 
 
 def _set_decode(threads, stages, stage_bytes, regs, per_sm):
@@ -91,7 +91,7 @@ def sweep_prefill(torch, timer, decode_case, scale, fp32_peak):
             info = resources(kernel, threads, get_launcher(kernel).shared)
         except Exception as exc:                            # noqa: BLE001 - report, go on
             info = f"FAILED: {type(exc).__name__}: {str(exc)[:300]}"
-        print(f"  (warps, m-tiles, keys, stages)={tile}: {' '.join(cells)} err {err:.1e} "
+        print(f"  {tile}: {' '.join(cells)} err {err:.1e} "
               f"| {info}", flush=True)
     cuda_backend.PREFILL_MMA_TILES.clear()
     cuda_backend.PREFILL_MMA_TILES.update(defaults)

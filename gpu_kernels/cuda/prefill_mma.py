@@ -17,13 +17,14 @@ differs is the arithmetic, laid out as in FlashAttention-2:
   two shuffles; each lane keeps a partial row sum (added up once at the end); scores are
   scaled in float32 (``scale * log2(e)``, fused into the exponent's argument), probabilities
   rounded to the half format for ``P V``, which also rescales ``O`` (skipped while no row of
-  the warp has a new maximum);
+  the warp has a new maximum). A row's running maximum moves only when a tile's exceeds it by
+  more than ``rescale_slack`` (log2 units): probabilities stay <= 2**slack, exact in the half
+  format's relative precision and far from its range, and after the first tiles ``O`` is
+  rarely rescaled at all;
 * K and V tiles go through ``stages`` shared buffers: the copies of the next ``stages - 1``
   tiles (``cp.async``, paged through the block table) are in flight while tile ``j`` is
   computed, one barrier per tile; a warp skips a key tile that none of its rows can see
   (causal future, before the window);
-* the block-table entries a copy needs are loaded one tile ahead into registers
-  (``table_ahead``), so that a copy never waits for its page numbers;
 * a contiguous half output is written a word (two elements) at a time.
 
 Shared memory: ``(R + 2 stages BK) (D + 8) * 2`` bytes, dynamic (sized at launch).
@@ -68,7 +69,7 @@ class MmaTile:
     head_dim: int
     stages: int = 2             # K/V tile buffers (copies in flight: stages - 1)
     max_registers: int = None
-    table_ahead: bool = True    # block-table entries of the next copy loaded a tile early
+    rescale_slack: float = 8.0  # the running max moves when exceeded by more (log2 units)
 
     @property
     def threads(self):
@@ -92,7 +93,9 @@ class MmaTile:
 def default_mma_tile(head_dim):
     if SIMULATED:
         return MmaTile(1, 1, 16, head_dim)
-    return MmaTile(4, 2 if head_dim <= 128 else 1, 32, head_dim)
+    if head_dim <= 128:     # 3 K/V buffers: (128 + 192) rows of <= 136 halves, 2 blocks per SM
+        return MmaTile(4, 2, 32, head_dim, stages=3)
+    return MmaTile(4, 1, 32, head_dim)
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,7 +131,7 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
     QVPT = -(-R * ROW_VECS // threads)
     QASYNC = q_words and kind_q == kind_kv
     OWORDS = o_words and kind_o != F32
-    AHEAD = tile.table_ahead
+    SLACK = float32(tile.rescale_slack)
     SKIP = not SIMULATED                    # warps skip invisible tiles (the simulator's
     #                                         shuffles are block barriers: all threads must call)
     qk, pv = mma_ops(kind_kv, MT, NT, D, use_mma)
@@ -231,8 +234,6 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
                 fetch(kw, vw, smem, pages, lo + st * BK, vmin(BK, hi - lo - st * BK),
                       hi, kvh, num_kv_heads, tid, st)
             cp_async_commit()
-        if AHEAD:                                      # entries of the first copy in the loop
-            table_entries(pages, block_tables, i, lo + (STAGES - 1) * BK, hi, tid)
         if not QASYNC:
             for idx in range(tid, R * ROW_WORDS, threads):
                 r = idx // ROW_WORDS
@@ -274,12 +275,9 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
             cuda.syncthreads()                         # ... and everyone's; all are done with
             nxt = it + STAGES - 1                      # the buffer that tile nxt refills
             if nxt < n_tiles:
-                if not AHEAD:
-                    table_entries(pages, block_tables, i, lo + nxt * BK, hi, tid)
+                table_entries(pages, block_tables, i, lo + nxt * BK, hi, tid)
                 fetch(kw, vw, smem, pages, lo + nxt * BK,
                       vmin(BK, hi - lo - nxt * BK), hi, kvh, num_kv_heads, tid, nxt % STAGES)
-                if AHEAD and nxt + 1 < n_tiles:        # used one tile from now
-                    table_entries(pages, block_tables, i, lo + (nxt + 1) * BK, hi, tid)
             cp_async_commit()
             nk = vmin(BK, hi - kt0)
             koff = K_OFF + 2 * b * TILE_WORDS
@@ -330,7 +328,10 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
                     # masked scores are NEG: exp2 makes them 0 once the row has a visible
                     # key; before that (m_new still ~NEG) they count 1, and the first
                     # visible key's alpha = 0 wipes them
-                    m_new = fmax32(m_run[mh], m_tile[mh] * scale_log2)
+                    m_new = m_run[mh]
+                    m_cand = m_tile[mh] * scale_log2
+                    if m_cand > m_new + SLACK:
+                        m_new = m_cand
                     alpha = exp2(m_run[mh] - m_new)
                     m_run[mh] = m_new
                     total = float32(0.0)
