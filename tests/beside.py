@@ -31,7 +31,10 @@ import pytest
 SIMULATOR_FILES = ("test_kernels_cudasim.py", "test_kernels_mma.py")
 # (the notebooks' own kernels do their work, so they stay here; Gemma 3 through PaddleFormers goes
 # beside, which keeps the main process's peak to the shared SmolLM2 engine and one model)
-BESIDE_FILES = ("test_kernels_cpu.py", "test_loader.py", "test_fallback_gemma3.py", "test_environment.py")
+# (the engine's consistency and fuzz tests on tiny models need no shared engine: beside, they even
+# out the two cores' shares)
+BESIDE_FILES = ("test_kernels_cpu.py", "test_loader.py", "test_fallback_gemma3.py", "test_environment.py",
+                "test_engine_consistency.py", "test_fuzz_engine.py")
 LATE_SIMULATOR_FILES = ("test_engine_on_cuda_kernels.py",)
 SIMULATOR_TESTS = ("test_kernels_cudasim.py::test_cuda_kernels_in_the_simulator",
                    "test_kernels_mma.py::test_tensor_core_prefill_in_the_simulator",
@@ -123,6 +126,7 @@ class _Queue:
     def __init__(self, runs: list[_Run]):
         self.runs, self._stopped = runs, False
         self.timings: list[tuple[str, float, int]] = []     # (what, seconds, exit code)
+        self.started, self.ended = time.monotonic(), None
         threading.Thread(target=self._work, daemon=True, name="beside-queue").start()
 
     def _work(self):
@@ -133,6 +137,7 @@ class _Queue:
             run.start()
             returncode = run.wait()
             self.timings.append((_describe(run), time.monotonic() - start, returncode))
+        self.ended = time.monotonic()
 
     def stop(self, wait_s: float = 0.0):
         """Start nothing more; give the run in progress ``wait_s`` to end (its session teardown),
@@ -253,6 +258,14 @@ def collection_modifyitems(config, items: list[pytest.Item], first=()) -> None:
             tail.append(item)
     items[:] = own + tail
     config.__dict__["_beside_runs"] = runs
+    if own and tail:
+        config.__dict__["_first_beside_item"] = tail[0]
+
+
+def runtest_setup(item) -> None:
+    """Note when the main process has run its own tests and starts reading the runs beside."""
+    if item is item.config.__dict__.get("_first_beside_item"):
+        item.config.__dict__["_own_tests_ended"] = time.monotonic()
 
 
 def _simulator_run(config, path: str) -> _Run:
@@ -283,6 +296,11 @@ def terminal_summary(terminalreporter, config) -> None:
         terminalreporter.write_sep("-", "beside the suite, one after another")
         for what, seconds, returncode in queue.timings:
             terminalreporter.write_line(f"{seconds:7.1f}s  {what}" + (f"  (exit {returncode})" if returncode else ""))
+        own_ended = config.__dict__.get("_own_tests_ended")
+        if queue.ended is not None and own_ended is not None:
+            # how evenly the two cores were shared: the later of the two waited for nothing
+            terminalreporter.write_line(f"after {queue.ended - queue.started:.0f} s the runs beside had ended; "
+                                        f"after {own_ended - queue.started:.0f} s the main process its own tests")
         for run in queue.runs:
             if isinstance(run, _BesideRun) and run.ended() and run.proc.returncode not in (0, 1):
                 terminalreporter.write_line(f"the process beside the suite exited with {run.proc.returncode}:\n"

@@ -164,6 +164,9 @@ class ReferenceProcess:
             self._stderr.seek(0)
             raise AssertionError(f"hf_reference.py {' '.join(self.args)} failed:\n"
                                  f"{self._stderr.read().decode(errors='replace')[-3000:]}")
+        return self._answer()
+
+    def _answer(self):
         self._stdout.seek(0)
         return json.loads(self._stdout.read())
 
@@ -226,10 +229,22 @@ def torch_transformers():
 
 # An LLM lives in reference cycles (model layers, hooks, threads), so refcounting does not free
 # it: without a full collection, each test's LLM would stay until the collector's rare
-# oldest-generation pass, and the process would grow by a model per test. A full collection costs
-# ~0.1-0.2 s with everything imported: it runs after tests that took long enough to have loaded
-# a model, and at the end of each module (when its module fixtures are gone).
+# oldest-generation pass, and the process would grow by a model per test. A full collection runs
+# after tests that took long enough to have loaded a model, and at the end of each module (when
+# its module fixtures are gone).
+#
+# A full collection walks every object the collector tracks: with Paddle, torch, transformers,
+# gradio and Numba imported, over half a million, 0.5 s and more each time on a busy machine --
+# about a hundred times in a full run. What is alive once collection has imported the test
+# modules, and what survives a module's end (libraries, session fixtures, compiled kernels),
+# lives until the process ends, so it is frozen out of later collections (`gc.freeze`): they
+# walk only what the tests since have made.
 _COLLECT_AFTER_S = 1.0
+
+
+def _collect_and_freeze() -> None:
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -243,10 +258,12 @@ def pytest_runtest_call(item):
 def pytest_runtest_teardown(item, nextitem):
     yield
     module_ends = nextitem is None or nextitem.path != item.path
-    if module_ends or getattr(item, "_call_seconds", 0.0) > _COLLECT_AFTER_S:
+    if module_ends:
+        _collect_and_freeze()
+    elif getattr(item, "_call_seconds", 0.0) > _COLLECT_AFTER_S:
         gc.collect()
-        if _libc is not None:
-            _libc.malloc_trim(0)     # hand the freed heap back to the system
+    if (module_ends or getattr(item, "_call_seconds", 0.0) > _COLLECT_AFTER_S) and _libc is not None:
+        _libc.malloc_trim(0)     # hand the freed heap back to the system
 
 
 try:
@@ -255,11 +272,62 @@ except OSError:   # not glibc
     _libc = None
 
 
+def pytest_unconfigure(config):
+    """What is left when the session ends dies with the process. pytest's unraisable-exception
+    check (next, in its cleanup) runs five full collections, and the interpreter's exit one
+    more, each walking every object of Paddle, torch, transformers, gradio, Numba and the
+    models -- 10-15 s after the summary of a full run. The last test's teardown has just run a
+    full collection (above), so the survivors are frozen out of those walks (`gc.freeze`);
+    garbage made since, and its unraisable exceptions, are still collected and reported."""
+    gc.freeze()
+
+
 # ------------------------------------------------- files that run beside the suite (beside.py)
 
 # transformers' reading of Gemma 3's weights (a minute of one core, 3 GB) is queued first beside
 # the suite, so that it overlaps the suite's start; the test reads it through `queued_reference`
 GEMMA3_WEIGHTS_TEST = "test_loader_gemma3.py::test_gemma3_weights_equal_transformers"
+GEMMA3_GREEDY_TEST = "test_fallback_gemma3.py::test_gemma3_auto_serves_paddleformers_and_matches_transformers"
+
+
+class Gemma3Reference(ReferenceProcess):
+    """transformers' reading of Gemma 3's GGUF, queued first beside the suite: the weights'
+    digests for `GEMMA3_WEIGHTS_TEST` (`result`) and, with ``greedy`` (`GEMMA3_GREEDY_TEST`
+    runs too) when its greedy continuations are not memoised yet, those as well, from the
+    same reading of the file (``hf_reference.py both``: a minute of CPU less than a second
+    process). They go to that test's memo as soon as this job ends, before the queue starts
+    the process beside the suite, where that test runs and finds them."""
+
+    def __init__(self, path: str, *, greedy: bool):
+        super().__init__("weights", path, start=False)
+        self._greedy, self._memo, self._lock = greedy, None, threading.Lock()
+
+    def start(self) -> None:
+        if self._greedy:        # in the queue's thread: the tokenizer loads beside the suite
+            from engine.loader import load_checkpoint
+            from test_fallback_gemma3 import GREEDY_TOKENS, greedy_reference_memo
+
+            try:
+                ids, memo = greedy_reference_memo(load_checkpoint("gemma3-270m"))
+            except Exception:   # noqa: BLE001  that test computes its own and reports why it can't
+                ids, memo = None, None
+            if memo is not None and not memo.is_file():
+                self.args = ("both", self.args[1], "--max-new-tokens", str(GREEDY_TOKENS))
+                self._stdin, self._memo = json.dumps(ids), memo
+        super().start()
+
+    def wait(self) -> int:
+        returncode = super().wait()
+        with self._lock:
+            if returncode == 0 and self._memo is not None and not self._memo.is_file():
+                tmp = self._memo.with_suffix(f".tmp{os.getpid()}")
+                tmp.write_text(json.dumps(self._answer()["greedy"]))
+                os.replace(tmp, self._memo)
+        return returncode
+
+    def result(self):
+        out = super().result()
+        return out["weights"] if self.args[0] == "both" else out
 
 
 @pytest.hookimpl(trylast=True)      # after -m / -k have deselected
@@ -269,7 +337,8 @@ def pytest_collection_modifyitems(config, items):
             and any(item.nodeid.endswith(GEMMA3_WEIGHTS_TEST) for item in items)):
         from engine.loader.zoo import zoo_path
 
-        run = ReferenceProcess("weights", zoo_path("gemma3-270m"), start=False)
+        run = Gemma3Reference(zoo_path("gemma3-270m"),
+                              greedy=any(item.nodeid.endswith(GEMMA3_GREEDY_TEST) for item in items))
         config.__dict__.setdefault("_queued_references", {})["gemma3-weights"] = run
         first.append(run)
     beside.collection_modifyitems(config, items, first=first)
@@ -282,7 +351,12 @@ def queued_reference(config, key: str, *args: str) -> ReferenceProcess:
 
 
 def pytest_collection_finish(session):
+    _collect_and_freeze()
     beside.collection_finish(session)
+
+
+def pytest_runtest_setup(item):
+    beside.runtest_setup(item)
 
 
 def pytest_runtest_logreport(report):

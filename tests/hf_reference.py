@@ -6,6 +6,7 @@ copy of the weights never shares a process with ours:
 
     python tests/hf_reference.py greedy FILE.gguf --max-new-tokens 12 < prompts.json > out.json
     python tests/hf_reference.py weights FILE.gguf > digests.json
+    python tests/hf_reference.py both FILE.gguf --max-new-tokens 12 < prompts.json > out.json
 
 ``greedy``: stdin is a JSON list of prompts given as token-id lists (the engine's tokenizer makes
 them, so both sides see the same ids); stdout is a JSON list of the greedy continuations.
@@ -13,6 +14,11 @@ them, so both sides see the same ids); stdout is a JSON list of the greedy conti
 ``weights``: stdout is ``{name: tensor_digest(...)}`` for every tensor transformers reads from
 the file (dequantized, with transformers' names and layout): a per-tensor comparison result,
 not the tensors, so the caller compares them with its own weights at no memory cost.
+
+``both``: stdout is ``{"weights": ..., "greedy": ...}``, the two answers above from one reading
+of the file (transformers takes most of a minute of CPU to read and dequantize a GGUF): the
+tensors `load_gguf_checkpoint` returned are digested, then given to ``from_pretrained`` as its
+``state_dict`` -- what ``from_pretrained(gguf_file=...)`` does after reading them itself.
 """
 
 from __future__ import annotations
@@ -42,12 +48,12 @@ def tensor_digest(values) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["greedy", "weights"])
+    parser.add_argument("mode", choices=["greedy", "weights", "both"])
     parser.add_argument("gguf")
     parser.add_argument("--max-new-tokens", type=int, help="greedy: tokens per prompt")
     args = parser.parse_args()
-    if args.mode == "greedy" and args.max_new_tokens is None:
-        parser.error("greedy needs --max-new-tokens")
+    if args.mode != "weights" and args.max_new_tokens is None:
+        parser.error(f"{args.mode} needs --max-new-tokens")
 
     # paddlecodec (a paddleformers dependency) ships a `torchcodec` module without its package
     # metadata, which transformers' audio utilities trip over; declare it absent.
@@ -58,16 +64,26 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     directory, name = os.path.split(os.path.abspath(args.gguf))
     if args.mode == "weights":
-        json.dump(weight_digests(torch, transformers, directory, name), sys.stdout)
+        _, _, tensors = read_tensors(torch, transformers, directory, name)
+        json.dump({key: tensor_digest(tensors.pop(key).float().numpy()) for key in sorted(tensors)},
+                  sys.stdout)
         return
     prompts = json.load(sys.stdin)
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name).eval()
-    json.dump([greedy(torch, model, ids, args.max_new_tokens) for ids in prompts], sys.stdout)
+    if args.mode == "greedy":
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name).eval()
+        json.dump([greedy(torch, model, ids, args.max_new_tokens) for ids in prompts], sys.stdout)
+        return
+    model_class, config, tensors = read_tensors(torch, transformers, directory, name)
+    digests = {key: tensor_digest(tensors[key].float().numpy()) for key in sorted(tensors)}
+    model = model_class.from_pretrained(None, config=config, state_dict=tensors).eval()
+    del tensors
+    json.dump({"weights": digests,
+               "greedy": [greedy(torch, model, ids, args.max_new_tokens) for ids in prompts]}, sys.stdout)
 
 
-def weight_digests(torch, transformers, directory: str, name: str) -> dict:
-    """transformers' own reading of the file's tensors (`load_gguf_checkpoint`, which dequantizes
-    and renames them for the architecture of its config), digested one at a time."""
+def read_tensors(torch, transformers, directory: str, name: str):
+    """The model class and config transformers picks for the file, and its own reading of the
+    file's tensors (`load_gguf_checkpoint`, which dequantizes and renames them for that class)."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     config = transformers.AutoConfig.from_pretrained(directory, gguf_file=name)
@@ -75,7 +91,7 @@ def weight_digests(torch, transformers, directory: str, name: str) -> dict:
         names_only = transformers.AutoModelForCausalLM.from_config(config)
     tensors = load_gguf_checkpoint(os.path.join(directory, name), return_tensors=True,
                                    model_to_load=names_only)["tensors"]
-    return {key: tensor_digest(tensors.pop(key).float().numpy()) for key in sorted(tensors)}
+    return type(names_only), config, tensors
 
 
 def greedy(torch, model, ids: list[int], n: int) -> list[int]:

@@ -23,30 +23,40 @@ GEMMA_PROMPTS = ["Question: What is 2+3?\nAnswer:", "The capital of France is", 
                  "Count with me: " + ", ".join(str(i) for i in range(1, 260)) + ", and the next number is"]
 
 
-@pytest.fixture(scope="module")
-def gemma3_transformers(gemma3_checkpoint):
-    """HF transformers' greedy continuations: ``() -> (prompt ids, continuations)``.
+GREEDY_TOKENS = 12
 
-    Computed by `hf_reference.py` in a separate process started right away (so
-    it overlaps with loading our model), and memoised in the zoo cache under a
-    key of the GGUF file, the prompts and the transformers/torch versions:
-    reading the GGUF takes transformers about a minute.
-    """
+
+def greedy_reference_memo(checkpoint):
+    """The prompts as token ids, and where transformers' greedy continuations of them are
+    memoised: the zoo cache, under a key of the GGUF file, the prompts, the tokens per prompt
+    and the transformers/torch versions (reading the GGUF takes transformers about a minute)."""
     from importlib.metadata import version
 
     from engine.loader.zoo import cache_dir
 
+    ids = [checkpoint.tokenizer.encode(p, add_special_tokens=True) for p in GEMMA_PROMPTS]
+    stat = os.stat(checkpoint.path)
+    key = hashlib.sha256(json.dumps([ids, GREEDY_TOKENS, stat.st_size, stat.st_mtime_ns, version("transformers"),
+                                     version("torch")]).encode()).hexdigest()[:16]
+    return ids, cache_dir() / f"hf-reference-gemma3-{key}.json"
+
+
+@pytest.fixture(scope="module")
+def gemma3_transformers(gemma3_checkpoint):
+    """HF transformers' greedy continuations: ``() -> (prompt ids, continuations)``.
+
+    From the memo (`greedy_reference_memo`; in a full run, the reading of Gemma 3's weights
+    queued first beside the suite writes it, see conftest.py), else computed by
+    `hf_reference.py` in a separate process started right away (so it overlaps with loading
+    our model) and memoised.
+    """
     require_reference()
 
-    ids = [gemma3_checkpoint.tokenizer.encode(p, add_special_tokens=True) for p in GEMMA_PROMPTS]
-    stat = os.stat(gemma3_checkpoint.path)
-    key = hashlib.sha256(json.dumps([ids, 12, stat.st_size, stat.st_mtime_ns, version("transformers"),
-                                     version("torch")]).encode()).hexdigest()[:16]
-    memo = cache_dir() / f"hf-reference-gemma3-{key}.json"
+    ids, memo = greedy_reference_memo(gemma3_checkpoint)
     if memo.is_file():
         yield lambda: (ids, json.loads(memo.read_text()))
         return
-    run = ReferenceProcess("greedy", gemma3_checkpoint.path, "--max-new-tokens", "12", stdin=ids)
+    run = ReferenceProcess("greedy", gemma3_checkpoint.path, "--max-new-tokens", str(GREEDY_TOKENS), stdin=ids)
 
     def result():
         continuations = run.result()
@@ -64,6 +74,6 @@ def test_gemma3_auto_serves_paddleformers_and_matches_transformers(gemma3_transf
     ids, expected = gemma3_transformers()
     assert len(ids[-1]) > 512
     outs = llm.generate([{"prompt_token_ids": p} for p in ids],
-                        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+                        SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0, ignore_eos=True))
     assert token_ids(outs) == expected
     assert outs[0].outputs[0].text.startswith(" 2+3=5")
