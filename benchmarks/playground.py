@@ -183,9 +183,13 @@ def main(argv: list[str] | None = None) -> dict:
                         help="CPU priority of the tabs' process (a browser's work is not the server's)")
     parser.add_argument("--split", action="store_true",
                         help="also measure the refresh timers alone and the chats through the app alone")
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="sys.setswitchinterval for the run, in seconds (default: the app's own setting)")
     parser.add_argument("--check", action="store_true", help="exit 1 if the app costs more than 5%%")
     args = parser.parse_args(argv)
 
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     t0 = time.perf_counter()
     llm = LLM(**vars(config_from_args(args)))
     if not args.no_warm_up:
@@ -218,6 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "model": llm.model_name, "model_impl": llm.model_impl, "tabs": args.tabs, "max_tokens": args.max_tokens,
         "refresh_interval_s": args.interval, "warm_up": not args.no_warm_up,
+        "switch_interval_ms": round(sys.getswitchinterval() * 1000, 3),
         "start_to_ready_s": round(ready_s, 1),
         "first_chat_first_token_s": round(first["client_s"], 3) if first["client_s"] is not None else None,
         "first_chat_engine_ttft_ms": first["engine_ms"],

@@ -67,8 +67,8 @@ class ChatSession:
     queued: int | None = None                            # a user message waiting for the streaming reply (app)
     tree: Conversation = field(default_factory=Conversation)   # every reply and branch (app)
     labels: dict[str, str] = field(default_factory=dict)  # this tab's recent requests → legend name
-    last_render_key: Any = None
-    timeline_at: float = 0.0                              # when this tab last drew the engine timeline
+    last_render_key: Any = None                           # what the panels were last drawn from
+    map_key: Any = None                                   # what the block map was last drawn from
     lp_metric: str = "probability"                        # the logprob view's probability / logprob / rank
 
     def new_request_id(self, kind: str = "chat", label: str = "this chat") -> str:

@@ -127,30 +127,16 @@ def block_map_html(
     Each cell is a ``div.kv-cell.kv-<kind>`` with ``data-block``,
     ``data-ref`` and ``data-owners`` attributes and a hover ``title``.
     """
-    blocks = sorted(snapshot.get("blocks") or [], key=lambda b: b.get("block_id", 0))
+    all_blocks = snapshot.get("blocks") or []
     labels = labels or {}
     request_order = [r["request_id"] for r in snapshot.get("requests") or []]
-    for b in blocks:
+    for b in all_blocks:
         request_order.extend(b.get("owners") or [])
     if colors is None or any(rid not in colors for rid in request_order):
         colors = {**owner_colors(request_order), **(colors or {})}
     colors = {rid: colors[rid] for rid in dict.fromkeys(request_order)}
-    counts = {"used": 0, "shared": 0, "cached": 0, "free": 0}
-    per_owner: dict[str, int] = {}
-    cells = []
-    for b in blocks:
-        kind = block_kind(b)
-        counts[kind] += 1
-        owners = [str(o) for o in b.get("owners") or []]
-        for o in owners:
-            per_owner[o] = per_owner.get(o, 0) + 1
-        extra = f' data-ref="{_e(b.get("ref_cnt", 0))}" data-owners="{_e(",".join(owners))}"' if owners else ""
-        cls, style = _cell_look(kind, owners, colors)
-        cells.append(
-            f'<div class="kv-cell kv-{kind}{cls}" data-block="{_e(b.get("block_id"))}"{extra}{style} '
-            f'title="{_e(_cell_title(b, kind))}"></div>'
-        )
-    n = len(blocks)
+    cells, counts, per_owner = _grid(all_blocks, colors)
+    n = len(all_blocks)
     cols = columns or (32 if n <= 512 else 48 if n <= 2048 else 64)
     in_use = counts["used"] + counts["shared"]
     usage = snapshot.get("kv_usage", in_use / n if n else 0.0)
@@ -178,8 +164,43 @@ def block_map_html(
     return (
         f'{_CSS}<div class="pg-panel kv-map" data-step="{_e(snapshot.get("step", 0))}">{head}'
         f'<div class="kv-grid" style="grid-template-columns:repeat({cols},minmax(0,1fr))">'
-        f'{"".join(cells)}</div><div class="kv-legend">{"".join(legend)}</div></div>'
+        f'{cells}</div><div class="kv-legend">{"".join(legend)}</div></div>'
     )
+
+
+_last_grid: tuple = ()      # (blocks, colours, grid): every tab draws the same snapshot's grid once
+
+
+def _grid(blocks: Sequence[Mapping[str, Any]], colors: Mapping[str, str]) -> tuple[str, dict, dict]:
+    """The map's cells (HTML), the block counts by kind and the blocks per owner.
+
+    The cells depend only on the blocks and their owners' colours, not on the tab (its legend
+    names differ), so the last result is kept for the next tab that draws the same snapshot.
+    """
+    global _last_grid
+    key = tuple(colors.items())
+    last = _last_grid
+    if last and last[0] is blocks and last[1] == key:
+        return last[2]
+    counts = {"used": 0, "shared": 0, "cached": 0, "free": 0}
+    per_owner: dict[str, int] = {}
+    cells = []
+    for b in sorted(blocks, key=lambda b: b.get("block_id", 0)):
+        kind = block_kind(b)
+        counts[kind] += 1
+        owners = [str(o) for o in b.get("owners") or []]
+        for o in owners:
+            per_owner[o] = per_owner.get(o, 0) + 1
+        extra = f' data-ref="{_e(b.get("ref_cnt", 0))}" data-owners="{_e(",".join(owners))}"' if owners else ""
+        cls, style = _cell_look(kind, owners, colors)
+        cells.append(
+            f'<div class="kv-cell kv-{kind}{cls}" data-block="{_e(b.get("block_id"))}"{extra}{style} '
+            f'title="{_e(_cell_title(b, kind))}"></div>'
+        )
+    result = ("".join(cells), counts, per_owner)
+    if isinstance(blocks, tuple):       # an immutable snapshot's blocks (a list could change in place)
+        _last_grid = (blocks, key, result)
+    return result
 
 
 # --------------------------------------------------------------------------- #
