@@ -42,7 +42,7 @@ class Tab:
         kv_map = next(c["id"] for c in config["components"] if c.get("props", {}).get("elem_id") == "kv-map")
         ticks = [i for i, d in enumerate(config["dependencies"]) if any(t[1] == "tick" for t in d.get("targets", []))]
         # The page's two timers: the block map's (fast) and the other panels' (about once a second).
-        self.map_tick = next(i for i in ticks if config["dependencies"][i]["outputs"] == [kv_map])
+        self.map_tick = next(i for i in ticks if kv_map in config["dependencies"][i]["outputs"])
         self.panel_ticks = [i for i in ticks if i != self.map_tick]
         # The timers' events are not part of the public API; a browser tab calls them all the same.
         for i in ticks:
@@ -109,7 +109,7 @@ def run_round(tabs: list[Tab], max_tokens: int | None, interval: float, ticks: b
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("url")
-    parser.add_argument("--interval", type=float, default=0.25)
+    parser.add_argument("--interval", type=float, default=0.2)
     parser.add_argument("--prompts", nargs="+", required=True, help="one chat per tab")
     parser.add_argument("--nice", type=int, default=0, help="lower this process's CPU priority")
     args = parser.parse_args(argv)

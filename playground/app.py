@@ -94,7 +94,7 @@ def build_app(
     limits: Limits | None = None,
     queue_size: int = 32,
     concurrency: int | None = None,
-    refresh_every: float = 0.25,
+    refresh_every: float = 0.2,
     system_prompt: str = DEFAULT_SYSTEM_PROMPT,
     allow_engine_admin: bool = False,
 ) -> gr.Blocks:
@@ -117,7 +117,9 @@ def build_app(
     limits = limits or Limits()
     config = getattr(llm, "config", None)
     concurrency = concurrency or getattr(config, "max_num_seqs", None) or 8
-    monitor = EngineMonitor(llm, interval=min(refresh_every, 0.2))
+    # Snapshots a little more often than the map's timer ticks, so a tick while the engine runs
+    # finds a new one (the map then refreshes 1 / refresh_every times a second).
+    monitor = EngineMonitor(llm, interval=0.75 * refresh_every)
     h = Handlers(llm, monitor, limits, allow_engine_admin=allow_engine_admin)
     snap = monitor.snapshot()
     base_model = h.default_mode == "completion"

@@ -41,6 +41,8 @@ __all__ = ["Limits", "Handlers"]
 
 SKIP6 = (gr.skip(),) * 6
 CHAT_UPDATES_PER_S = 5          # a streaming reply's updates to the page
+# The compare view's strips are for reading: branching starts from the logprob view above it.
+COMPARE_HINT = "<span>· hover (or tap) a token for its alternatives · branch from the logprob view above</span>"
 
 
 MODES = ("chat", "completion")
@@ -113,6 +115,11 @@ class Handlers:
     def sampling(self, *values, cap: int | None = None):
         return inputs.sampling(*values, max_tokens_cap=cap or self.limits.max_tokens, vocab_size=self.vocab_size)
 
+    def stop_token_ids(self, params: Any) -> frozenset[int]:
+        """The ids that end a reply with ``params``: the tokenizer's end-of-turn ids and the request's own."""
+        eos = () if getattr(params, "ignore_eos", False) else getattr(self.tokenizer, "eos_token_ids", ())
+        return frozenset(eos) | frozenset(getattr(params, "stop_token_ids", ()) or ())
+
     def _decode(self, token_id: int) -> str:
         return self.tokenizer.decode([int(token_id)])
 
@@ -166,7 +173,8 @@ class Handlers:
 
         def consume() -> None:
             try:
-                for _ in stream_reply(self.llm, prompt, params, reply, decode=self._decode):
+                for _ in stream_reply(self.llm, prompt, params, reply, decode=self._decode,
+                                      stop_token_ids=self.stop_token_ids(params)):
                     changed.set()
                     if cancelled.is_set():    # closing the stream aborts the request
                         break
@@ -369,7 +377,8 @@ class Handlers:
         """The shown reply beside another branch of it, with the token where they part."""
         return compare_html(session.tree, session.tree.last_reply(),
                             lambda records, selected: render.logprob_html(records, selected=selected,
-                                                                          metric=session.lp_metric))
+                                                                          metric=session.lp_metric,
+                                                                          hint=COMPARE_HINT))
 
     @checked
     def prompt_view(self, session: ChatSession) -> str:

@@ -292,7 +292,7 @@ def _rank_color(rank: int | None) -> str:
 
 
 def logprob_html(records: Sequence[Mapping[str, Any]], *, selected: int | None = None,
-                 metric: str = "probability") -> str:
+                 metric: str = "probability", hint: str | None = None) -> str:
     """Render a reply's tokens coloured by their probability.
 
     Args:
@@ -302,6 +302,12 @@ def logprob_html(records: Sequence[Mapping[str, Any]], *, selected: int | None =
         metric: what colours the tokens and fills their hover tables:
             ``probability`` (red → green), ``logprob`` (raw values, same colours)
             or ``rank`` (the sampled token's rank among the alternatives).
+        hint: the line's hint (HTML) where clicking a token does not branch
+            (default: hover for alternatives, click to branch).
+
+    A record marked ``stop`` (the token that ended the reply: the model's end
+    of turn, which the reply's text never shows) is drawn as an ``end`` marker,
+    with its probability and what the model could have said instead.
 
     Each token is a ``span.lp-tok`` with ``data-index``, ``data-token-id`` and
     ``data-prob``; hovering shows a ``span.lp-tip`` table of the top-k
@@ -319,6 +325,8 @@ def logprob_html(records: Sequence[Mapping[str, Any]], *, selected: int | None =
             classes.append("lp-forced")
         if selected is not None and idx == selected:
             classes.append("lp-selected")
+        if rec.get("stop"):
+            classes.append("lp-end")
         rows = "".join(
             f'<tr class="{"lp-chosen" if row["chosen"] else "lp-alt"}" data-token-id="{_e(row["token_id"])}">'
             f'<td>{_e(row["text"])}</td><td>{_e(row["prob_text"])}</td></tr>'
@@ -336,19 +344,24 @@ def logprob_html(records: Sequence[Mapping[str, Any]], *, selected: int | None =
         else:
             color = prob_color(prob)
         text = str(rec.get("text", ""))
+        shown = "end" if rec.get("stop") else _visible(text)
+        stop = f'<div>ended the reply: {_e(_visible(text))}</div>' if rec.get("stop") else ""
         spans.append(
             f'<span class="{" ".join(classes)}" data-index="{idx}" data-token-id="{_e(rec.get("token_id"))}"'
-            f'{prob_attr} style="background:{color}">{_e(_visible(text))}'
-            f'<span class="lp-tip">{forced}<table>{rows}</table>{ent_text}</span></span>'
-            + ("<br>" if "\n" in text else "")
+            f'{prob_attr} style="background:{color}">{_e(shown)}'
+            f'<span class="lp-tip">{forced}{stop}<table>{rows}</table>{ent_text}</span></span>'
+            + ("<br>" if "\n" in text and not rec.get("stop") else "")
         )
     ends = {"probability": ("0", "1"), "logprob": ("−∞", "0"), "rank": ("#4+", "#1")}.get(metric, ("0", "1"))
     scale = (
         f'<div class="lp-scale">{_e(metric)} <span>{ends[0]}</span><span class="bar"></span><span>{ends[1]}</span>'
-        '<span class="lp-hint-hover">· hover a token for alternatives · click it to branch</span>'
-        '<span class="lp-hint-tap">· tap a token for its alternatives and to branch from it</span></div>'
+        + (hint if hint is not None else BRANCH_HINT) + '</div>'
     )
     return f'{_CSS}<div class="pg-panel lp-view"><div class="lp-text">{"".join(spans)}</div>{scale}</div>'
+
+
+BRANCH_HINT = ('<span class="lp-hint-hover">· hover a token for alternatives · click it to branch</span>'
+               '<span class="lp-hint-tap">· tap a token for its alternatives and to branch from it</span>')
 
 
 # --------------------------------------------------------------------------- #
