@@ -151,6 +151,17 @@ class Tabs:
         self._send("stop")
         return {**self._read(), "tps": tps}
 
+    def idle(self, seconds: float) -> dict:
+        """The tabs open and refreshing, nobody chatting: this process's CPU use (cores), the
+        server side of the timers alone."""
+        self._send("ticks")
+        self._read()                                         # {"ticking": n}
+        cpu0, t0 = cpu_s(), time.perf_counter()
+        time.sleep(seconds)
+        cores = (cpu_s() - cpu0) / (time.perf_counter() - t0)
+        self._send("stop")
+        return {**self._read(), "server_cores": cores}
+
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=30)
@@ -205,6 +216,10 @@ def main(argv: list[str] | None = None) -> dict:
         tabs = Tabs(url, prompts, args.interval, args.tabs_nice)
         engine_alone(llm, prompts, args.max_tokens)                       # both paths once, unmeasured
         tabs.round(llm, len(prompts), args.max_tokens)
+        idle_cpu0 = cpu_s()
+        time.sleep(3.0)
+        idle_alone = (cpu_s() - idle_cpu0) / 3.0                            # nobody on the page
+        idle_tabs = tabs.idle(3.0)
         alone, app, ticks_only, chats_only, alone_cores = [], [], [], [], []
         for i in range(args.repeats):   # A B, B A, ...: slow drifts of the machine cancel out
             runs = [lambda: alone.append(engine_alone(llm, prompts, args.max_tokens, alone_cores)),
@@ -242,6 +257,9 @@ def main(argv: list[str] | None = None) -> dict:
         # server side costs (load-independent, unlike tok/s on a shared machine).
         "server_cpu_s_engine_alone": round(statistics.median(c["cpu_s"] for c in alone_cores), 2),
         "server_cpu_s_app": round(statistics.median(a["server_cpu_s"] for a in app), 2),
+        # The open tabs' timers with the engine idle: this process's CPU use without and with them.
+        "server_cores_idle_no_tabs": round(idle_alone, 3),
+        "server_cores_idle_tabs_refreshing": round(idle_tabs["server_cores"], 3),
         "tabs_process_cores": (round(statistics.median(a["tabs_cores"] for a in app), 2)
                                if all(a["tabs_cores"] is not None for a in app) else None),
         "refresh_round_trip_ms": round(statistics.median(a["tick_ms"] for a in app), 1),
