@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> dict:
     add_engine_args(parser)
     parser.add_argument("--tabs", type=int, default=4, help="open tabs, each streaming one chat")
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--interval", type=float, default=0.2, help="the page's block-map timer (s), as build_app's refresh_every")
+    parser.add_argument("--interval", type=float, default=0.2,
+                        help="the page's block-map timer (s), as build_app's refresh_every")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-warm-up", action="store_true", help="start without the CLI's warm-up")
     parser.add_argument("--tabs-nice", type=int, default=10,

@@ -255,8 +255,8 @@ def build_app(
         # Live views: a fast timer for the block map (one output), a slow one for the other panels.
         # Ticks skip the queue (queue=False): a tick is a plain request, not a queued SSE event.
         live = dict(show_progress="hidden", concurrency_limit=None, api_visibility="private", queue=False)
-        # The map's tick runs on Gradio's event loop (a few ms when the map changed, nothing when not):
-        # handing it to a worker thread cost the server more than the tick itself.
+        # The map's tick runs on Gradio's event loop (a cache lookup most of the time): handing it
+        # to a worker thread cost the server more than the tick itself.
         map_view = dict(fn=T(h.refresh_map, on_loop=True), inputs=[session], outputs=[block_map], **live)
         panel_views = dict(fn=T(h.refresh_panels), inputs=[session], outputs=[prefix, engine, timeline], **live)
         timer.tick(**map_view)

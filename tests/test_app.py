@@ -550,9 +550,8 @@ def test_the_block_map_has_its_own_one_output_timer(app):
 
 
 def test_streamed_updates_skip_only_the_message_box(paced_engine):
-    """Each gr.skip() in a streamed update made Gradio build a new component on the server (about
-    2 ms each here, 20 updates a second with four tabs streaming); unchanged outputs are sent
-    again instead (Gradio diffs a stream's values, so they cost nothing on the wire). Only the
+    """Each gr.skip() in a streamed update made Gradio build a new component on the server (several
+    updates a second for every streaming tab); unchanged outputs are sent again instead (Gradio diffs a stream's values, so they cost nothing on the wire). Only the
     message box is skipped: the visitor may be typing there."""
     from playground.chat import ChatSession
     from playground.handlers import Handlers

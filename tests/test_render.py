@@ -399,7 +399,7 @@ def test_block_hash_in_the_snapshot_is_the_stored_event_hash_and_the_inspector_s
 
 
 def test_every_tab_draws_a_snapshots_cells_once(snapshot, monkeypatch):
-    """Four tabs refreshing the same snapshot drew its 350+ cells four times; the cells (not the
+    """Four tabs refreshing the same snapshot drew all its cells four times; the cells (not the
     legend, whose names differ per tab) are drawn once and shared."""
     drawn = []
     title = render._cell_title
@@ -415,8 +415,8 @@ def test_every_tab_draws_a_snapshots_cells_once(snapshot, monkeypatch):
 
 
 def test_the_monitors_snapshot_dict_is_the_snapshots_to_dict(smollm2_llm):
-    """The monitor builds the dict without asdict's deep copy (asdict took ~7 ms per snapshot on
-    this machine, five times a second, on the interpreter the engine needs); same content."""
+    """The monitor builds the dict without asdict's deep copy (several times a second, on the
+    interpreter and cores the engine needs); the content is the same."""
     import threading
 
     from engine import SamplingParams
