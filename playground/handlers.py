@@ -412,9 +412,9 @@ class Handlers:
     def refresh_map(self, session: ChatSession) -> str:
         """Map timer tick: the block map, re-drawn only when the snapshot or this tab changed.
 
-        A tick is one event per open tab several times a second, and the engine shares the
-        interpreter with it, so it does little: one output, and the grid of cells (the same for
-        every tab) is drawn once per snapshot (``render.block_map_html`` keeps the last one).
+        A tick is one event per open tab several times a second, on the cores the engine
+        decodes with, so it does little: one output, and the grid of cells (the same for every
+        tab) is drawn once per snapshot (``render.block_map_html`` keeps the last one).
         """
         snap = self.monitor.snapshot()          # read first: the monitor keeps its pace while a view reads
         key = (self.monitor.version, len(session.tree.nodes), id(session.tree.last_reply()))
