@@ -9,16 +9,18 @@ Starts the app as ``python -m playground`` does (load, warm-up, ``build_app``, `
    so the same tokens) run two ways, alternated ``--repeats`` times:
    *engine alone* — ``LLM.stream`` on each chat, nobody on the page (the app idles);
    *app* — each chat sent by its own tab through the app over HTTP, streaming the chat and the
-   logprob view, while every tab fires the page's refresh timer every ``--interval`` s (the
-   timer's endpoint, called over HTTP as the browser does) and gets the block map, the
-   prefix-cache and engine panels and the timeline back. The tabs run in their own process
+   logprob view, while every tab fires the page's timers as its script does (a POST to
+   ``/run/predict``: the timers skip the queue): the block map's every ``--interval`` s, the
+   prefix-cache, engine and timeline panels' once a second. The tabs run in their own process
    (``benchmarks.playground_tabs``, at a lower CPU priority: a browser's work is not the
    server's), so what is measured is the server's side.
    Decode tok/s is read from the engine's step events in both (steps where every chat decodes),
    so client-side time never enters it. Goal: the app at most 5 % slower, with the map
-   refreshed at least 4 times a second per tab (it changes once per engine step, so it can
+   refreshed at least 4 times a second per tab (it changes once per monitor snapshot, so it can
    refresh at most min(engine steps/s, 1 / interval) times a second). The CPU use of this
-   process (engine and app server) and of the tabs' process is printed beside, in cores.
+   process (engine and app server) and of the tabs' process is printed beside, in cores, and
+   this process's CPU seconds for the same chats in both modes (their difference is the app's
+   server-side work, a number the machine's load moves less than tok/s).
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ def engine_alone(llm, prompts: list[str], max_tokens: int, cores: list | None = 
     for t in threads:
         t.join()
     if cores is not None:
-        cores.append((cpu_s() - cpu0) / (time.perf_counter() - t0))
+        cores.append({"cores": (cpu_s() - cpu0) / (time.perf_counter() - t0), "cpu_s": cpu_s() - cpu0})
     return meter.stop()
 
 
@@ -138,7 +140,7 @@ class Tabs:
         wall = time.perf_counter() - t0
         tabs1 = cpu_s(self.proc.pid)
         return {**result, "tps": meter.stop(), "steps_per_s": meter.steps_per_s,
-                "server_cores": (cpu_s() - cpu0) / wall,
+                "server_cores": (cpu_s() - cpu0) / wall, "server_cpu_s": cpu_s() - cpu0,
                 "tabs_cores": None if tabs0 is None or tabs1 is None else (tabs1 - tabs0) / wall}
 
     def ticking(self, llm, prompts: list[str], max_tokens: int) -> dict:
@@ -148,6 +150,17 @@ class Tabs:
         tps = engine_alone(llm, prompts, max_tokens)
         self._send("stop")
         return {**self._read(), "tps": tps}
+
+    def idle(self, seconds: float) -> dict:
+        """The tabs open and refreshing, nobody chatting: this process's CPU use (cores), the
+        server side of the timers alone."""
+        self._send("ticks")
+        self._read()                                         # {"ticking": n}
+        cpu0, t0 = cpu_s(), time.perf_counter()
+        time.sleep(seconds)
+        cores = (cpu_s() - cpu0) / (time.perf_counter() - t0)
+        self._send("stop")
+        return {**self._read(), "server_cores": cores}
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -176,16 +189,21 @@ def main(argv: list[str] | None = None) -> dict:
     add_engine_args(parser)
     parser.add_argument("--tabs", type=int, default=4, help="open tabs, each streaming one chat")
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--interval", type=float, default=0.25, help="the page's refresh timer (s)")
+    parser.add_argument("--interval", type=float, default=0.2,
+                        help="the page's block-map timer (s), as build_app's refresh_every")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-warm-up", action="store_true", help="start without the CLI's warm-up")
     parser.add_argument("--tabs-nice", type=int, default=10,
                         help="CPU priority of the tabs' process (a browser's work is not the server's)")
     parser.add_argument("--split", action="store_true",
                         help="also measure the refresh timers alone and the chats through the app alone")
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="sys.setswitchinterval for the run, in seconds (default: the app's own setting)")
     parser.add_argument("--check", action="store_true", help="exit 1 if the app costs more than 5%%")
     args = parser.parse_args(argv)
 
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     t0 = time.perf_counter()
     llm = LLM(**vars(config_from_args(args)))
     if not args.no_warm_up:
@@ -199,6 +217,10 @@ def main(argv: list[str] | None = None) -> dict:
         tabs = Tabs(url, prompts, args.interval, args.tabs_nice)
         engine_alone(llm, prompts, args.max_tokens)                       # both paths once, unmeasured
         tabs.round(llm, len(prompts), args.max_tokens)
+        idle_cpu0 = cpu_s()
+        time.sleep(3.0)
+        idle_alone = (cpu_s() - idle_cpu0) / 3.0                            # nobody on the page
+        idle_tabs = tabs.idle(3.0)
         alone, app, ticks_only, chats_only, alone_cores = [], [], [], [], []
         for i in range(args.repeats):   # A B, B A, ...: slow drifts of the machine cancel out
             runs = [lambda: alone.append(engine_alone(llm, prompts, args.max_tokens, alone_cores)),
@@ -218,6 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "model": llm.model_name, "model_impl": llm.model_impl, "tabs": args.tabs, "max_tokens": args.max_tokens,
         "refresh_interval_s": args.interval, "warm_up": not args.no_warm_up,
+        "switch_interval_ms": round(sys.getswitchinterval() * 1000, 3),
         "start_to_ready_s": round(ready_s, 1),
         "first_chat_first_token_s": round(first["client_s"], 3) if first["client_s"] is not None else None,
         "first_chat_engine_ttft_ms": first["engine_ms"],
@@ -229,8 +252,15 @@ def main(argv: list[str] | None = None) -> dict:
         "map_refreshes_per_s_per_tab": round(statistics.median(a["maps_per_s"] for a in app), 2),
         "engine_steps_per_s": round(statistics.median(a["steps_per_s"] for a in app), 2),
         # CPU use during the runs, in cores: this process (engine + app server) and the tabs' process.
-        "server_cores_engine_alone": round(statistics.median(alone_cores), 2),
+        "server_cores_engine_alone": round(statistics.median(c["cores"] for c in alone_cores), 2),
         "server_cores_app": round(statistics.median(a["server_cores"] for a in app), 2),
+        # CPU seconds this process spent on the same chats: the difference is what the app's
+        # server side costs (load-independent, unlike tok/s on a shared machine).
+        "server_cpu_s_engine_alone": round(statistics.median(c["cpu_s"] for c in alone_cores), 2),
+        "server_cpu_s_app": round(statistics.median(a["server_cpu_s"] for a in app), 2),
+        # The open tabs' timers with the engine idle: this process's CPU use without and with them.
+        "server_cores_idle_no_tabs": round(idle_alone, 3),
+        "server_cores_idle_tabs_refreshing": round(idle_tabs["server_cores"], 3),
         "tabs_process_cores": (round(statistics.median(a["tabs_cores"] for a in app), 2)
                                if all(a["tabs_cores"] is not None for a in app) else None),
         "refresh_round_trip_ms": round(statistics.median(a["tick_ms"] for a in app), 1),

@@ -94,7 +94,7 @@ def build_app(
     limits: Limits | None = None,
     queue_size: int = 32,
     concurrency: int | None = None,
-    refresh_every: float = 0.25,
+    refresh_every: float = 0.2,
     system_prompt: str = DEFAULT_SYSTEM_PROMPT,
     allow_engine_admin: bool = False,
 ) -> gr.Blocks:
@@ -106,7 +106,8 @@ def build_app(
         queue_size: requests waiting beyond this are refused with "queue full".
         concurrency: chats streaming at once (default: the engine's
             ``max_num_seqs``, so they all batch together).
-        refresh_every: seconds between live-panel refreshes.
+        refresh_every: seconds between block-map refreshes (the other live panels
+            refresh once a second).
         system_prompt: the initial system prompt.
         allow_engine_admin: enable the actions that affect every visitor
             (resetting the prefix cache, loading a second backend for the
@@ -116,7 +117,9 @@ def build_app(
     limits = limits or Limits()
     config = getattr(llm, "config", None)
     concurrency = concurrency or getattr(config, "max_num_seqs", None) or 8
-    monitor = EngineMonitor(llm, interval=min(refresh_every, 0.2))
+    # Snapshots a little more often than the map's timer ticks, so a tick while the engine runs
+    # finds a new one (the map then refreshes 1 / refresh_every times a second).
+    monitor = EngineMonitor(llm, interval=0.75 * refresh_every)
     h = Handlers(llm, monitor, limits, allow_engine_admin=allow_engine_admin)
     snap = monitor.snapshot()
     base_model = h.default_mode == "completion"
@@ -205,6 +208,7 @@ def build_app(
                             fire = gr.Button("Fire batch", variant="primary")
                         batch_view = _html(render.batch_table_html([]), "batch-view")
         timer = gr.Timer(refresh_every)
+        panel_timer = gr.Timer(max(1.0, refresh_every))
 
         T = h.tabs.wrap
         sampling = [temperature, top_p, top_k, max_tokens, seed, n_logprobs]
@@ -248,11 +252,21 @@ def build_app(
         reset.click(T(h.reset_prefix_cache), [session], [prefix], api_name="reset_prefix_cache")
         align.click(T(h.align), [session, system], [align_view], api_name="align", concurrency_limit=1,
                     concurrency_id="align", preprocess=False)
-        panels = dict(fn=T(h.refresh), inputs=[session], outputs=[block_map, prefix, engine, timeline],
-                      show_progress="hidden", concurrency_limit=None, api_visibility="private", queue=False)
-        timer.tick(**panels)
-        demo.load(**panels)
+        # Live views: a fast timer for the block map (one output), a slow one for the other panels.
+        # Ticks skip the queue (queue=False): a tick is a plain request, not a queued SSE event.
+        live = dict(show_progress="hidden", concurrency_limit=None, api_visibility="private", queue=False)
+        # The map's tick runs on Gradio's event loop (a cache lookup most of the time): handing it
+        # to a worker thread cost the server more than the tick itself.
+        map_view = dict(fn=T(h.refresh_map, on_loop=True), inputs=[session], outputs=[block_map], **live)
+        panel_views = dict(fn=T(h.refresh_panels), inputs=[session], outputs=[prefix, engine, timeline], **live)
+        timer.tick(**map_view)
+        panel_timer.tick(**panel_views)
+        demo.load(**map_view)
+        demo.load(**panel_views)
         demo.unload(h.tabs.forget)
+    # After every queued event Gradio recomputes the summary of its monitoring dashboard (a pandas
+    # table of up to 10,000 past events) unless told to do it less often; the page never shows it.
+    os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", "1000")
     demo.queue(max_size=queue_size, default_concurrency_limit=concurrency)
     demo.playground_monitor = monitor   # so callers can close it
     return demo

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,8 +67,8 @@ class ChatSession:
     queued: int | None = None                            # a user message waiting for the streaming reply (app)
     tree: Conversation = field(default_factory=Conversation)   # every reply and branch (app)
     labels: dict[str, str] = field(default_factory=dict)  # this tab's recent requests → legend name
-    last_render_key: Any = None
-    timeline_at: float = 0.0                              # when this tab last drew the engine timeline
+    last_render_key: Any = None                           # what the panels were last drawn from
+    map_key: Any = None                                   # what the block map was last drawn from
     lp_metric: str = "probability"                        # the logprob view's probability / logprob / rank
 
     def new_request_id(self, kind: str = "chat", label: str = "this chat") -> str:
@@ -113,13 +113,16 @@ def stream_reply(
     reply: Reply,
     *,
     decode: Any = None,
+    stop_token_ids: Collection[int] = (),
 ) -> Iterator[Reply]:
     """Stream one request into ``reply``, yielding it after every delta.
 
     ``prompt`` is whatever ``llm.stream`` accepts (chat messages, or
     ``{"prompt_token_ids": [...]}`` when branching). Engine errors do not
     raise: they end the stream with ``reply.error`` set, so the caller can show
-    them in the chat while the app keeps serving.
+    them in the chat while the app keeps serving. When the reply ends on one
+    of ``stop_token_ids`` (the tokenizer's end-of-turn ids), that token's
+    record is marked ``stop``: the logprob view draws it as the reply's end.
     """
     stream = None
     try:
@@ -136,6 +139,9 @@ def stream_reply(
                 reply.token_ids.extend(int(t) for t in delta.token_ids)
                 reply.text += delta.text or ""
             if delta.finished:
+                if delta.finish_reason == "stop" and reply.records and reply.token_ids \
+                        and reply.token_ids[-1] in stop_token_ids:
+                    reply.records[-1]["stop"] = True
                 reply.finished = True
                 reply.finish_reason = delta.finish_reason
                 reply.error = getattr(delta, "error", None) or (

@@ -41,6 +41,8 @@ __all__ = ["Limits", "Handlers"]
 
 SKIP6 = (gr.skip(),) * 6
 CHAT_UPDATES_PER_S = 5          # a streaming reply's updates to the page
+# The compare view's strips are for reading: branching starts from the logprob view above it.
+COMPARE_HINT = "<span>· hover (or tap) a token for its alternatives · branch from the logprob view above</span>"
 
 
 MODES = ("chat", "completion")
@@ -113,6 +115,11 @@ class Handlers:
     def sampling(self, *values, cap: int | None = None):
         return inputs.sampling(*values, max_tokens_cap=cap or self.limits.max_tokens, vocab_size=self.vocab_size)
 
+    def stop_token_ids(self, params: Any) -> frozenset[int]:
+        """The ids that end a reply with ``params``: the tokenizer's end-of-turn ids and the request's own."""
+        eos = () if getattr(params, "ignore_eos", False) else getattr(self.tokenizer, "eos_token_ids", ())
+        return frozenset(eos) | frozenset(getattr(params, "stop_token_ids", ()) or ())
+
     def _decode(self, token_id: int) -> str:
         return self.tokenizer.decode([int(token_id)])
 
@@ -166,7 +173,8 @@ class Handlers:
 
         def consume() -> None:
             try:
-                for _ in stream_reply(self.llm, prompt, params, reply, decode=self._decode):
+                for _ in stream_reply(self.llm, prompt, params, reply, decode=self._decode,
+                                      stop_token_ids=self.stop_token_ids(params)):
                     changed.set()
                     if cancelled.is_set():    # closing the stream aborts the request
                         break
@@ -179,6 +187,12 @@ class Handlers:
         try:
             if first:
                 yield first
+            # Outputs that did not change are sent again rather than skipped: Gradio diffs a stream's
+            # values (an unchanged one costs nothing on the wire), while every gr.skip() builds a new
+            # component on the server. The message box stays skipped: the user may be typing there.
+            lp = first[2] if first and isinstance(first[2], str) else gr.skip()
+            prefix = first[3] if first and isinstance(first[3], str) else gr.skip()
+            controls = (None, None) if first else (gr.skip(), gr.skip())    # reset by ``first``
             sent, lp_at, sent_at = None, 0.0, 0.0
             while not done.is_set():
                 changed.wait(0.25)
@@ -191,12 +205,12 @@ class Handlers:
                 if key == sent or done.is_set():
                     continue
                 now = time.monotonic()
-                lp = gr.skip()
                 if reply.records and now - lp_at >= 0.5:     # the logprob view twice a second
                     lp, lp_at = render.logprob_html(reply.records, metric=session.lp_metric), now
-                prefix = self.prefix_html(session) if sent is None or sent[2] != key[2] else gr.skip()
+                if sent is None or sent[2] != key[2]:
+                    prefix = self.prefix_html(session)
                 sent, sent_at = key, time.monotonic()
-                yield self.chat(session), gr.skip(), lp, prefix, gr.skip(), gr.skip()
+                yield self.chat(session), gr.skip(), lp, prefix, *controls
         finally:
             if not done.is_set():           # cancelled (Stop, closed tab): abort, let the stream end
                 reply.stopped = True
@@ -363,7 +377,8 @@ class Handlers:
         """The shown reply beside another branch of it, with the token where they part."""
         return compare_html(session.tree, session.tree.last_reply(),
                             lambda records, selected: render.logprob_html(records, selected=selected,
-                                                                          metric=session.lp_metric))
+                                                                          metric=session.lp_metric,
+                                                                          hint=COMPARE_HINT))
 
     @checked
     def prompt_view(self, session: ChatSession) -> str:
@@ -394,23 +409,33 @@ class Handlers:
         names.update({rid: name for rid, name in session.labels.items() if rid in ids and name != "this chat"})
         return names
 
-    def refresh(self, session: ChatSession) -> tuple:
-        """Timer tick: re-render the live panels if the engine or this tab changed."""
+    def refresh_map(self, session: ChatSession) -> str:
+        """Map timer tick: the block map, re-drawn only when the snapshot or this tab changed.
+
+        A tick is one event per open tab several times a second, on the cores the engine
+        decodes with, so it does little: one output, and the grid of cells (the same for every
+        tab) is drawn once per snapshot (``render.block_map_html`` keeps the last one).
+        """
+        snap = self.monitor.snapshot()          # read first: the monitor keeps its pace while a view reads
+        key = (self.monitor.version, len(session.tree.nodes), id(session.tree.last_reply()))
+        if key == session.map_key:
+            return gr.skip()
+        session.map_key = key
+        colors = self.colors.colors(self._owner_ids(snap))
+        return render.block_map_html(snap, labels=self.labels(session, snap), colors=colors)
+
+    def refresh_panels(self, session: ChatSession) -> tuple:
+        """Panels timer tick (about once a second): prefix cache, engine and timeline panels."""
         last = session.tree.last_reply()
         key = (self.monitor.version, len(session.tree.nodes), id(last), self.monitor.num_steps)
-        timeline = gr.skip()
-        if time.monotonic() - session.timeline_at >= 1.0:     # the timeline moves on even when idle
-            session.timeline_at = time.monotonic()
-            timeline = timeline_html(self.monitor.timeline.series())
+        timeline = timeline_html(self.monitor.timeline.series())     # the timeline moves on even when idle
         if key == session.last_render_key:
-            return gr.skip(), gr.skip(), gr.skip(), timeline
+            return gr.skip(), gr.skip(), timeline
         session.last_render_key = key
         snap = self.monitor.snapshot()
         reply = last.reply if last else None
         stats = {"ttft": reply.ttft, "decode_tps": reply.decode_tps} if reply else None
-        colors = self.colors.colors(self._owner_ids(snap))
         return (
-            render.block_map_html(snap, labels=self.labels(session, snap), colors=colors),
             render.prefix_cache_html(snap, self.turns(session)),
             render.engine_panel_html(snap, self.monitor.steps(120), stats),
             timeline,

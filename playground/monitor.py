@@ -6,9 +6,15 @@ One ``EngineMonitor`` serves every browser tab of an app:
   events in a ring buffer (the batch-size chart); the callback runs on the
   engine thread, so it only appends a small dict;
 * a background thread takes ``llm.snapshot()`` whenever an event says the
-  engine changed (at most every ``interval`` seconds) and keeps the latest
-  ``to_dict()``; views render from that copy, so many tabs refreshing never
-  add load on the engine and never wait for it.
+  engine changed (at most every ``interval`` seconds) and keeps it as a dict;
+  views render from that copy, so many tabs refreshing never add load on the
+  engine and never wait for it.
+
+The snapshot shares the engine's lock and the interpreter with the decode
+loop, so the monitor keeps its own cost small: the dict is built without
+``dataclasses.asdict``'s deep copy (the snapshot's fields are immutable), and
+while no view has read the snapshot for ``idle_after`` seconds it is taken
+only every ``idle_interval`` seconds (the timeline keeps its samples).
 """
 
 from __future__ import annotations
@@ -17,13 +23,35 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from engine.snapshot import EngineEvent, EngineSnapshot
 
 from .timeline import Timeline
 
-__all__ = ["EngineMonitor"]
+__all__ = ["EngineMonitor", "snapshot_dict"]
+
+
+def snapshot_dict(snapshot: EngineSnapshot) -> dict:
+    """``snapshot.to_dict()``, built without copying what cannot change.
+
+    ``EngineSnapshot`` is frozen and its fields are tuples, strings and numbers
+    (``StepInfo.prefill``, a dict, is copied), so the nested dataclasses become
+    dicts and everything else is shared; ``asdict`` deep-copies every value.
+    """
+    return _plain(snapshot)
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "__dataclass_fields__"):
+        return {k: _plain(v) for k, v in vars(value).items()}
+    if type(value) is tuple:
+        return tuple(map(_plain, value)) if value and hasattr(value[0], "__dataclass_fields__") else value
+    if type(value) is dict:
+        return {k: _plain(v) for k, v in value.items()}
+    if type(value) is list:
+        return [_plain(v) for v in value]
+    return value
 
 
 class Observable(Protocol):
@@ -37,17 +65,21 @@ class Observable(Protocol):
 class EngineMonitor:
     """Latest snapshot dict + ring buffer of the last ``capacity`` engine steps."""
 
-    def __init__(self, llm: Observable, *, capacity: int = 200, interval: float = 0.5):
+    def __init__(self, llm: Observable, *, capacity: int = 200, interval: float = 0.5,
+                 idle_interval: float = 1.0, idle_after: float = 2.0):
         self.llm = llm
         self.interval = interval
+        self.idle_interval, self.idle_after = max(idle_interval, interval), idle_after
+        self._read_at = time.monotonic()     # when a view last read the snapshot
         self._steps: deque[dict] = deque(maxlen=capacity)
         self._lock = threading.Lock()
         self._changed = threading.Event()
+        self._wake = threading.Event()           # ends the idle pause early: a view is back
         self._stop = threading.Event()
         self.num_steps = 0
         self.version = 0            # bumps with every new snapshot: a view's cheap "did anything change"
         self.timeline = Timeline()
-        self._snapshot = llm.snapshot().to_dict()
+        self._snapshot = snapshot_dict(llm.snapshot())
         self.timeline.on_snapshot(time.time(), self._snapshot)
         self._unsubscribe = llm.subscribe(self._on_event)
         self._thread = threading.Thread(target=self._poll, name="playground-monitor", daemon=True)
@@ -83,12 +115,16 @@ class EngineMonitor:
             self._changed.clear()
             started = time.monotonic()
             self.refresh()
-            # At most one snapshot per interval, counting the time the snapshot itself took.
-            self._stop.wait(max(0.0, self.interval - (time.monotonic() - started)))
+            # At most one snapshot per interval, counting the time the snapshot itself took;
+            # a slower pace while no view reads them.
+            watched = time.monotonic() - self._read_at < self.idle_after
+            pause = self.interval if watched else self.idle_interval
+            self._wake.wait(max(0.0, pause - (time.monotonic() - started)))
+            self._wake.clear()
 
     def refresh(self) -> dict:
         """Take a fresh snapshot now (blocks until the engine lets us) and return it."""
-        snap = self.llm.snapshot().to_dict()
+        snap = snapshot_dict(self.llm.snapshot())
         with self._lock:
             self._snapshot = snap
             self.version += 1
@@ -97,7 +133,10 @@ class EngineMonitor:
 
     # -- readers (any thread) -------------------------------------------------------
     def snapshot(self) -> dict:
-        """The latest snapshot dict (at most about ``interval`` s behind the engine)."""
+        """The latest snapshot dict (at most about ``interval`` s behind the engine while views read it)."""
+        if time.monotonic() - self._read_at >= self.idle_after:
+            self._wake.set()                 # a view is back: the next snapshot without the idle pause
+        self._read_at = time.monotonic()
         with self._lock:
             return self._snapshot
 
@@ -119,6 +158,7 @@ class EngineMonitor:
     def close(self) -> None:
         """Stop listening to the engine and end the poller thread."""
         self._stop.set()
+        self._wake.set()
         self._changed.set()
         if self._unsubscribe is not None:
             self._unsubscribe()

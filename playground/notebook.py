@@ -415,7 +415,9 @@ class Playground:
         session.display += [user, {"role": "assistant", "content": ""}]
         self._set(self.status, "value", "waiting for the first token…")
         last_draw = 0.0
-        for reply in stream_reply(self.llm, prompt, params, reply, decode=self._decode):
+        stop_ids = () if params.ignore_eos else getattr(self.tokenizer, "eos_token_ids", ())
+        for reply in stream_reply(self.llm, prompt, params, reply, decode=self._decode,
+                                  stop_token_ids=frozenset(stop_ids) | frozenset(params.stop_token_ids or ())):
             session.display[-1] = {"role": "assistant", "content": reply.text}
             self._set(self.chat, "value", chat_html(session.display, streaming=not reply.finished))
             self._set(self.status, "value", f"streaming… {len(reply.token_ids)} tokens")

@@ -127,30 +127,16 @@ def block_map_html(
     Each cell is a ``div.kv-cell.kv-<kind>`` with ``data-block``,
     ``data-ref`` and ``data-owners`` attributes and a hover ``title``.
     """
-    blocks = sorted(snapshot.get("blocks") or [], key=lambda b: b.get("block_id", 0))
+    all_blocks = snapshot.get("blocks") or []
     labels = labels or {}
     request_order = [r["request_id"] for r in snapshot.get("requests") or []]
-    for b in blocks:
+    for b in all_blocks:
         request_order.extend(b.get("owners") or [])
     if colors is None or any(rid not in colors for rid in request_order):
         colors = {**owner_colors(request_order), **(colors or {})}
     colors = {rid: colors[rid] for rid in dict.fromkeys(request_order)}
-    counts = {"used": 0, "shared": 0, "cached": 0, "free": 0}
-    per_owner: dict[str, int] = {}
-    cells = []
-    for b in blocks:
-        kind = block_kind(b)
-        counts[kind] += 1
-        owners = [str(o) for o in b.get("owners") or []]
-        for o in owners:
-            per_owner[o] = per_owner.get(o, 0) + 1
-        extra = f' data-ref="{_e(b.get("ref_cnt", 0))}" data-owners="{_e(",".join(owners))}"' if owners else ""
-        cls, style = _cell_look(kind, owners, colors)
-        cells.append(
-            f'<div class="kv-cell kv-{kind}{cls}" data-block="{_e(b.get("block_id"))}"{extra}{style} '
-            f'title="{_e(_cell_title(b, kind))}"></div>'
-        )
-    n = len(blocks)
+    cells, counts, per_owner = _grid(all_blocks, colors)
+    n = len(all_blocks)
     cols = columns or (32 if n <= 512 else 48 if n <= 2048 else 64)
     in_use = counts["used"] + counts["shared"]
     usage = snapshot.get("kv_usage", in_use / n if n else 0.0)
@@ -178,8 +164,43 @@ def block_map_html(
     return (
         f'{_CSS}<div class="pg-panel kv-map" data-step="{_e(snapshot.get("step", 0))}">{head}'
         f'<div class="kv-grid" style="grid-template-columns:repeat({cols},minmax(0,1fr))">'
-        f'{"".join(cells)}</div><div class="kv-legend">{"".join(legend)}</div></div>'
+        f'{cells}</div><div class="kv-legend">{"".join(legend)}</div></div>'
     )
+
+
+_last_grid: tuple = ()      # (blocks, colours, grid): every tab draws the same snapshot's grid once
+
+
+def _grid(blocks: Sequence[Mapping[str, Any]], colors: Mapping[str, str]) -> tuple[str, dict, dict]:
+    """The map's cells (HTML), the block counts by kind and the blocks per owner.
+
+    The cells depend only on the blocks and their owners' colours, not on the tab (its legend
+    names differ), so the last result is kept for the next tab that draws the same snapshot.
+    """
+    global _last_grid
+    key = tuple(colors.items())
+    last = _last_grid
+    if last and last[0] is blocks and last[1] == key:
+        return last[2]
+    counts = {"used": 0, "shared": 0, "cached": 0, "free": 0}
+    per_owner: dict[str, int] = {}
+    cells = []
+    for b in sorted(blocks, key=lambda b: b.get("block_id", 0)):
+        kind = block_kind(b)
+        counts[kind] += 1
+        owners = [str(o) for o in b.get("owners") or []]
+        for o in owners:
+            per_owner[o] = per_owner.get(o, 0) + 1
+        extra = f' data-ref="{_e(b.get("ref_cnt", 0))}" data-owners="{_e(",".join(owners))}"' if owners else ""
+        cls, style = _cell_look(kind, owners, colors)
+        cells.append(
+            f'<div class="kv-cell kv-{kind}{cls}" data-block="{_e(b.get("block_id"))}"{extra}{style} '
+            f'title="{_e(_cell_title(b, kind))}"></div>'
+        )
+    result = ("".join(cells), counts, per_owner)
+    if isinstance(blocks, tuple):       # an immutable snapshot's blocks (a list could change in place)
+        _last_grid = (blocks, key, result)
+    return result
 
 
 # --------------------------------------------------------------------------- #
@@ -271,7 +292,7 @@ def _rank_color(rank: int | None) -> str:
 
 
 def logprob_html(records: Sequence[Mapping[str, Any]], *, selected: int | None = None,
-                 metric: str = "probability") -> str:
+                 metric: str = "probability", hint: str | None = None) -> str:
     """Render a reply's tokens coloured by their probability.
 
     Args:
@@ -281,6 +302,12 @@ def logprob_html(records: Sequence[Mapping[str, Any]], *, selected: int | None =
         metric: what colours the tokens and fills their hover tables:
             ``probability`` (red → green), ``logprob`` (raw values, same colours)
             or ``rank`` (the sampled token's rank among the alternatives).
+        hint: the line's hint (HTML) where clicking a token does not branch
+            (default: hover for alternatives, click to branch).
+
+    A record marked ``stop`` (the token that ended the reply: the model's end
+    of turn, which the reply's text never shows) is drawn as an ``end`` marker,
+    with its probability and what the model could have said instead.
 
     Each token is a ``span.lp-tok`` with ``data-index``, ``data-token-id`` and
     ``data-prob``; hovering shows a ``span.lp-tip`` table of the top-k
@@ -298,6 +325,8 @@ def logprob_html(records: Sequence[Mapping[str, Any]], *, selected: int | None =
             classes.append("lp-forced")
         if selected is not None and idx == selected:
             classes.append("lp-selected")
+        if rec.get("stop"):
+            classes.append("lp-end")
         rows = "".join(
             f'<tr class="{"lp-chosen" if row["chosen"] else "lp-alt"}" data-token-id="{_e(row["token_id"])}">'
             f'<td>{_e(row["text"])}</td><td>{_e(row["prob_text"])}</td></tr>'
@@ -315,19 +344,24 @@ def logprob_html(records: Sequence[Mapping[str, Any]], *, selected: int | None =
         else:
             color = prob_color(prob)
         text = str(rec.get("text", ""))
+        shown = "end" if rec.get("stop") else _visible(text)
+        stop = f'<div>ended the reply: {_e(_visible(text))}</div>' if rec.get("stop") else ""
         spans.append(
             f'<span class="{" ".join(classes)}" data-index="{idx}" data-token-id="{_e(rec.get("token_id"))}"'
-            f'{prob_attr} style="background:{color}">{_e(_visible(text))}'
-            f'<span class="lp-tip">{forced}<table>{rows}</table>{ent_text}</span></span>'
-            + ("<br>" if "\n" in text else "")
+            f'{prob_attr} style="background:{color}">{_e(shown)}'
+            f'<span class="lp-tip">{forced}{stop}<table>{rows}</table>{ent_text}</span></span>'
+            + ("<br>" if "\n" in text and not rec.get("stop") else "")
         )
     ends = {"probability": ("0", "1"), "logprob": ("−∞", "0"), "rank": ("#4+", "#1")}.get(metric, ("0", "1"))
     scale = (
         f'<div class="lp-scale">{_e(metric)} <span>{ends[0]}</span><span class="bar"></span><span>{ends[1]}</span>'
-        '<span class="lp-hint-hover">· hover a token for alternatives · click it to branch</span>'
-        '<span class="lp-hint-tap">· tap a token for its alternatives and to branch from it</span></div>'
+        + (hint if hint is not None else BRANCH_HINT) + '</div>'
     )
     return f'{_CSS}<div class="pg-panel lp-view"><div class="lp-text">{"".join(spans)}</div>{scale}</div>'
+
+
+BRANCH_HINT = ('<span class="lp-hint-hover">· hover a token for alternatives · click it to branch</span>'
+               '<span class="lp-hint-tap">· tap a token for its alternatives and to branch from it</span>')
 
 
 # --------------------------------------------------------------------------- #

@@ -49,6 +49,9 @@ CSS = """<style>
 .lp-tok:hover{outline:2px solid #0f172a}
 .lp-tok.lp-selected{outline:2px solid #4f46e5;outline-offset:1px}
 .lp-tok.lp-forced{text-decoration:underline dashed #4f46e5 2px}
+.lp-tok.lp-end{margin-left:4px;padding:0 5px;border:1px solid #64748b;font-size:11px;font-variant:small-caps;
+ color:#334155}
+.lp-tok.lp-end .lp-tip{font-variant:normal}
 .lp-tip{display:none;position:absolute;left:0;top:1.7em;z-index:50;background:#0f172a;color:#f8fafc;
  border-radius:6px;padding:6px 8px;font-size:12px;white-space:nowrap;line-height:1.4;pointer-events:none;
  width:max-content}

@@ -53,16 +53,22 @@ class Tabs:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def wrap(self, fn: Callable, *, event_data: bool = False) -> Callable:
+    def wrap(self, fn: Callable, *, event_data: bool = False, on_loop: bool = False) -> Callable:
         """``fn`` as a Gradio handler whose ``ChatSession`` argument is the tab's own.
 
         The wrapper's signature asks Gradio for the request (and the event data);
         it is not ``functools.wraps``-ed, since Gradio reads the signature.
+        ``on_loop``: an ``async`` handler, which Gradio runs on its event loop
+        instead of handing it to a worker thread (for quick, frequent events,
+        such as the timers' ticks, where the hand-off costs more than the call).
         """
         def resolve(request, args):
             return [self.session(request, a) if isinstance(a, ChatSession) else a for a in args]
 
-        if inspect.isgeneratorfunction(fn):
+        if on_loop:
+            async def handler(request: gr.Request, *args):
+                return fn(*resolve(request, args))
+        elif inspect.isgeneratorfunction(fn):
             def handler(request: gr.Request, *args):
                 yield from fn(*resolve(request, args))
         elif event_data:

@@ -188,6 +188,31 @@ def test_branch_forces_an_alternative_and_hits_the_prefix_cache(client, smollm2_
     assert '<span class="pg-pos">2/2</span>' in reply_meta(chat)   # ... and the original is kept: ‹ 2/2 ›
     compare = client.predict(api_name="/compare")                  # side by side, parting at token 2
     assert 'data-split="2"' in compare and compare.count('class="compare-col"') == 2
+    # Clicking a token there does nothing, so its strips do not say "click to branch".
+    assert "to branch" not in compare.replace("branch from the logprob view above", "")
+    assert "branch from the logprob view above" in compare
+
+
+def shown_tokens(logprobs_html: str) -> list[tuple[str, str]]:
+    """(classes, visible text) of every token of a logprob view, in order."""
+    return re.findall(r'<span class="(lp-tok[^"]*)"[^>]*>([^<]*)<span class="lp-tip">', logprobs_html)
+
+
+def test_the_end_of_turn_token_is_an_end_marker_not_text(client, smollm2_llm):
+    """The sampled stop token ("<|im_end|>") showed as text at the end of the reply's tokens; it is
+    the reply's end: a marker with its probability and alternatives (a branch from it goes on)."""
+    chat, _, logprobs_html, *_ = client.predict("Say hello.", SYSTEM, *greedy(48), api_name="/chat")
+    assert "pg-finish-stop" in reply_meta(chat)                # the model ended its turn itself
+    tokens = shown_tokens(logprobs_html)
+    assert all("im_end" not in text for _, text in tokens)
+    classes, text = tokens[-1]
+    assert "lp-end" in classes.split() and text == "end"
+    assert sum("lp-end" in c.split() for c, _ in tokens) == 1
+    last = logprobs_html.split('class="lp-tok lp-end"')[1]
+    assert "ended the reply: &lt;|im_end|&gt;" in last and re.search(r'data-prob="0\.\d+"', last)
+    # A reply cut by max tokens has no end marker.
+    _, _, cut_html, *_ = client.predict("Count to fifty.", SYSTEM, *greedy(3), api_name="/chat")
+    assert not any("lp-end" in c.split() for c, _ in shown_tokens(cut_html))
 
 
 BAD_VALUES = [   # (endpoint, arguments, words the error must contain): issue 13, defect 9
@@ -484,3 +509,62 @@ def test_the_prompt_view_shows_what_surprised_the_model(client, smollm2_llm):
     worst = re.findall(r'class="pv-worst" data-index="\d+">([^<]*)</span> ([\d.]+)', html)
     assert worst[0][0] == " banana" and float(worst[0][1]) > 10     # the odd word, by far
     assert not wait_idle(smollm2_llm)["requests"]
+
+
+def test_the_block_map_has_its_own_one_output_timer(app):
+    """Each open tab fires the map's timer several times a second. It had one timer for four
+    panels, and Gradio builds a component on the server for every gr.skip() of an unchanged one;
+    now the map's timer has one output, and the page's script (a POST to /run/predict, the timers
+    skip the queue) gets the map when it changed and a skip when it did not."""
+    import httpx
+
+    demo, url = app
+    client = gradio_client.Client(url, verbose=False)
+    config = client.config
+    kv_map = next(c["id"] for c in config["components"] if c.get("props", {}).get("elem_id") == "kv-map")
+    timers = {c["id"]: c["props"]["value"] for c in config["components"] if c["type"] == "timer"}
+    ticks = {i: d for i, d in enumerate(config["dependencies"]) if any(t[1] == "tick" for t in d["targets"])}
+    map_ticks = [i for i, d in ticks.items() if kv_map in d["outputs"]]
+    assert len(map_ticks) == 1 and ticks[map_ticks[0]]["outputs"] == [kv_map]
+    assert timers[ticks[map_ticks[0]]["targets"][0][0]] == 0.2                 # 5 a second
+    assert all(timers[d["targets"][0][0]] >= 1.0 for i, d in ticks.items() if i != map_ticks[0])
+
+    def tick():
+        body = {"data": [None], "fn_index": map_ticks[0], "session_hash": client.session_hash,
+                "event_data": None, "trigger_id": None}
+        response = httpx.post(f"{url}gradio_api/run/predict", json=body, timeout=30)
+        response.raise_for_status()
+        return response.json()["data"][0]
+
+    wait_idle(demo.playground_monitor.llm)
+    first = tick()
+    assert isinstance(first, str) and 'class="pg-panel kv-map"' in first
+    assert tick()["__type__"] == "update"                                         # nothing changed: a skip
+    client.predict("Hi!", SYSTEM, *greedy(4), api_name="/chat")
+    deadline, after = time.monotonic() + 10, tick()
+    while not isinstance(after, str) and time.monotonic() < deadline:           # the monitor's next snapshot
+        time.sleep(0.05)
+        after = tick()
+    step = re.compile(r'class="pg-panel kv-map" data-step="(\d+)"')
+    assert int(step.search(after).group(1)) > int(step.search(first).group(1))  # the engine moved on
+
+
+def test_streamed_updates_skip_only_the_message_box(paced_engine):
+    """Each gr.skip() in a streamed update made Gradio build a new component on the server (several
+    updates a second for every streaming tab); unchanged outputs are sent again instead (Gradio diffs a stream's values, so they cost nothing on the wire). Only the
+    message box is skipped: the visitor may be typing there."""
+    from playground.chat import ChatSession
+    from playground.handlers import Handlers
+    from playground.monitor import EngineMonitor
+
+    monitor = EngineMonitor(paced_engine, interval=0.1)
+    try:
+        h = Handlers(paced_engine, monitor, Limits())
+        updates = list(h.send("Count from one to ten.", ChatSession(), SYSTEM, *greedy(12), "chat"))
+    finally:
+        monitor.close()
+    skip = {"__type__": "update"}
+    streamed = updates[1:-1]
+    assert len(streamed) >= 3
+    assert all([i for i, v in enumerate(u) if v == skip] == [1] for u in streamed)
+    assert all(isinstance(u[2], str) and isinstance(u[3], str) for u in streamed)   # logprobs, prefix panel

@@ -396,3 +396,94 @@ def test_block_hash_in_the_snapshot_is_the_stored_event_hash_and_the_inspector_s
     assert any(b["block_id"] in stored for b in hashed)
     html = inspector.block_inspector_html(snap, hashed[0]["block_id"])
     assert hashed[0]["block_hash"][:8] in html
+
+
+def test_every_tab_draws_a_snapshots_cells_once(snapshot, monkeypatch):
+    """Four tabs refreshing the same snapshot drew all its cells four times; the cells (not the
+    legend, whose names differ per tab) are drawn once and shared."""
+    drawn = []
+    title = render._cell_title
+    monkeypatch.setattr(render, "_cell_title", lambda b, kind: drawn.append(b["block_id"]) or title(b, kind))
+    snap = dict(snapshot, blocks=tuple(snapshot["blocks"]))     # as the monitor keeps it: immutable blocks
+    mine = render.block_map_html(snap, labels={"req-a": "this chat", "req-b": "chat 2"})
+    theirs = render.block_map_html(snap, labels={"req-a": "chat 1", "req-b": "this chat"})
+    assert sorted(drawn) == list(range(10))
+    assert mine != theirs and mine.split('class="kv-legend"')[0] == theirs.split('class="kv-legend"')[0]
+    assert "this chat (2)" in theirs and "chat 1 (3)" in theirs
+    render.block_map_html(dict(snap, blocks=tuple(dict(b) for b in snap["blocks"])))    # a new snapshot
+    assert len(drawn) == 20
+
+
+def test_the_monitors_snapshot_dict_is_the_snapshots_to_dict(smollm2_llm):
+    """The monitor builds the dict without asdict's deep copy (several times a second, on the
+    interpreter and cores the engine needs); the content is the same."""
+    import threading
+
+    from engine import SamplingParams
+    from playground.monitor import snapshot_dict
+
+    done = threading.Event()
+    snaps = []
+    worker = threading.Thread(target=lambda: (smollm2_llm.generate(
+        ["Tell me about the sea."] * 2, SamplingParams(max_tokens=24, temperature=0, logprobs=2)), done.set()))
+    worker.start()
+    while not done.is_set() and len(snaps) < 50:
+        snaps.append(smollm2_llm.snapshot())
+    worker.join()
+    assert any(s.requests and s.last_step for s in snaps)
+    for s in snaps[::5] + snaps[-1:]:
+        d = snapshot_dict(s)
+        assert d == s.to_dict() and isinstance(d["blocks"], tuple)
+
+
+def test_the_monitor_slows_down_while_no_view_reads_it(paced_engine):
+    """The monitor took a snapshot (under the engine's lock) every interval whenever the engine
+    ran, watched or not; unwatched it takes one per idle interval, and a view's read brings the
+    fast pace back at once."""
+    import threading
+    import time
+
+    from engine import SamplingParams
+    from playground.monitor import EngineMonitor
+
+    class Counting:                      # the real engine, counting the monitor's snapshots
+        def __init__(self):
+            self.calls = []
+
+        def snapshot(self):
+            self.calls.append(time.monotonic())
+            return paced_engine.snapshot()
+
+        def subscribe(self, callback):
+            return paced_engine.subscribe(callback)
+
+    llm = Counting()
+    twelve = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)     # 12 steps of >= 0.1 s
+    monitor = EngineMonitor(llm, interval=0.02, idle_interval=0.5, idle_after=0.1)
+    try:
+        time.sleep(0.2)                                          # nobody has read it for a while
+        start = time.monotonic()
+        paced_engine.generate(["Tell me about the sea."], twelve)
+        unwatched = time.monotonic() - start
+        taken = [t for t in llm.calls if t >= start]
+        assert len(taken) <= unwatched / 0.5 + 2, (len(taken), unwatched)
+        version = monitor.version
+        reading = threading.Event()
+
+        def view():                                              # a tab's timer: a read every 20 ms
+            while not reading.wait(0.02):
+                monitor.snapshot()
+
+        reader = threading.Thread(target=view)
+        reader.start()
+        start = time.monotonic()
+        try:
+            paced_engine.generate(["Tell me about the moon."], twelve)
+        finally:
+            reading.set()
+            reader.join()
+        watched = time.monotonic() - start
+        assert monitor.version > version
+        assert len([t for t in llm.calls if t >= start]) > watched / 0.5 + 2, watched
+    finally:
+        monitor.close()
