@@ -54,8 +54,10 @@ def paddle_decode(llm):
 
 
 def test_fused_decode_matches_paddle_layers_on_smollm2(smollm2_llm):
+    """Five sequences (the micro-kernel, the LM head's int8 rows included), then one (dot products)."""
     assert smollm2_llm.snapshot().decode_path == "fused"
-    prompts = ["Tell me a story about a dragon.", "What is the capital of France?"]
+    prompts = ["Tell me a story about a dragon.", "What is the capital of France?", "List three fruits.",
+               "Why is the sky blue?", "Write a haiku about rain."]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1)
     fused = smollm2_llm.generate(prompts, params) + smollm2_llm.generate(prompts[:1], params)
     with paddle_decode(smollm2_llm):
@@ -64,7 +66,7 @@ def test_fused_decode_matches_paddle_layers_on_smollm2(smollm2_llm):
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q8_0])
-@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("tokens", [1, 3, 5, 17])  # dot products; the micro-kernel, 16 + 8 token columns
 def test_block_linears_compute_with_the_checkpoint_weights(qtype, tokens):
     rng = np.random.default_rng(int(qtype) + tokens)
     out_features, in_features = 70, 96
