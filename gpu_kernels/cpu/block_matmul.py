@@ -31,7 +31,7 @@ import numpy as np
 from numba import njit, prange
 
 from .blas import single_threaded_blas
-from .block_dot import block_dequant, block_dot
+from .block_dot import block_dequant, dot_row
 from .microkernel import R, tile_1x8, tile_1x16, tile_4x8, tile_4x16
 
 BLOCK = 32
@@ -58,7 +58,7 @@ def matvec_rows(x, codes, scales, offsets, sums, out, lo, hi):
     rows stay in L1 while each token takes its dot product."""
     for o in range(lo, hi):
         for t in range(x.shape[0]):
-            out[t, o] = block_dot(codes[o], scales[o], offsets[o], x[t], sums[t])
+            dot_row(codes, scales, offsets, x[t], sums[t], out[t], o)
 
 
 @njit(**_SEQ)

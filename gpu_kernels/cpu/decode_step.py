@@ -44,6 +44,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .activations import silu_mul
 from .attention import decode_item, store_rows
 from .block_matmul import BLOCK, MATVEC_T, ROWS, SMALL_T, blas_rows, block_sums, matvec_rows, padded_transpose, tiled_rows
 from .sync import claim, finish, finished
@@ -257,7 +258,8 @@ def decode_step(tid, team_size, counters, marks, epoch, token_ids, positions, sl
                       counters, marks, epoch, phase + 3, team_size)
         gate_up = gate_up_buf[layer]
         for t in range(num_tokens):
-            for i in range(inter):
+            silu_mul(gate_up[t], act[t])
+            for i in range(inter // 8 * 8, inter):
                 g = gate_up[t, i]
                 act[t, i] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[t, inter + i]
         _linear_phase(lin + DOWN, act, formats, float_w, codes, nibbles, scales, offsets, down_buf[layer],
