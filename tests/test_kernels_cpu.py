@@ -222,3 +222,21 @@ def test_vectorized_silu_matches_the_exact_activation():
     done = n // 8 * 8
     np.testing.assert_allclose(out[:done], exact[:done], rtol=1e-6, atol=1e-30)
     assert (out[done:] == 7.0).all()
+
+
+def test_vectorized_softmax_weights_match_exp():
+    """exp(s - shift) in place, 8 lanes at a time, against float64; the tail is the caller's."""
+    from numba import njit
+
+    from gpu_kernels.cpu.activations import exp_shifted
+
+    @njit
+    def run(s, shift):
+        exp_shifted(s, shift)
+
+    s = np.linspace(-90, 5, 21).astype(np.float32)
+    out = s.copy()
+    run(out, np.float32(3.5))
+    expected = np.exp(s.astype(np.float64) - 3.5)
+    np.testing.assert_allclose(out[:16], expected[:16], rtol=1e-6, atol=1e-37)
+    np.testing.assert_array_equal(out[16:], s[16:])

@@ -1,14 +1,19 @@
-"""SiLU-and-multiply of the MLP, vectorized (LLVM vector IR through a Numba intrinsic).
+"""Vectorized ``exp`` for the CPU kernels (LLVM vector IR through Numba intrinsics).
 
-``silu_mul(gate_up, out)`` writes ``out[i] = silu(g_i) * u_i`` for a row
-``gate_up = [g_0 .. g_n-1, u_0 .. u_n-1]``, ``silu(g) = g / (1 + exp(-g))``.
+``silu_mul(gate_up, out)``
+    ``out[i] = silu(g_i) * u_i`` for a row ``gate_up = [g_0 .. g_n-1, u_0 .. u_n-1]``,
+    ``silu(g) = g / (1 + exp(-g))`` (the MLP's activation);
+``exp_shifted(s, shift)``
+    ``s[i] = exp(s[i] - shift)`` in place (softmax weights of attention scores).
+
 Numba's ``np.exp`` is a scalar libm call per element, which LLVM cannot
 vectorize without a vector math library; with several decode tokens the
-activation then costs as much as a small projection. Here ``exp`` is the
+activation then costs as much as a small projection, and attention spends
+more on one ``exp`` per position than on its two 64-wide dot products. Here ``exp`` is the
 Cephes single-precision routine (range reduction by ``ln 2`` in two parts,
 a degree-5 polynomial, the power of two built from the exponent bits), eight
 lanes at a time: within two units in the last place of libm's ``expf``.
-Elements past the last multiple of 8 are left to the caller.
+Both process the first ``n // 8 * 8`` elements; the rest are left to the caller.
 """
 from __future__ import annotations
 
@@ -63,3 +68,24 @@ def silu_mul(typingctx, gate_up, out):
     return types.void(gate_up, out), codegen
 
 
+
+
+@intrinsic
+def exp_shifted(typingctx, s, shift):
+    """``s[i] = exp(s[i] - shift)`` for ``i < len(s) // 8 * 8`` (module docstring)."""
+    if not (isinstance(s, types.Array) and s.ndim == 1 and s.layout == "C" and s.dtype == types.float32):
+        raise TypeError(f"exp_shifted: expected a contiguous 1-d float32 array, got {s}")
+    if shift != types.float32:
+        raise TypeError(f"exp_shifted: shift must be float32, got {shift}")
+
+    def codegen(context, builder, sig, args):
+        data = _data(context, builder, sig.args[0], args[0])
+        n = builder.extract_value(context.make_array(sig.args[0])(context, builder, args[0]).shape, 0)
+        shift_vec = builder.insert_element(ir.Constant(_V8F, ir.Undefined), args[1], ir.Constant(_I32, 0))
+        shift_vec = builder.shuffle_vector(shift_vec, ir.Constant(_V8F, ir.Undefined), ir.Constant(_V8I, [0] * 8))
+        with cgutils.for_range(builder, builder.udiv(n, ir.Constant(_I64, 8))) as loop:
+            i = builder.mul(loop.index, ir.Constant(_I64, 8))
+            v = builder.fsub(_load_vec(builder, data, i, _V8F, 4), shift_vec)
+            builder.store(_exp(builder, v), builder.bitcast(builder.gep(data, [i]), _V8F.as_pointer()), align=4)
+        return context.get_dummy_value()
+    return types.void(s, shift), codegen
