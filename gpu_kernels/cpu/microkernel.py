@@ -38,7 +38,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .block_dot import _F32, _I64, _V8F, _codes_as_floats, _data, _fma, _load_vec, _splat
+from .block_dot import _F32, _I64, _V8F, _check_params, _codes_as_floats, _data, _fma, _load_vec, _Params, _splat
 
 R = 4  # weight rows of the full tile (16 tokens: two vectors of 8)
 BLOCK = 32
@@ -48,7 +48,8 @@ def _check(codes, scales, offsets, xt, yt):
     if not (isinstance(codes, types.Array) and codes.ndim == 2 and codes.layout == "C"
             and codes.dtype in (types.uint8, types.int8)):
         raise TypeError(f"tile: codes must be a contiguous 2-d uint8 (nibbles) or int8 array, got {codes}")
-    for a in (scales, offsets, xt, yt):
+    _check_params("tile", scales, offsets, 2)
+    for a in (xt, yt):
         if not (isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" and a.dtype == types.float32):
             raise TypeError(f"tile: expected contiguous 2-d float32 arrays, got {a}")
     return codes.dtype == types.uint8
@@ -64,12 +65,13 @@ def _opaque(builder, ptr):
 
 def _tile_codegen(rows, vecs, nibble):
     def codegen(context, builder, sig, args):
-        arrays = {i: context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 1, 4)}
-        codes, scales, offsets = (_data(context, builder, sig.args[i], args[i]) for i in range(3))
+        arrays = {i: context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 4)}
+        codes = _data(context, builder, sig.args[0], args[0])
+        params = _Params(context, builder, sig.args[1], args[1], sig.args[2], args[2])
         xt, yt = _data(context, builder, sig.args[4], args[4]), _data(context, builder, sig.args[5], args[5])
         row, yrow, col = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (3, 6, 7))
         row_bytes = builder.extract_value(arrays[0].shape, 1)
-        num_blocks = builder.extract_value(arrays[1].shape, 1)
+        num_blocks = params.num_blocks
         xstride = builder.extract_value(arrays[4].shape, 1)
         fma = _fma(builder)
         half = rows * BLOCK
@@ -84,8 +86,8 @@ def _tile_codegen(rows, vecs, nibble):
             for r in range(rows):
                 w = _codes_as_floats(builder, row_codes[r], b, nibble)
                 idx = builder.add(row_blocks[r], b)
-                s = _splat(builder, builder.load(builder.gep(scales, [idx])))
-                m = _splat(builder, builder.load(builder.gep(offsets, [idx])))
+                s = _splat(builder, params.scale(idx))
+                m = _splat(builder, params.offset(idx))
                 for i in range(4):
                     ptr = builder.gep(buf, [builder.add(at, ir.Constant(_I64, r * BLOCK + 8 * i))])
                     builder.store(builder.call(fma, [w[i], s, m]), builder.bitcast(ptr, _V8F.as_pointer()), align=4)
