@@ -54,7 +54,8 @@ QKV, O_PROJ, GATE_UP, DOWN = 0, 1, 2, 3
 PHASES_PER_LAYER = 5  # QKV, attention, O, gate/up, down
 
 _SEQ = dict(fastmath=True, cache=True, nogil=True, boundscheck=False)
-TILE = 96  # weight rows per item of a several-token matmul (a multiple of the micro-kernel's R)
+TILE = 48  # weight rows per item of a several-token matmul (a multiple of the micro-kernel's R): small
+# enough that the half item a phase loses at its end (a thread runs a held item again) stays small
 BLAS_TILE = 256  # most weight rows per item of a matmul of more than SMALL_T tokens
 
 
