@@ -15,9 +15,10 @@ from .kernels import contiguous, resources
 DECODE_VARIANTS = [(128, 2, 4096, 128, 4), (128, 2, 4096, 128, 2), (128, 2, 4096, 128, 8),
                    (128, 3, 4096, 128, 4), (128, 4, 2048, 128, 4), (256, 2, 2048, 128, 3)]
 DECODE_SHAPES = [(64, 8192), (64, 2048), (16, 8192), (16, 2048), (1, 2048), (1, 8192)]
-#: tensor-core prefill tiles for head_dim 128: (warps, 16-row tiles per warp, keys, K/V stages)
-PREFILL_VARIANTS = [(4, 2, 32, 2), (4, 2, 32, 3), (4, 1, 32, 2), (4, 1, 64, 2), (2, 2, 32, 2),
-                    (4, 2, 16, 2)]
+#: tensor-core prefill tiles for head_dim 128: (warps, 16-row tiles per warp, keys, K/V stages,
+#: register cap, rescale slack)
+PREFILL_VARIANTS = [(4, 2, 32, 3, None, 8.0), (4, 2, 32, 3, None, 0.0), (4, 2, 32, 2, None, 8.0),
+                    (4, 2, 32, 4, None, 8.0), (4, 1, 32, 2, None, 8.0)]
 
 
 def _set_decode(threads, stages, stage_bytes, regs, per_sm):
@@ -58,9 +59,10 @@ def sweep_prefill(torch, timer, decode_case, scale, fp32_peak):
 
     from gpu_kernels.cuda.launch import launcher as get_launcher
     defaults = dict(cuda_backend.PREFILL_MMA_TILES)
-    print("tensor-core prefill tiles (fp16): ms at 1x4096, 16x512 (TFLOP/s), max error vs SDPA")
+    print("tensor-core prefill tiles (fp16): ms at 1x4096, 4x1024, 16x512 (TFLOP/s), max error "
+          "vs SDPA")
     cases = []
-    for seqs, prompt in [(1, 4096), (16, 512)]:
+    for seqs, prompt in [(1, 4096), (4, 1024), (16, 512)]:
         q, kc, vc, bt, lens = decode_case(torch, seqs, prompt)
         q = torch.randn(seqs * prompt, 32, 128, dtype=torch.float16, device="cuda")
         qsl = torch.arange(0, seqs + 1, dtype=torch.int32, device="cuda") * prompt
@@ -84,13 +86,55 @@ def sweep_prefill(torch, timer, decode_case, scale, fp32_peak):
                 torch.cuda.synchronize()
                 err = max(err, (out.float() - ref).abs().max().item())
                 ms = timer(call, reps=5) / 1e3
-                cells.append(f"{ms:.2f} ({flops / ms / 1e9:.1f})")
+                cells.append(f"{ms:.3f} ({flops / ms / 1e9:.0f})")
             kernel = cuda_backend.last_kernels["prefill"]
             info = resources(kernel, threads, get_launcher(kernel).shared)
         except Exception as exc:                            # noqa: BLE001 - report, go on
             info = f"FAILED: {type(exc).__name__}: {str(exc)[:300]}"
-        print(f"  (warps, m-tiles, keys, stages)={tile}: {' '.join(cells)} err {err:.1e} "
+        print(f"  {tile}: {' '.join(cells)} err {err:.1e} "
               f"| {info}", flush=True)
     cuda_backend.PREFILL_MMA_TILES.clear()
     cuda_backend.PREFILL_MMA_TILES.update(defaults)
+    print()
+
+
+#: decode split rule: (DECODE_MERGE_SPLITS, DECODE_MIN_CHUNK, DECODE_LONG_SHARE); min chunk 0:
+#: no rule; (32, 256, 1.0): the rule before the long-split share
+SPLIT_RULES = [(32, 0, 1.0), (32, 256, 1.0), (16, 256, 1.0), (16, 256, 0.5), (16, 128, 0.5),
+               (16, 256, 0.25)]
+SPLIT_SHAPES = [(1, 512), (1, 2048), (1, 8192), (1, 16384), (1, 32768), (4, 8192), (4, 32768)]
+
+
+def sweep_split_rule(torch, timer, decode_case, scale):
+    """Decode µs per split rule at few sequences and long contexts, SDPA beside (same run)."""
+    import torch.nn.functional as F
+    names = ("DECODE_MERGE_SPLITS", "DECODE_MIN_CHUNK", "DECODE_LONG_SHARE")
+    defaults = [getattr(cuda_backend, n) for n in names]
+    print("decode split rule (merge splits, min chunk, long share): µs per call; SDPA µs; "
+          "default's / SDPA, best's / SDPA")
+    try:
+        for seqs, ctx in SPLIT_SHAPES:
+            q, kc, vc, bt, lens = decode_case(torch, seqs, ctx)
+            out = torch.empty_like(q)
+            call = lambda: gpu_kernels.paged_decode(q, kc, vc, bt, lens, scale, out=out)  # noqa
+            for n, v in zip(names, defaults):
+                setattr(cuda_backend, n, v)
+            default = min(timer(call), timer(call))
+            cells = []
+            for rule in SPLIT_RULES:
+                for n, v in zip(names, rule):
+                    setattr(cuda_backend, n, v)
+                cells.append(min(timer(call), timer(call)))
+            k4, v4 = contiguous(torch, kc, bt), contiguous(torch, vc, bt)
+            q4 = q.unsqueeze(2)
+            peer = min(timer(lambda: F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True))
+                       for _ in range(2))
+            row = " ".join(f"{r}:{t:.1f}" for r, t in zip(SPLIT_RULES, cells))
+            print(f"  {seqs}x{ctx}: default {default:.1f} | {row} | SDPA {peer:.1f} | "
+                  f"{peer / default:.2f}x, {peer / min(cells):.2f}x", flush=True)
+            del q, kc, vc, bt, out, k4, v4
+            torch.cuda.empty_cache()
+    finally:
+        for n, v in zip(names, defaults):
+            setattr(cuda_backend, n, v)
     print()

@@ -36,6 +36,8 @@ from gpu_kernels.testing import make_problem
 
 
 def _host_time(fn, reps):
+    """Median wall time of one call (µs). On the GPU the calls queue behind each other, as
+    in the engine (waiting for the device before each call would time a waking CPU)."""
     fn()
     times = []
     for _ in range(reps):
@@ -282,7 +284,7 @@ def bench_gpu_prefill(torch, F, timer, scale, fp32_peak):
                                                      out=out)
             ms = timer(call, reps=7) / 1e3
             mma_kernel = cuda_backend.last_kernels["prefill"]
-            host = _host_time(call, 50)
+            host = _host_time(call, 200)
             torch.cuda.synchronize()
             flops = cuda_backend.prefill_flops([prompt] * seqs, [prompt] * seqs, 32, 128)
             k4, v4 = contiguous(torch, kc, bt), contiguous(torch, vc, bt)
@@ -290,7 +292,7 @@ def bench_gpu_prefill(torch, F, timer, scale, fp32_peak):
             sdpa = lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True,  # noqa
                                                           enable_gqa=True)
             peer = timer(sdpa, reps=7) / 1e3
-            peer_host = _host_time(sdpa, 50)
+            peer_host = _host_time(sdpa, 200)
             torch.cuda.synchronize()
             ref = sdpa().transpose(1, 2).reshape(seqs * prompt, 32, 128)
             err = (out.float() - ref.float()).abs().max().item()
@@ -310,7 +312,7 @@ def bench_gpu_prefill(torch, F, timer, scale, fp32_peak):
     print(f"\nprefill kernel (tensor cores, bf16): {tile}: {used}")
 
 
-def bench_gpu(sweep, only=None):
+def bench_gpu(sweep, only=None, split_rule=False):
     import torch
     import torch.nn.functional as F
     from numba import cuda
@@ -325,6 +327,9 @@ def bench_gpu(sweep, only=None):
     print(f"measured device copy bandwidth: {bw:.2f} TB/s (read + write)\n")
     scale = 128 ** -0.5
 
+    if split_rule:
+        from .kernel_sweep import sweep_split_rule
+        sweep_split_rule(torch, timer, decode_case, scale)
     if sweep:
         from .kernel_sweep import sweep_decode, sweep_prefill
         if only != "prefill":
@@ -342,6 +347,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="GPU: also time kernel variants")
     parser.add_argument("--only", choices=["decode", "prefill"], help="GPU: one table only")
+    parser.add_argument("--split-rule", action="store_true",
+                        help="GPU: also time decode split rules at long contexts")
     args = parser.parse_args(argv)
     try:
         from numba import cuda
@@ -351,7 +358,7 @@ def main(argv=None):
     except ImportError:
         gpu = False
     if gpu:
-        bench_gpu(args.sweep, args.only)
+        bench_gpu(args.sweep, args.only, args.split_rule)
     else:
         bench_cpu()
         bench_cpu_prefill()

@@ -189,6 +189,41 @@ def test_tensor_core_prefill_agrees_with_its_numba_twin(monkeypatch, dtype, head
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_tensor_core_prefill_with_rising_scores(dtype):
+    """Scores rising ~0.2 log2 units per key: a row's maximum rises by ~6.4 over a 32-key
+    tile (below the rescale slack: kept) and by more over two (moved); see
+    test_kernels_mma.grow_scores."""
+    from test_kernels_mma import grow_scores
+    prob = make_problem(np.random.default_rng(12), context_lens=[600, 90], query_lens=[600, 37],
+                        num_kv_heads=2, group=4, head_dim=128, block_size=16, dtype=dtype,
+                        query_dtype=dtype)
+    prob.query = prob.query[:prob.query_start_loc[-1]]
+    grow_scores(prob, 0.2)
+    assert_close(gpu_run("prefill", prob, None), ref_run("prefill", prob, None), dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_tensor_core_prefill_into_a_strided_output(dtype):
+    """A contiguous half output is written as words, a view into a wider tensor element by
+    element: the same values either way, and nothing outside the view is touched."""
+    prob = make_problem(np.random.default_rng(13), context_lens=[300, 45], query_lens=[300, 1],
+                        num_kv_heads=2, group=4, head_dim=128, block_size=16, dtype=dtype,
+                        query_dtype=dtype)
+    prob.query = prob.query[:prob.query_start_loc[-1]]
+    args = [to_torch(getattr(prob, k)) for k in
+            ("query", "k_cache", "v_cache", "block_tables", "query_start_loc", "context_lens")]
+    whole = torch.full_like(args[0], float("nan"))
+    wide = torch.full(args[0].shape[:2] + (256,), 7.0, dtype=args[0].dtype, device="cuda")
+    part = wide[:, :, 64:192]
+    for out in (whole, part):
+        gpu_kernels.paged_prefill(*args, prob.scale, out=out)
+    torch.cuda.synchronize()
+    assert torch.equal(part, whole)
+    assert (wide[:, :, :64] == 7).all() and (wide[:, :, 192:] == 7).all()
+    assert_close(to_numpy(whole), ref_run("prefill", prob, None), dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_tensor_core_prefill_window_across_a_warps_rows(dtype):
     """One head per block (GQA group 1): a warp's 32 rows are 32 consecutive queries, and a
     key tile can lie inside the window of its first queries but before that of its last one

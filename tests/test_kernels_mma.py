@@ -13,6 +13,25 @@ import pytest
 
 IN_SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 
+
+def grow_scores(prob, log2_step):
+    """Make every query score key ``j`` of its sequence about ``log2_step * j`` (log2 units,
+    after the softmax scale) plus noise: each row's maximum keeps rising, by less than the
+    tensor-core kernel's rescale slack over some tiles and by more over others. In place."""
+    from gpu_kernels.formats import from_float32, to_float32
+    head_dim = prob.query.shape[2]
+    u = np.full(head_dim, head_dim ** -0.5, np.float32)           # unit direction
+    q = np.broadcast_to(u, prob.query.shape) * 2.0
+    prob.query[...] = from_float32(q.astype(np.float32), prob.query.dtype)
+    k = to_float32(prob.k_cache)
+    block_size = k.shape[2]
+    per_key = log2_step / np.log2(np.e) / prob.scale / 2.0        # along u, per key
+    for i, length in enumerate(prob.context_lens):
+        for j in range(length):
+            blk, off = prob.block_tables[i, j // block_size], j % block_size
+            k[blk, :, off] = 0.1 * k[blk, :, off] + per_key * j * u
+    prob.k_cache[...] = from_float32(k, prob.k_cache.dtype)
+
 if not IN_SIMULATOR:
 
     @pytest.mark.slow
@@ -59,6 +78,33 @@ else:
         got = run(prob, window, "cuda")
         assert built_tensor_core_kernels() == before + 1       # this kernel, not the fp32 one
         assert_close(got, run(prob, window, "reference"), dtype)
+
+    @pytest.mark.parametrize("slack", [8.0, 0.0])
+    def test_rising_scores_rescale_right(monkeypatch, slack):
+        """Scores rising ~0.4 log2 units per key: over a 16-key tile a row's maximum moves by
+        ~6.4 (kept, below the slack: probabilities up to 2**6.4), over two by more (moved).
+        With the slack and without it (the maximum moving on every rise) the output matches
+        the reference; a missed rescale would weight early keys 2**6 too much or too little."""
+        monkeypatch.setattr(cuda_backend, "PREFILL_MMA_TILES",
+                            {16: (1, 1, 16, 2, None, slack)})
+        prob = make_problem(np.random.default_rng(10), context_lens=[64, 21], query_lens=[40, 21],
+                            num_kv_heads=1, group=2, head_dim=16, block_size=4, dtype="float16",
+                            query_dtype="float16")
+        grow_scores(prob, 0.4)
+        assert_close(run(prob, None, "cuda"), run(prob, None, "reference"), "float16")
+
+    def test_output_not_known_contiguous_is_written_element_by_element(monkeypatch):
+        """Only an output known to be C-contiguous is written as words; any other is written
+        element by element through its strides (tests/test_kernels_gpu.py checks a real
+        strided view on a GPU: the simulator copies non-contiguous NumPy arrays)."""
+        monkeypatch.setattr(cuda_backend, "_c_contiguous", lambda arr: False)
+        prob = make_problem(np.random.default_rng(11), context_lens=[20, 7], query_lens=[20, 1],
+                            num_kv_heads=1, group=2, head_dim=16, block_size=4, dtype="bfloat16",
+                            query_dtype="bfloat16")
+        prob.query = prob.query[:prob.query_start_loc[-1]]
+        before = built_tensor_core_kernels()
+        assert_close(run(prob, None, "cuda"), run(prob, None, "reference"), "bfloat16")
+        assert built_tensor_core_kernels() == before + 1
 
     def test_query_in_another_half_format_is_converted():
         """A float16 query on a bfloat16 cache: Q is converted element by element to bf16."""

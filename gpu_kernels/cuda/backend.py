@@ -36,9 +36,11 @@ DECODE_STAGE_BYTES = 512 if SIMULATED else 4096   # decode: K + V bytes per warp
 DECODE_TABLE = 8 if SIMULATED else 512  # decode: block-table entries a block keeps (chunk limit)
 DECODE_BLOCKS_PER_SM = 4               # decode: split-K aims at this many blocks per SM
 #: decode: beyond DECODE_MERGE_SPLITS splits, a split has at least DECODE_MIN_CHUNK keys (the
-#: last block's merge reads every split's partial: many short splits cost more than they hide)
-DECODE_MERGE_SPLITS = 32
+#: last block's merge reads every split's partial: many short splits cost more than they hide),
+#: and such long splits fill at most DECODE_LONG_SHARE of the blocks aimed at
+DECODE_MERGE_SPLITS = 16
 DECODE_MIN_CHUNK = 0 if SIMULATED else 256
+DECODE_LONG_SHARE = 0.5
 DECODE_MAX_REGISTERS = 128             # decode, <= 4 heads per block: 4 blocks of 128 per SM
 PREFILL_MAX_REGISTERS = None           # prefill: no cap (shared memory allows 1-2 blocks per SM)
 #: prefill tile (threads, query rows, keys) by head_dim; absent: prefill.default_tile
@@ -182,7 +184,7 @@ def paged_decode(query, k_cache, v_cache, block_tables, context_lens, scale, win
     key = ("decode", query.shape, query.dtype, k_cache.shape, k_cache.dtype, out.dtype,
            block_tables.shape[1], window, decode_target_blocks, DECODE_THREADS, DECODE_STAGES,
            DECODE_STAGE_BYTES, DECODE_MAX_REGISTERS, DECODE_BLOCKS_PER_SM, DECODE_MIN_CHUNK,
-           DECODE_MERGE_SPLITS)
+           DECODE_MERGE_SPLITS, DECODE_LONG_SHARE)
     plan = _plans.get(key) or _remember_plan(key, _decode_plan(
         query, k_cache, block_tables, window, out))
     launch, kernel, grid, scratch, tail = plan
@@ -213,7 +215,9 @@ def _decode_plan(query, k_cache, block_tables, window, out):
     # whole waves: at most `target` blocks (rounding up would leave a second, thin wave)
     most = MAX_SPLITS
     if DECODE_MIN_CHUNK:
-        most = max(DECODE_MERGE_SPLITS, -(-max_keys // DECODE_MIN_CHUNK))
+        long_splits = min(-(-max_keys // DECODE_MIN_CHUNK),
+                          int(target * DECODE_LONG_SHARE) // (num_seqs * head_blocks))
+        most = max(DECODE_MERGE_SPLITS, long_splits)
     splits = max(1, min(target // (num_seqs * head_blocks), -(-max_keys // grain), most,
                         MAX_SPLITS))
     chunk = -(-max(1, -(-max_keys // splits)) // grain) * grain
@@ -235,16 +239,17 @@ def paged_prefill(query, k_cache, v_cache, block_tables, query_start_loc, contex
     if num_tokens == 0:
         return
     key = ("prefill", query.shape, query.dtype, _c_contiguous(query), k_cache.shape,
-           k_cache.dtype, out.dtype, context_lens.shape[0], prefill_mma_mode,
+           k_cache.dtype, out.dtype, _c_contiguous(out), context_lens.shape[0], prefill_mma_mode,
            PREFILL_MMA_TILES.get(query.shape[2]), PREFILL_TILES.get(query.shape[2]),
            PREFILL_MAX_REGISTERS)
     plan = _plans.get(key) or _remember_plan(key, _prefill_plan(
         query, k_cache, context_lens.shape[0], out))
-    launch, kernel, grid, threads, q_words, tail = plan
+    launch, kernel, grid, threads, q_words, o_words, tail = plan
     last_kernels["prefill"] = kernel
     launch(grid, threads, stream, query,
            _words(query) if q_words else _words(k_cache),   # (unused then)
            _words(k_cache), _words(v_cache), block_tables, query_start_loc, context_lens, out,
+           _words(out) if o_words else _words(k_cache),     # (read-only, unused then)
            np.float32(scale * LOG2E), np.int32(window), *tail)
 
 
@@ -257,12 +262,14 @@ def _prefill_plan(query, k_cache, num_seqs, out):
     hpb = heads_per_block(group)
     kind_q = kind_of(query.dtype)
     q_words = _c_contiguous(query)
+    o_words = False
     if _use_mma_prefill(kind_q, kind_kv, head_dim):
         shape = PREFILL_MMA_TILES.get(head_dim)
         tile = MmaTile(*shape[:3], head_dim, *shape[3:]) if shape else default_mma_tile(head_dim)
+        o_words = _c_contiguous(out) and kind_of(out.dtype) != F32
         kernel, tile_tokens, shared = build_prefill_mma_kernel(
             tile, group, hpb, kind_q, kind_kv, kind_of(out.dtype), block_size, q_words,
-            prefill_mma_mode == "auto" and mma.mma_supported(), mma.LTO)
+            prefill_mma_mode == "auto" and mma.mma_supported(), mma.LTO, o_words)
     else:
         shape = PREFILL_TILES.get(head_dim)
         tile = PrefillTile(*shape, head_dim) if shape else default_tile(head_dim)
@@ -272,7 +279,7 @@ def _prefill_plan(query, k_cache, num_seqs, out):
     max_tiles = -(-num_tokens // tile_tokens) + num_seqs
     head_blocks = num_kv_heads * (group // hpb)
     return (launcher(kernel, shared), kernel, max_tiles * head_blocks, tile.threads, q_words,
-            (np.int32(num_kv_heads), np.int32(head_blocks), np.int32(max_tiles)))
+            o_words, (np.int32(num_kv_heads), np.int32(head_blocks), np.int32(max_tiles)))
 
 
 def _use_mma_prefill(kind_q, kind_kv, head_dim):

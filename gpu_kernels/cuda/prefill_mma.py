@@ -17,11 +17,15 @@ differs is the arithmetic, laid out as in FlashAttention-2:
   two shuffles; each lane keeps a partial row sum (added up once at the end); scores are
   scaled in float32 (``scale * log2(e)``, fused into the exponent's argument), probabilities
   rounded to the half format for ``P V``, which also rescales ``O`` (skipped while no row of
-  the warp has a new maximum);
+  the warp has a new maximum). A row's running maximum moves only when a tile's exceeds it by
+  more than ``rescale_slack`` (log2 units): probabilities stay <= 2**slack, exact in the half
+  format's relative precision and far from its range, and after the first tiles ``O`` is
+  rarely rescaled at all;
 * K and V tiles go through ``stages`` shared buffers: the copies of the next ``stages - 1``
   tiles (``cp.async``, paged through the block table) are in flight while tile ``j`` is
   computed, one barrier per tile; a warp skips a key tile that none of its rows can see
-  (causal future, before the window).
+  (causal future, before the window);
+* a contiguous half output is written a word (two elements) at a time.
 
 Shared memory: ``(R + 2 stages BK) (D + 8) * 2`` bytes, dynamic (sized at launch).
 """
@@ -65,6 +69,7 @@ class MmaTile:
     head_dim: int
     stages: int = 2             # K/V tile buffers (copies in flight: stages - 1)
     max_registers: int = None
+    rescale_slack: float = 8.0  # the running max moves when exceeded by more (log2 units)
 
     @property
     def threads(self):
@@ -88,17 +93,20 @@ class MmaTile:
 def default_mma_tile(head_dim):
     if SIMULATED:
         return MmaTile(1, 1, 16, head_dim)
-    return MmaTile(4, 2 if head_dim <= 128 else 1, 32, head_dim)
+    if head_dim <= 128:     # 3 K/V buffers: (128 + 192) rows of <= 136 halves, 2 blocks per SM
+        return MmaTile(4, 2, 32, head_dim, stages=3)
+    return MmaTile(4, 1, 32, head_dim)
 
 
 @functools.lru_cache(maxsize=None)
 def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_size, q_words,
-                             use_mma, lto=True):
+                             use_mma, lto=True, o_words=False):
     """Compile-time specialization (all arguments constants); returns ``(kernel, tokens per
     query tile, dynamic shared bytes)`` like ``prefill.build_prefill_kernel``.
 
     ``use_mma``: tensor cores through ``mma.cu`` (``lto``: with link-time optimization);
-    else the plain-Numba products."""
+    else the plain-Numba products. ``o_words``: the kernel's ``ow`` argument is the output's
+    memory as 32-bit words (a C-contiguous half output), written two elements at a time."""
     tile.check()
     if kind_kv == F32 or kind_q == F32:
         raise NotImplementedError("tensor-core prefill takes float16/bfloat16 queries and caches")
@@ -122,6 +130,8 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
     CPT = ROW_VECS // TPK                   # 16-byte vectors per thread and key
     QVPT = -(-R * ROW_VECS // threads)
     QASYNC = q_words and kind_q == kind_kv
+    OWORDS = o_words and kind_o != F32
+    SLACK = float32(tile.rescale_slack)
     SKIP = not SIMULATED                    # warps skip invisible tiles (the simulator's
     #                                         shuffles are block barriers: all threads must call)
     qk, pv = mma_ops(kind_kv, MT, NT, D, use_mma)
@@ -140,12 +150,21 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
         jit_options["lto"] = True
 
     @cuda.jit(device=True, inline="always")
-    def fetch(kw, vw, smem, block_tables, i, kt0, nk, hi, kvh, num_kv_heads, tid, b):
-        """Start copying K and V of keys kt0 .. kt0 + nk - 1 (zeros past them) to buffer b.
+    def table_entries(pages, block_tables, i, kt0, hi, tid):
+        """The pages of this thread's keys of the tile at kt0 (clamped to the last visible
+        key: always a valid entry)."""
+        for u in range(PASSES):
+            j = vmin(kt0 + tid // TPK + KEYS_PER_PASS * u, hi - 1)
+            pages[u] = block_tables[i, j // BS]
 
-        ``TPK`` threads share a key (one block-table lookup each), ``CPT`` 16-byte vectors
-        apiece, a warp's vectors of a key contiguous; past the last key the copy reads the
-        last visible key (a valid address) and writes zeros."""
+    @cuda.jit(device=True, inline="always")
+    def fetch(kw, vw, smem, pages, kt0, nk, hi, kvh, num_kv_heads, tid, b):
+        """Start copying K and V of keys kt0 .. kt0 + nk - 1 (zeros past them) to buffer b,
+        ``pages`` holding their block-table entries (``table_entries``).
+
+        ``TPK`` threads share a key, ``CPT`` 16-byte vectors apiece, a warp's vectors of a
+        key contiguous; past the last key the copy reads the last visible key (a valid
+        address) and writes zeros."""
         koff = K_OFF + 2 * b * TILE_WORDS
         lane_w = (tid % TPK) * 4
         for u in range(PASSES):
@@ -153,7 +172,7 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
             if key < BK:
                 j = vmin(kt0 + key, hi - 1)
                 jb = j // BS
-                src = (block_tables[i, jb] * num_kv_heads + kvh) * PAGE_WORDS \
+                src = (pages[u] * num_kv_heads + kvh) * PAGE_WORDS \
                     + (j - jb * BS) * ROW_WORDS + lane_w
                 nbytes = 16 if key < nk else 0
                 dst = koff + key * SW + lane_w
@@ -163,7 +182,7 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
                                nbytes)
 
     @cuda.jit(**jit_options)
-    def prefill(q, qw, kw, vw, block_tables, query_start_loc, context_lens, out,
+    def prefill(q, qw, kw, vw, block_tables, query_start_loc, context_lens, out, ow,
                 scale_log2, window, num_kv_heads, head_blocks, tiles_bound):
         tid = cuda.threadIdx.x
         hb = cuda.blockIdx.x % head_blocks
@@ -194,8 +213,9 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
         n_tiles = (hi - lo + BK - 1) // BK
         num_heads = q.shape[1]
 
-        fetch(kw, vw, smem, block_tables, i, lo, vmin(BK, hi - lo), hi, kvh, num_kv_heads, tid,
-              0)
+        pages = cuda.local.array(PASSES, int32)
+        table_entries(pages, block_tables, i, lo, hi, tid)
+        fetch(kw, vw, smem, pages, lo, vmin(BK, hi - lo), hi, kvh, num_kv_heads, tid, 0)
         if QASYNC:
             for u in range(QVPT):
                 vi = tid + threads * u
@@ -210,7 +230,8 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
         cp_async_commit()                              # group 0: Q and key tile 0
         for st in range(1, STAGES - 1):                # groups 1 .. STAGES - 2: tiles ahead
             if st < n_tiles:
-                fetch(kw, vw, smem, block_tables, i, lo + st * BK, vmin(BK, hi - lo - st * BK),
+                table_entries(pages, block_tables, i, lo + st * BK, hi, tid)
+                fetch(kw, vw, smem, pages, lo + st * BK, vmin(BK, hi - lo - st * BK),
                       hi, kvh, num_kv_heads, tid, st)
             cp_async_commit()
         if not QASYNC:
@@ -254,7 +275,8 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
             cuda.syncthreads()                         # ... and everyone's; all are done with
             nxt = it + STAGES - 1                      # the buffer that tile nxt refills
             if nxt < n_tiles:
-                fetch(kw, vw, smem, block_tables, i, lo + nxt * BK,
+                table_entries(pages, block_tables, i, lo + nxt * BK, hi, tid)
+                fetch(kw, vw, smem, pages, lo + nxt * BK,
                       vmin(BK, hi - lo - nxt * BK), hi, kvh, num_kv_heads, tid, nxt % STAGES)
             cp_async_commit()
             nk = vmin(BK, hi - kt0)
@@ -306,7 +328,10 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
                     # masked scores are NEG: exp2 makes them 0 once the row has a visible
                     # key; before that (m_new still ~NEG) they count 1, and the first
                     # visible key's alpha = 0 wipes them
-                    m_new = fmax32(m_run[mh], m_tile[mh] * scale_log2)
+                    m_new = m_run[mh]
+                    m_cand = m_tile[mh] * scale_log2
+                    if m_cand > m_new + SLACK:
+                        m_new = m_cand
                     alpha = exp2(m_run[mh] - m_new)
                     m_run[mh] = m_new
                     total = float32(0.0)
@@ -333,10 +358,17 @@ def build_prefill_mma_kernel(tile, group, hpb, kind_q, kind_kv, kind_o, block_si
                     inv = float32(1.0) / total if total > 0 else float32(0.0)
                     orow = row0 + tok
                     oh = head0 + r % hpb
-                    for nd in range(DT):
-                        out[orow, oh, nd * 8 + 2 * t] = \
-                            from_f32(o[(m * DT + nd) * 4 + 2 * h] * inv, kind_o)
-                        out[orow, oh, nd * 8 + 2 * t + 1] = \
-                            from_f32(o[(m * DT + nd) * 4 + 2 * h + 1] * inv, kind_o)
+                    if OWORDS:
+                        base = (orow * num_heads + oh) * ROW_WORDS + t
+                        for nd in range(DT):
+                            ow[base + nd * 4] = pack2(o[(m * DT + nd) * 4 + 2 * h] * inv,
+                                                      o[(m * DT + nd) * 4 + 2 * h + 1] * inv,
+                                                      kind_o)
+                    else:
+                        for nd in range(DT):
+                            out[orow, oh, nd * 8 + 2 * t] = \
+                                from_f32(o[(m * DT + nd) * 4 + 2 * h] * inv, kind_o)
+                            out[orow, oh, nd * 8 + 2 * t + 1] = \
+                                from_f32(o[(m * DT + nd) * 4 + 2 * h + 1] * inv, kind_o)
 
     return prefill, BQ, dyn_bytes
