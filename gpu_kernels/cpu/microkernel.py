@@ -11,7 +11,8 @@ kernel works on the codes themselves:
 
 ``codes`` / ``scales`` / ``offsets``: the rows of a block-quantized weight as
 in `cpu.block_dot` (2-d: int8 ``[out, in]`` or nibbles uint8 ``[out, in / 2]``;
-float32 ``[out, in / 32]``), ``xt``: float32 ``[in, Tp]`` (the tokens'
+scales and offsets float32 or float16 bits ``[out, in / 32]``, offsets possibly
+``[out, 0]``: none), ``xt``: float32 ``[in, Tp]`` (the tokens'
 activations transposed, ``Tp`` a multiple of 8), ``yt``: float32 ``[rows, Tp]``.
 
 Per block of 32 inputs, the kernel dequantizes the ``R`` rows' codes
