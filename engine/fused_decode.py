@@ -33,7 +33,7 @@ from gpu_kernels.interop import host_view
 from .attention import AttentionMetadata
 from .models.llama import Linear, LlamaForCausalLM
 
-_F1, _F2 = types.float32[::1], types.float32[:, ::1]
+_F1, _F2, _H2 = types.float32[::1], types.float32[:, ::1], types.uint16[:, ::1]
 MAX_THREADS = 8  # team size cap: a decode step of a small model has little work per phase
 
 
@@ -65,7 +65,8 @@ class FusedDecode:
         single_threaded_blas()  # the kernel's work items already use every core
         self._keep = []  # tensors and arrays whose memory the kernel reads
         formats, self.float_w, self.codes, self.nibbles = [], List.empty_list(_F2), List(), List()
-        self.scales, self.offsets = List.empty_list(_F2), List.empty_list(_F2)
+        scales, offsets = [], []  # per linear; typed lists below, once their dtype is known
+        self._params = (scales, offsets)
         placeholder_f2 = np.zeros((1, 1), np.float32)
         placeholder_i8 = np.zeros((1, 1), np.int8)
         placeholder_u8 = np.zeros((1, 1), np.uint8)
@@ -90,6 +91,8 @@ class FusedDecode:
             formats.append(fmt)
             self._append(w, c, n, s, o)
         self.formats = np.asarray(formats, np.int64)
+        self.scales, self.offsets = _params_lists(scales, offsets)
+        del self._params
         self.norms, self.qk_norms, self.qkv_bias = norms, qk_norms, bias
         self.embed = self._view(model.embed_tokens.weight)
         self.final_norm = self._view(model.norm.weight)
@@ -142,7 +145,7 @@ class FusedDecode:
         return host_view(tensor)
 
     def _append(self, w, c, n, s, o):
-        for lst, a in ((self.float_w, w), (self.codes, c), (self.nibbles, n), (self.scales, s), (self.offsets, o)):
+        for lst, a in ((self.float_w, w), (self.codes, c), (self.nibbles, n), *zip(self._params, (s, o))):
             lst.append(a)
 
     def _linear(self, linear: Linear, f2, i8, u8):
@@ -160,7 +163,10 @@ class FusedDecode:
                 codes, offsets = codes + np.int8(8), offsets - 8 * blocks.scales
             return kernel.NIBBLE, f2, i8, _pack_nibbles(codes).reshape(rows, -1), scales, np.ascontiguousarray(offsets)
         codes = np.ascontiguousarray(blocks.codes).reshape(rows, -1)
-        return kernel.INT8, f2, codes, u8, scales, np.ascontiguousarray(blocks.offsets)
+        offsets = np.ascontiguousarray(blocks.offsets)
+        if not offsets.any():  # Q8_0: none to read (the kernels take a last dimension of 0 as zeros)
+            offsets = np.zeros((rows, 0), np.float32)
+        return kernel.INT8, f2, codes, u8, scales, offsets
 
     @property
     def weight_bytes(self) -> int:
@@ -205,6 +211,18 @@ class FusedDecode:
         else:
             self._team.run(args)
         return out, (logits if self.has_head else None)
+
+
+def _params_lists(scales: list, offsets: list):
+    """The linears' scales and offsets as typed lists for the kernel: float16 bits (uint16 arrays)
+    where every value is exactly a float16 (GGUF stores them so: the same numbers in half the
+    bytes, and a decode step is bound by the bytes it reads), else float32."""
+    exact = all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in scales + offsets)
+    lists = (List.empty_list(_H2), List.empty_list(_H2)) if exact else (List.empty_list(_F2), List.empty_list(_F2))
+    for lst, arrays in zip(lists, (scales, offsets)):
+        for a in arrays:
+            lst.append(np.ascontiguousarray(a, np.float16).view(np.uint16) if exact else np.ascontiguousarray(a))
+    return lists
 
 
 class _Team:

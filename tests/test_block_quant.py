@@ -82,6 +82,53 @@ def test_packed_nibbles_compute_like_their_int8_codes(rows):
     np.testing.assert_allclose(from_nibbles, x @ w.T, rtol=1e-5, atol=1e-4)
 
 
+def _rows_of(blocks, qtype):
+    """A weight's 2-d rows as the kernels read them: nibbles for Q4 formats, int8 codes for Q8_0."""
+    codes = blocks.codes
+    if qtype != QT.Q8_0:
+        if qtype == QT.Q4_0:  # the fused step's shift to codes 0..15: d * (q - 8) = d * q + (-8 d)
+            codes, offsets = codes + np.int8(8), blocks.offsets - 8 * blocks.scales
+        else:
+            offsets = blocks.offsets
+        c = codes.view(np.uint8)
+        return np.ascontiguousarray(c[..., :16] | (c[..., 16:] << 4)).reshape(len(c), -1), blocks.scales, offsets
+    return np.ascontiguousarray(codes).reshape(len(codes), -1), blocks.scales, blocks.offsets
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q8_0])
+@pytest.mark.parametrize("tokens", [4, 16, 21, 40])
+def test_register_blocked_kernel_matches_the_blas_path(qtype, tokens):
+    """The micro-kernel on the codes (several tokens, full and partial tiles of rows and tokens)
+    against the dequantized tiles through BLAS it replaces for decode batches."""
+    rng = np.random.default_rng(int(qtype) * 100 + tokens)
+    out_features = 70  # 17 tiles of 4 rows and 2 single rows
+    raw, w = _quantized(rng, out_features, 96, qtype)
+    codes, scales, offsets = _rows_of(unpack(raw, qtype, w.shape), qtype)
+    x = rng.standard_normal((tokens, 96)).astype(np.float32)
+    tiled = np.full((tokens, out_features), np.nan, np.float32)
+    xt = cpu_block_matmul.padded_transpose(x)
+    cpu_block_matmul.tiled_rows(xt, codes, scales, offsets, np.empty((out_features, xt.shape[1]), np.float32),
+                                tiled, 0, out_features)
+    blas = np.full((tokens, out_features), np.nan, np.float32)
+    cpu_block_matmul.blas_rows(np.ascontiguousarray(x.T), codes, scales, offsets,
+                               np.empty((out_features, 96), np.float32), blas, 0, out_features)
+    np.testing.assert_allclose(tiled, blas, rtol=1e-5, atol=1e-5 * np.abs(blas).max())
+    np.testing.assert_allclose(tiled, x @ w.T, rtol=1e-5, atol=1e-4)
+
+
+def test_a_tokens_product_does_not_depend_on_the_batch_beside_it():
+    """Within the register-blocked kernel every output sums its products in the same order, so a
+    token gets the same numbers, bit for bit, in a batch of 5 and in a batch of 37."""
+    rng = np.random.default_rng(9)
+    raw, w = _quantized(rng, 64, 128, QT.Q4_1)
+    blocks = unpack(raw, QT.Q4_1, w.shape)
+    x = rng.standard_normal((37, 128)).astype(np.float32)
+    small = cpu_block_matmul.block_matmul(x[:5], blocks.codes, blocks.scales, blocks.offsets)
+    large = cpu_block_matmul.block_matmul(x, blocks.codes, blocks.scales, blocks.offsets)
+    assert 5 > cpu_block_matmul.MATVEC_T and 37 <= cpu_block_matmul.SMALL_T  # both on the micro-kernel
+    np.testing.assert_array_equal(small, large[:5])
+
+
 def test_block_matmul_rejects_mismatched_inputs():
     blocks = unpack(_quantized(np.random.default_rng(3), 4, 64, QT.Q8_0)[0], QT.Q8_0, (4, 64))
     with pytest.raises(ValueError, match="does not match"):

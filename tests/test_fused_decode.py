@@ -54,8 +54,10 @@ def paddle_decode(llm):
 
 
 def test_fused_decode_matches_paddle_layers_on_smollm2(smollm2_llm):
+    """Five sequences (the micro-kernel, the LM head's int8 rows included), then one (dot products)."""
     assert smollm2_llm.snapshot().decode_path == "fused"
-    prompts = ["Tell me a story about a dragon.", "What is the capital of France?"]
+    prompts = ["Tell me a story about a dragon.", "What is the capital of France?", "List three fruits.",
+               "Why is the sky blue?", "Write a haiku about rain."]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1)
     fused = smollm2_llm.generate(prompts, params) + smollm2_llm.generate(prompts[:1], params)
     with paddle_decode(smollm2_llm):
@@ -64,7 +66,7 @@ def test_fused_decode_matches_paddle_layers_on_smollm2(smollm2_llm):
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q8_0])
-@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("tokens", [1, 3, 5, 17])  # dot products; the micro-kernel, 16 + 8 token columns
 def test_block_linears_compute_with_the_checkpoint_weights(qtype, tokens):
     rng = np.random.default_rng(int(qtype) + tokens)
     out_features, in_features = 70, 96
@@ -77,21 +79,25 @@ def test_block_linears_compute_with_the_checkpoint_weights(qtype, tokens):
     fmt, _, codes, nibbles, scales, offsets = FusedDecode._linear(FusedDecode.__new__(FusedDecode), Layer, f2, i8, u8)
     assert fmt == (kernel.INT8 if qtype == QT.Q8_0 else kernel.NIBBLE)
 
+    assert offsets.shape[1] == (0 if qtype == QT.Q8_0 else in_features // 32)  # Q8_0: no offsets to read
     x = rng.standard_normal((tokens, in_features)).astype(np.float32)
-    lists = (np.array([fmt]), List([f2]), List([codes]), List([nibbles]), List([scales]), List([offsets]))
     results = []
-    for threads in (1, 2):  # the rows shared by a team of threads through the phase's counters
-        out = np.full((tokens, out_features), np.nan, np.float32)
-        counters, marks = np.zeros(STRIDE, np.int64), np.zeros((1, out_features), np.int64)
-        team = [threading.Thread(target=kernel._linear_phase, args=(0, x, *lists, out, counters, marks, 1, 0, threads))
-                for _ in range(threads)]
-        for t in team:
-            t.start()
-        for t in team:
-            t.join()
-        np.testing.assert_allclose(out, x @ blocks.dequantize().T, rtol=1e-5, atol=1e-4)
-        results.append(out)
-    np.testing.assert_array_equal(results[0], results[1])
+    for half in (False, True):  # GGUF's float16 scales and offsets kept as they are (bits in uint16): exact
+        params = [List([np.ascontiguousarray(a, np.float16).view(np.uint16) if half else a]) for a in (scales, offsets)]
+        lists = (np.array([fmt]), List([f2]), List([codes]), List([nibbles]), *params)
+        for threads in (1, 2):  # the rows shared by a team of threads through the phase's counters
+            out = np.full((tokens, out_features), np.nan, np.float32)
+            counters, marks = np.zeros(STRIDE, np.int64), np.zeros((1, out_features), np.int64)
+            team = [threading.Thread(target=kernel._linear_phase,
+                                     args=(0, x, *lists, out, counters, marks, 1, 0, threads)) for _ in range(threads)]
+            for t in team:
+                t.start()
+            for t in team:
+                t.join()
+            np.testing.assert_allclose(out, x @ blocks.dequantize().T, rtol=1e-5, atol=1e-4)
+            results.append(out)
+    for out in results[1:]:
+        np.testing.assert_array_equal(out, results[0])
 
 
 def _one_q8_linear(rng):

@@ -198,3 +198,45 @@ def test_paddle_tensors_end_to_end(dtype):
                               prob.query_start_loc, prob.context_lens, prob.scale, out=ref,
                               backend="reference")
     assert_close(out.numpy(), ref, "float32")
+
+
+def test_vectorized_silu_matches_the_exact_activation():
+    """silu(g) * u with its own vector exp, against float64 over g in [-80, 80]; elements past the
+    last multiple of 8 are the caller's and stay untouched."""
+    from numba import njit
+
+    from gpu_kernels.cpu.activations import silu_mul
+
+    @njit
+    def run(gate_up, out):
+        silu_mul(gate_up, out)
+
+    rng = np.random.default_rng(0)
+    n = 1003
+    gate = np.concatenate([np.linspace(-80, 80, 200), rng.standard_normal(n - 200) * 4]).astype(np.float32)
+    up = rng.standard_normal(n).astype(np.float32)
+    out = np.full(n, 7.0, np.float32)
+    run(np.concatenate([gate, up]), out)
+    g = gate.astype(np.float64)
+    exact = g / (1 + np.exp(-g)) * up
+    done = n // 8 * 8
+    np.testing.assert_allclose(out[:done], exact[:done], rtol=1e-6, atol=1e-30)
+    assert (out[done:] == 7.0).all()
+
+
+def test_vectorized_softmax_weights_match_exp():
+    """exp(s - shift) in place, 8 lanes at a time, against float64; the tail is the caller's."""
+    from numba import njit
+
+    from gpu_kernels.cpu.activations import exp_shifted
+
+    @njit
+    def run(s, shift):
+        exp_shifted(s, shift)
+
+    s = np.linspace(-90, 5, 21).astype(np.float32)
+    out = s.copy()
+    run(out, np.float32(3.5))
+    expected = np.exp(s.astype(np.float64) - 3.5)
+    np.testing.assert_allclose(out[:16], expected[:16], rtol=1e-6, atol=1e-37)
+    np.testing.assert_array_equal(out[16:], s[16:])

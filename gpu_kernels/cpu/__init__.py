@@ -3,7 +3,8 @@
 ``attention`` (write_kv, decode, the row-by-row prefill pieces), ``prefill``
 (chunked prefill tiled through BLAS), ``formats`` (half/bfloat16 element
 conversions inside ``njit`` code), ``block_matmul`` (float32 rows times
-GGUF-quantized weight blocks, on the row kernels of ``block_dot``),
+GGUF-quantized weight blocks, on the row kernels of ``block_dot`` and the
+several-token ``microkernel``), ``activations`` (a vector ``exp``),
 ``decode_step`` (a whole decode step, its work shared through ``sync``) and
 ``blas`` (one BLAS thread per work item).
 """

@@ -44,6 +44,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from .activations import exp_shifted
 from .formats import from_f32, to_f32
 
 NEG = np.float32(-1e30)        # finite stand-in for -inf (fastmath assumes no infs)
@@ -121,8 +122,11 @@ def attend_range(q, qpos, k_cache, v_cache, table, h, lo, hi, window, m, l, acc,
             l_r = l[r] * c
             for d in range(head_dim):
                 acc[r, d] *= c
+            exp_shifted(s, m_new)  # s[t] = exp(s[t] - m_new), 8 at a time (entries outside [a, e) unused)
+            for t in range(len(s) // 8 * 8, e):
+                s[t] = np.exp(s[t] - m_new)
             for t in range(a, e):
-                pr = np.exp(s[t] - m_new)
+                pr = s[t]
                 l_r += pr
                 for d in range(head_dim):
                     acc[r, d] += pr * to_f32(v_cache[blk, h, t, d])

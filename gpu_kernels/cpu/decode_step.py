@@ -11,9 +11,10 @@ all ``T`` tokens.
 A team of threads calls ``decode_step`` together (`engine.fused_decode` keeps
 the team), each with its ``tid``; alone, one thread does everything. The
 threads walk the same *phases* -- per layer: QKV, attention, O, gate/up, down;
-then the LM head -- and share each phase's items (`cpu.sync`): ``ROWS`` (one
-token) or ``TILE`` (several) output rows of a matmul, one (sequence, KV head)
-of attention. A thread that runs out of items to claim runs the unfinished
+then the LM head -- and share each phase's items (`cpu.sync`): ``ROWS`` output rows of a matmul
+(dot products, up to ``MATVEC_T`` tokens) or ``TILE`` (the register-blocked
+micro-kernel of `cpu.microkernel`, more tokens), one (sequence, KV head) of
+attention. A thread that runs out of items to claim runs the unfinished
 ones itself rather than wait, so no thread ever waits for another (a
 descheduled one on a busy machine costs the others one item, not the step).
 Cheap row-wise work between matmuls (norms, residual adds, SiLU) every thread
@@ -43,8 +44,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .activations import silu_mul
 from .attention import decode_item, store_rows
-from .block_matmul import BLOCK, ROWS, block_sums, matvec_rows, tiled_rows
+from .block_matmul import BLOCK, MATVEC_T, ROWS, SMALL_T, blas_rows, block_sums, matvec_rows, padded_transpose, tiled_rows
 from .sync import claim, finish, finished
 
 FLOAT, INT8, NIBBLE = 0, 1, 2
@@ -52,7 +54,9 @@ QKV, O_PROJ, GATE_UP, DOWN = 0, 1, 2, 3
 PHASES_PER_LAYER = 5  # QKV, attention, O, gate/up, down
 
 _SEQ = dict(fastmath=True, cache=True, nogil=True, boundscheck=False)
-TILE = 256  # most weight rows per tile of a several-token matmul
+TILE = 48  # weight rows per item of a several-token matmul (a multiple of the micro-kernel's R): small
+# enough that the half item a phase loses at its end (a thread runs a held item again) stays small
+BLAS_TILE = 256  # most weight rows per item of a matmul of more than SMALL_T tokens
 
 
 def num_phases(num_layers: int) -> int:
@@ -61,17 +65,22 @@ def num_phases(num_layers: int) -> int:
 
 
 @njit(**_SEQ)
-def _rows_of(k, x, formats, float_w, codes, nibbles, scales, offsets, sums, xt, w, out, lo, hi):
+def _rows_of(k, x, formats, float_w, codes, nibbles, scales, offsets, sums, xt, w, yt, out, lo, hi):
     """out[:, lo:hi] for linear ``k`` (block formats)."""
-    if x.shape[0] == 1:
+    if x.shape[0] <= MATVEC_T:
         if formats[k] == NIBBLE:
-            matvec_rows(x[0], nibbles[k], scales[k], offsets[k], sums, out[0], lo, hi)
+            matvec_rows(x, nibbles[k], scales[k], offsets[k], sums, out, lo, hi)
         else:
-            matvec_rows(x[0], codes[k], scales[k], offsets[k], sums, out[0], lo, hi)
+            matvec_rows(x, codes[k], scales[k], offsets[k], sums, out, lo, hi)
+    elif x.shape[0] <= SMALL_T:
+        if formats[k] == NIBBLE:
+            tiled_rows(xt, nibbles[k], scales[k], offsets[k], yt, out, lo, hi)
+        else:
+            tiled_rows(xt, codes[k], scales[k], offsets[k], yt, out, lo, hi)
     elif formats[k] == NIBBLE:
-        tiled_rows(xt, nibbles[k], scales[k], offsets[k], w, out, lo, hi)
+        blas_rows(xt, nibbles[k], scales[k], offsets[k], w, out, lo, hi)
     else:
-        tiled_rows(xt, codes[k], scales[k], offsets[k], w, out, lo, hi)
+        blas_rows(xt, codes[k], scales[k], offsets[k], w, out, lo, hi)
 
 
 @njit(**_SEQ)
@@ -85,14 +94,19 @@ def _linear_phase(k, x, formats, float_w, codes, nibbles, scales, offsets, out, 
             finish(marks, phase, 0, epoch)
         return
     num_out, num_blocks = scales[k].shape
-    sums = np.empty(num_blocks, np.float32)
+    sums = np.empty((x.shape[0], num_blocks), np.float32)
     xt = np.empty((1, 1), np.float32)
     w = np.empty((1, 1), np.float32)
-    if x.shape[0] == 1:
+    yt = np.empty((1, 1), np.float32)
+    if x.shape[0] <= MATVEC_T:
         rows = ROWS
-        block_sums(x[0], sums)
-    else:  # tiles of up to TILE rows (BLAS is most efficient on tall tiles), a multiple of team_size of them
-        items = max(team_size, (num_out + TILE - 1) // TILE)
+        block_sums(x, sums)
+    elif x.shape[0] <= SMALL_T:  # the micro-kernel on TILE rows an item
+        rows = TILE
+        xt = padded_transpose(x)
+        yt = np.empty((rows, xt.shape[1]), np.float32)
+    else:  # BLAS on tiles of up to BLAS_TILE rows (most efficient on tall tiles), a multiple of team_size of them
+        items = max(team_size, (num_out + BLAS_TILE - 1) // BLAS_TILE)
         items = (items + team_size - 1) // team_size * team_size
         rows = (num_out + items - 1) // items
         xt = np.ascontiguousarray(x.T)
@@ -101,13 +115,14 @@ def _linear_phase(k, x, formats, float_w, codes, nibbles, scales, offsets, out, 
     item = claim(counters, phase)
     while item < items:
         lo = item * rows
-        _rows_of(k, x, formats, float_w, codes, nibbles, scales, offsets, sums, xt, w, out, lo, min(num_out, lo + rows))
+        _rows_of(k, x, formats, float_w, codes, nibbles, scales, offsets, sums, xt, w, yt, out, lo,
+                 min(num_out, lo + rows))
         finish(marks, phase, item, epoch)
         item = claim(counters, phase)
     for item in range(items):  # held by another thread (or one that has not come yet): run it here too
         if not finished(marks, phase, item, epoch):
             lo = item * rows
-            _rows_of(k, x, formats, float_w, codes, nibbles, scales, offsets, sums, xt, w, out, lo,
+            _rows_of(k, x, formats, float_w, codes, nibbles, scales, offsets, sums, xt, w, yt, out, lo,
                      min(num_out, lo + rows))
             finish(marks, phase, item, epoch)
 
@@ -244,7 +259,8 @@ def decode_step(tid, team_size, counters, marks, epoch, token_ids, positions, sl
                       counters, marks, epoch, phase + 3, team_size)
         gate_up = gate_up_buf[layer]
         for t in range(num_tokens):
-            for i in range(inter):
+            silu_mul(gate_up[t], act[t])
+            for i in range(inter // 8 * 8, inter):
                 g = gate_up[t, i]
                 act[t, i] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[t, inter + i]
         _linear_phase(lin + DOWN, act, formats, float_w, codes, nibbles, scales, offsets, down_buf[layer],
