@@ -48,8 +48,8 @@ import functools
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
-from .primitives import (F32, exp2, fmax32, from_f32, ld4, pack2, register_cap, shfl_xor,
-                         to_f32, vmax, vmin, word_elem)
+from .primitives import (F32, exp2, fmax32, from_f32, ld4, pack2, register_cap, shfl_idx,
+                         shfl_xor, to_f32, vmax, vmin, word_elem)
 from . import decode_mma
 from .shared_memory import (cp_async16, cp_async_commit, cp_async_wait, lds4f, shared_vectors,
                           syncwarp)
@@ -451,8 +451,8 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
 
     HW = head_dim // 2                          # words of a query row
     QW = 8 * HW                                 # q_sh: 8 rows (an mma tile's rows g)
-    DT = head_dim // 8
-    ACC2 = 2 * DT                               # accumulators per lane: dims 8 n + 2 t, + 1
+    MT = head_dim // 16
+    ACC2 = 4 * MT                               # accumulators per lane (decode_mma.pv)
     QF = head_dim // 8                          # query fragment words per lane
     load_q, qk, pv = decode_mma.stage_ops(kind_kv, head_dim, tensor_cores == 2)
 
@@ -460,8 +460,9 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
     def decode_tc(q, kw, vw, block_tables, context_lens, out, part_ml, part_acc, counters,
                   scale_log2, window, num_kv_heads, splits, chunk):
         """The same blocks, splits, ring and merges; a stage's products on tensor cores
-        (``decode_mma``): lane ``4 g + t`` owns head ``g`` (rows >= hpb unused), keys
-        ``2 t, 2 t + 1`` of each stage and dims ``8 n + 2 t, + 1`` of the output."""
+        (``decode_mma``): lane ``4 g + t`` holds the scores and softmax state of head ``g``
+        (rows >= hpb unused) for keys ``2 t, 2 t + 1`` of each stage, and the output dims
+        ``16 m + g, + 8`` of heads ``2 t, 2 t + 1``."""
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid % 32
@@ -532,11 +533,14 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
             m_new = fmax32(m_new, shfl_xor(m_new, 2, scratch))
             p0 = exp2(s0 - m_new) if s0 > NEG else float32(0.0)
             p1 = exp2(s1 - m_new) if s1 > NEG else float32(0.0)
+            alpha = exp2(m_run - m_new)
+            a0 = shfl_idx(alpha, 8 * t, scratch)             # heads 2t, 2t + 1 (output layout)
+            a1 = shfl_idx(alpha, 8 * t + 4, scratch)
             if decode_mma.warp_any(m_new != m_run, scratch):   # rare once the max settles
-                alpha = exp2(m_run - m_new)
                 l_run *= alpha
-                for k in range(ACC2):
-                    acc[k] *= alpha
+                for k in range(ACC2 // 2):
+                    acc[2 * k] *= a0
+                    acc[2 * k + 1] *= a1
             m_run = m_new
             l_run += p0 + p1
             pv(acc, p0, p1, ring, base + KPW * ROW_WORDS, lane, scratch)
@@ -546,13 +550,15 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
         l_run += shfl_xor(l_run, 2, scratch)
         wait_all()
         cuda.syncthreads()
-        if g < hpb:
-            if t == 0:
-                w_ml[warp, g, 0] = m_run
-                w_ml[warp, g, 1] = l_run
-            for nn in range(DT):
-                ring[(warp * hpb + g) * head_dim + 8 * nn + 2 * t] = acc[2 * nn]
-                ring[(warp * hpb + g) * head_dim + 8 * nn + 2 * t + 1] = acc[2 * nn + 1]
+        if g < hpb and t == 0:
+            w_ml[warp, g, 0] = m_run
+            w_ml[warp, g, 1] = l_run
+        for e in range(2):
+            if 2 * t + e < hpb:
+                for m in range(MT):
+                    for h in range(2):
+                        ring[(warp * hpb + 2 * t + e) * head_dim + 16 * m + 8 * h + g] = \
+                            acc[4 * m + 2 * h + e]
         cuda.syncthreads()
         finish(tid, i, hb, split, head0, splits, ring, w_ml, f_ml, flag_sh, out, part_ml,
                part_acc, counters)

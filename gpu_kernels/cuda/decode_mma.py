@@ -2,10 +2,12 @@
 
 A decode query is one row per head, so a block's ``hpb <= 8`` query heads of one KV head are
 rows ``0 .. hpb-1`` of a 16-row ``mma`` tile (the other rows are zero and their results
-unused): ``S = Q K^T`` for the stage's 8 keys is ``D / 16`` instructions ``mma.m16n8k16``,
-``O += P V`` is ``D / 8`` instructions ``mma.m16n8k8``, and the K and V rows reach the
-fragments with ``ldmatrix`` (``.trans`` for V). Per key this replaces ~100 issued
-instructions of the CUDA-core stage (conversions, FMAs, lane reductions) with ~4.
+unused): ``S = Q K^T`` for the stage's 8 keys is ``D / 16`` instructions ``mma.m16n8k16``.
+The product with V runs transposed, ``O^T += V^T P^T`` (``D / 16`` instructions
+``mma.m16n8k8``: 16 dims x 8 heads per tile): the score accumulators of a lane are then
+exactly its ``P^T`` fragment (no shuffles) and every accumulator register holds an output
+(the untransposed product would keep 16 - hpb dead rows in registers). The K and V rows
+reach the fragments with ``ldmatrix`` (``.trans`` for V^T).
 
 Layouts (lane = ``4 g + t``): the warp's stage holds 8 K rows, then 8 V rows, of ``D`` halves
 in shared memory; the 16-byte chunk ``c`` of row ``r`` lies at chunk ``c ^ (r & 7)`` of that
@@ -19,9 +21,10 @@ are shared words ``q_sh[g * D / 2 + w]`` (rows >= hpb zero), loaded once into ``
     ``s[0], s[1]`` = the unscaled scores of head ``g`` and keys ``2 t, 2 t + 1`` of the
     stage at word ``base``.
 ``pv(acc, p0, p1, ring, vbase, lane, scratch)``
-    ``acc[2 n + e] += sum over the 8 keys k of P[g, k] V[k, 8 n + 2 t + e]``, where lane
-    ``4 g + t`` holds ``P[g, 2 t] = p0``, ``P[g, 2 t + 1] = p1``; P is rounded to the
-    cache's half format first, as the tensor cores take it.
+    ``acc[4 m + 2 h + e] += sum over the 8 keys k of P[2 t + e, k] V[k, 16 m + 8 h + g]``
+    (dims ``16 m + g`` and ``+ 8`` of heads ``2 t, 2 t + 1``), where lane ``4 g + t`` holds
+    ``P[g, 2 t] = p0``, ``P[g, 2 t + 1] = p1``; P is rounded to the cache's half format
+    first, as the tensor cores take it.
 ``warp_any(pred, scratch)``
     whether ``pred`` holds in any lane of the warp (the same answer in every lane).
 
@@ -136,18 +139,21 @@ else:
     def _mma8(dtype):
         text = (f"mma.sync.aligned.m16n8k8.row.col.f32.{dtype}.{dtype}.f32 "
                 "{$0,$1,$2,$3}, {$4,$5}, {$6}, {$7,$8,$9,$10};")
+        cons = "=f,=f,=f,=f,r,r,r,f,f,f,f"
 
         @intrinsic
-        def mma(typingctx, c0, c1, a0, b0):
-            """(d0, d1) = row g of C + A B (A and C rows g + 8 zero): dims 2t, 2t + 1."""
-            sig = types.UniTuple(types.float32, 2)(c0, c1, a0, b0)
+        def mma(typingctx, c0, c1, c2, c3, a0, a1, b0):
+            """(d0, d1, d2, d3) = C + A B, one 16 x 8 x 8 tile."""
+            sig = types.UniTuple(types.float32, 4)(c0, c1, c2, c3, a0, a1, b0)
 
             def codegen(context, builder, signature, args):
-                v = _cast_all(context, builder, signature, args, [types.float32] * 2
-                              + [types.uint32] * 2)
-                z, zf = ir.Constant(_I32, 0), ir.Constant(_F32, 0.0)
-                d = _mma_call(builder, text, 2, 1, [v[2], z, v[3], v[0], v[1], zf, zf])
-                return context.make_tuple(builder, signature.return_type, list(d))
+                v = _cast_all(context, builder, signature, args, [types.float32] * 4
+                              + [types.uint32] * 3)
+                asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([_F32] * 4),
+                                                   [_I32] * 3 + [_F32] * 4), text, cons)
+                res = builder.call(asm, [v[4], v[5], v[6], v[0], v[1], v[2], v[3]])
+                return context.make_tuple(builder, signature.return_type,
+                                          [builder.extract_value(res, k) for k in range(4)])
             return sig, codegen
         return mma
 
@@ -160,7 +166,7 @@ def stage_ops(kind, head_dim, use_mma):
     """(load_q, qk, pv) for one format and head_dim; see the module docstring."""
     HW = head_dim // 2                 # words of a row
     ROW_VECS = head_dim // 8           # 16-byte chunks of a row
-    DT = head_dim // 8                 # 8-dim output tiles
+    MT = head_dim // 16                # 16-dim output tiles (of O^T)
     J = head_dim // 32                 # ldmatrix.x4 per row block
 
     @cuda.jit(device=True, inline="always")
@@ -194,14 +200,16 @@ def stage_ops(kind, head_dim, use_mma):
         @cuda.jit(device=True, inline="always")
         def pv(acc, p0, p1, ring, vbase, lane, scratch):
             r = lane & 7
-            a = pack2(p0, p1, kind)
+            b = pack2(p0, p1, kind)                      # P^T[keys 2t, 2t + 1][head g]
             addr = shared_base(ring) + np.uint32(4 * vbase + 16 * r * ROW_VECS)
             for j in range(J):
                 chunk = 4 * j + (lane >> 3)
-                f = ldsm4_t(addr + np.uint32(16 * (chunk ^ r)))
-                for x in range(4):
-                    n = 4 * j + x
-                    acc[2 * n], acc[2 * n + 1] = mma8(acc[2 * n], acc[2 * n + 1], a, f[x])
+                f = ldsm4_t(addr + np.uint32(16 * (chunk ^ r)))   # V^T: dims 32 j .. + 31
+                for h in range(2):
+                    m = 2 * j + h
+                    acc[4 * m], acc[4 * m + 1], acc[4 * m + 2], acc[4 * m + 3] = mma8(
+                        acc[4 * m], acc[4 * m + 1], acc[4 * m + 2], acc[4 * m + 3],
+                        f[2 * h], f[2 * h + 1], b)
 
         return load_q, qk, pv
 
@@ -225,19 +233,21 @@ def stage_ops(kind, head_dim, use_mma):
     def pv(acc, p0, p1, ring, vbase, lane, scratch):
         g = lane // 4
         t = lane % 4
-        for tp in range(4):
-            x0 = shfl_idx(p0, 4 * g + tp, scratch)
-            x1 = shfl_idx(p1, 4 * g + tp, scratch)
-            pw = pack2(x0, x1, kind)                     # as the tensor cores round P
-            for e2 in range(2):
-                key = 2 * tp + e2
-                xp = word_elem(pw, e2, kind)
-                row = vbase + key * 4 * ROW_VECS
-                for n in range(DT):
-                    w = ld4(ring, row + 4 * (n ^ (key & SWIZZLE)))
-                    for x in range(4):
-                        if x == t:
-                            acc[2 * n] += xp * word_elem(w[x], 0, kind)
-                            acc[2 * n + 1] += xp * word_elem(w[x], 1, kind)
+        for e in range(2):                               # head 2 t + e
+            for tp in range(4):                          # keys 2 tp, 2 tp + 1
+                x0 = shfl_idx(p0, 4 * (2 * t + e) + tp, scratch)
+                x1 = shfl_idx(p1, 4 * (2 * t + e) + tp, scratch)
+                pw = pack2(x0, x1, kind)                 # as the tensor cores round P
+                for e2 in range(2):
+                    key = 2 * tp + e2
+                    xp = word_elem(pw, e2, kind)
+                    row = vbase + key * 4 * ROW_VECS
+                    for m in range(MT):
+                        for h in range(2):
+                            dim = 16 * m + 8 * h + g
+                            w = ld4(ring, row + 4 * ((dim // 8) ^ (key & SWIZZLE)))
+                            for x in range(4):
+                                if x == (dim % 8) // 2:
+                                    acc[4 * m + 2 * h + e] += xp * word_elem(w[x], dim % 2, kind)
 
     return load_q, qk, pv
