@@ -39,6 +39,11 @@ block): the block with the last ticket merges all splits
 once into shared memory, the partial rows read with 16-byte loads, several
 splits in flight) and resets the counter, so there is no second launch.
 
+Half queries on a cache of the same half format with head_dim 64 or 128 take a second
+kernel of the same blocks, splits, ring and merges (``tensor_cores``): its stages are 8 keys,
+copied with a swizzle, and their two products run on tensor cores (``decode_mma``), so a
+key costs a few issued instructions instead of ~100 (conversions, FMAs, shuffles).
+
 Minus infinity is the finite ``NEG`` (fast-math).
 """
 from __future__ import annotations
