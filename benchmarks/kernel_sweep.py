@@ -138,3 +138,54 @@ def sweep_split_rule(torch, timer, decode_case, scale):
         for n, v in zip(names, defaults):
             setattr(cuda_backend, n, v)
     print()
+
+
+#: decode stage on tensor cores vs CUDA cores: (decode_mma_mode, register cap, blocks per SM
+#: aimed at, ring stages)
+DECODE_MMA_VARIANTS = [("off", 128, 4, 2), ("auto", 128, 4, 2), ("auto", 128, 3, 2),
+                       ("auto", 128, 6, 2)]
+DECODE_MMA_SHAPES = [(1, 2048), (1, 8192), (1, 16384), (1, 32768), (16, 2048), (16, 8192),
+                     (64, 2048), (64, 8192)]
+
+
+def sweep_decode_mma(torch, timer, decode_case, scale):
+    """Decode µs per variant (tensor-core stage or not, register cap, blocks per SM, stages),
+    SDPA beside and each variant's max error vs SDPA, same run."""
+    import torch.nn.functional as F
+    names = ("decode_mma_mode", "DECODE_MAX_REGISTERS", "DECODE_BLOCKS_PER_SM", "DECODE_STAGES")
+    defaults = [getattr(cuda_backend, n) for n in names]
+    print("decode stage variants (mode, register cap, blocks/SM aimed at, stages): µs per call "
+          "(x SDPA), max error vs SDPA")
+    res = {}
+    try:
+        for seqs, ctx in DECODE_MMA_SHAPES:
+            q, kc, vc, bt, lens = decode_case(torch, seqs, ctx)
+            out = torch.empty_like(q)
+            k4, v4 = contiguous(torch, kc, bt), contiguous(torch, vc, bt)
+            q4 = q.unsqueeze(2)
+            sdpa = lambda: F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True)  # noqa
+            peer = min(timer(sdpa), timer(sdpa))
+            ref = sdpa().squeeze(2).float()
+            cells = []
+            for v in DECODE_MMA_VARIANTS:
+                for n, x in zip(names, v):
+                    setattr(cuda_backend, n, x)
+                call = lambda: gpu_kernels.paged_decode(q, kc, vc, bt, lens, scale, out=out)  # noqa
+                out.fill_(float("nan"))
+                call()
+                torch.cuda.synchronize()
+                err = (out.float() - ref).abs().max().item()
+                t = min(timer(call), timer(call))
+                cells.append(f"{v}: {t:.1f} ({peer / t:.2f}x) err {err:.1e}")
+                if v not in res:
+                    res[v] = resources(cuda_backend.last_kernels["decode"],
+                                       cuda_backend.DECODE_THREADS)
+            print(f"  {seqs}x{ctx}: SDPA {peer:.1f} | " + " | ".join(cells), flush=True)
+            del q, kc, vc, bt, out, k4, v4
+            torch.cuda.empty_cache()
+    finally:
+        for n, x in zip(names, defaults):
+            setattr(cuda_backend, n, x)
+    for v in DECODE_MMA_VARIANTS:
+        print(f"  {v}: {res.get(v)}")
+    print()

@@ -312,7 +312,7 @@ def bench_gpu_prefill(torch, F, timer, scale, fp32_peak):
     print(f"\nprefill kernel (tensor cores, bf16): {tile}: {used}")
 
 
-def bench_gpu(sweep, only=None, split_rule=False):
+def bench_gpu(sweep, only=None, split_rule=False, decode_mma=False):
     import torch
     import torch.nn.functional as F
     from numba import cuda
@@ -327,6 +327,9 @@ def bench_gpu(sweep, only=None, split_rule=False):
     print(f"measured device copy bandwidth: {bw:.2f} TB/s (read + write)\n")
     scale = 128 ** -0.5
 
+    if decode_mma:
+        from .kernel_sweep import sweep_decode_mma
+        sweep_decode_mma(torch, timer, decode_case, scale)
     if split_rule:
         from .kernel_sweep import sweep_split_rule
         sweep_split_rule(torch, timer, decode_case, scale)
@@ -349,6 +352,8 @@ def main(argv=None):
     parser.add_argument("--only", choices=["decode", "prefill"], help="GPU: one table only")
     parser.add_argument("--split-rule", action="store_true",
                         help="GPU: also time decode split rules at long contexts")
+    parser.add_argument("--decode-mma", action="store_true",
+                        help="GPU: also time the decode stage on tensor cores vs CUDA cores")
     args = parser.parse_args(argv)
     try:
         from numba import cuda
@@ -358,7 +363,7 @@ def main(argv=None):
     except ImportError:
         gpu = False
     if gpu:
-        bench_gpu(args.sweep, args.only, args.split_rule)
+        bench_gpu(args.sweep, args.only, args.split_rule, args.decode_mma)
     else:
         bench_cpu()
         bench_cpu_prefill()

@@ -77,6 +77,11 @@ else:
         "table-capped-splits-bf16-gqa8": ([9], 1, 8, 16, 1, "bfloat16", "bfloat16", 33, 8),
         # a whole key row per lane (no reduce-scatter), 32-key stages over 16-token pages
         "row-per-lane-f16": ([24], 1, 1, 8, 16, "float16", "float16", None, 8),
+        # tensor-core stage layout (plain-Numba twin): 4 heads of 16 rows, one split per
+        # sequence, 8-key stages in 16-token pages, a sequence shorter than a stage
+        "tensor-core-f16-gqa4": ([20, 7], 1, 4, 64, 16, "float16", "float16", None, 1),
+        # stages straddling 4-token pages, a window, split-K over 2 splits
+        "tensor-core-bf16-window-split": ([40], 1, 2, 64, 4, "bfloat16", "bfloat16", 21, 8),
     }
 
     @pytest.mark.parametrize("case", list(DECODE.values()), ids=list(DECODE))
@@ -88,6 +93,22 @@ else:
                             head_dim=head_dim, block_size=block_size, dtype=dtype,
                             query_dtype=qdtype)
         check("decode", prob, window, qdtype)
+
+    def test_decode_stage_routing(monkeypatch):
+        """Half queries in the cache's format with head_dim 64 or 128 take the tensor-core
+        stage (its plain-Numba twin here); float32 queries, the other half format, head_dim 16
+        or 256 and mode "off" keep the CUDA-core stage; a bad mode is named."""
+        from gpu_kernels.cuda.primitives import BF16, F16, F32
+        choose = cuda_backend._decode_tensor_cores
+        assert choose(F16, F16, 128, 4) == 1 and choose(BF16, BF16, 64, 8) == 1
+        assert choose(F32, F16, 128, 4) == 0 and choose(BF16, F16, 128, 4) == 0
+        assert choose(F16, F16, 16, 4) == 0 and choose(F16, F16, 256, 4) == 0
+        assert choose(F32, F32, 128, 4) == 0
+        monkeypatch.setattr(cuda_backend, "decode_mma_mode", "off")
+        assert choose(F16, F16, 128, 4) == 0
+        monkeypatch.setattr(cuda_backend, "decode_mma_mode", "on")
+        with pytest.raises(ValueError, match="decode_mma_mode"):
+            choose(F16, F16, 128, 4)
 
     def test_split_k_counters_are_reset_for_the_next_call():
         """The last split's block resets its merge counter: a second call merges again."""

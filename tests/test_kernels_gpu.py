@@ -188,6 +188,43 @@ def test_tensor_core_prefill_agrees_with_its_numba_twin(monkeypatch, dtype, head
     assert_close(outs["auto"], ref, dtype)
 
 
+@pytest.mark.parametrize("dtype, head_dim, group, window, target", [
+    ("float16", 128, 4, None, None), ("bfloat16", 64, 8, 100, None),
+    ("float16", 64, 2, None, 2048), ("bfloat16", 128, 4, 700, 1)])
+def test_tensor_core_decode_agrees_with_its_numba_twin(monkeypatch, dtype, head_dim, group,
+                                                       window, target):
+    """The decode stage on mma.sync vs its plain-Numba twin (the simulator's path) vs the
+    CUDA-core stage: the same function up to float32 summation order and P's rounding to the
+    half format (the twin rounds P as the tensor cores do). Outputs in float32."""
+    from gpu_kernels.cuda import mma
+    assert mma.mma_supported(), "this GPU should run mma.sync (compute capability >= 8.0)"
+    monkeypatch.setattr(cuda_backend, "decode_target_blocks", target)
+    prob = make_problem(np.random.default_rng(5), context_lens=[2900, 1, 17, 1000],
+                        query_lens=[1] * 4, num_kv_heads=2, group=group, head_dim=head_dim,
+                        block_size=16, dtype=dtype, query_dtype=dtype)
+    prob.query = prob.query[:4]
+    args = {k: to_torch(getattr(prob, k)) for k in
+            ("query", "k_cache", "v_cache", "block_tables", "context_lens")}
+    outs = {}
+    for mode in ("auto", "numba", "off"):
+        monkeypatch.setattr(cuda_backend, "decode_mma_mode", mode)
+        out = torch.full(prob.query.shape, float("nan"), dtype=torch.float32, device="cuda")
+        gpu_kernels.paged_decode(args["query"], args["k_cache"], args["v_cache"],
+                                 args["block_tables"], args["context_lens"], prob.scale,
+                                 sliding_window=window, out=out)
+        torch.cuda.synchronize()
+        outs[mode] = out.cpu().numpy()
+    assert np.isfinite(outs["auto"]).all()
+    atol = {"float16": 5e-4, "bfloat16": 4e-3}[dtype]
+    np.testing.assert_allclose(outs["auto"], outs["numba"], rtol=0, atol=atol)
+    np.testing.assert_allclose(outs["auto"], outs["off"], rtol=0, atol=atol)
+    ref = np.full(prob.query.shape, np.nan, np.float32)
+    gpu_kernels.paged_decode(prob.query, prob.k_cache, prob.v_cache, prob.block_tables,
+                             prob.context_lens, prob.scale, sliding_window=window, out=ref,
+                             backend="reference")
+    assert_close(outs["auto"], ref, dtype)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_tensor_core_prefill_with_rising_scores(dtype):
     """Scores rising ~0.2 log2 units per key: a row's maximum rises by ~6.4 over a 32-key

@@ -22,6 +22,7 @@ import math
 import numpy as np
 from numba import cuda
 
+from . import decode_mma
 from .decode import MAX_SPLITS, ML_PAD, build_decode_kernel, stage_shape
 from .launch import launcher
 from . import mma
@@ -54,6 +55,10 @@ PREFILL_MMA_TILES: dict = {}
 #: the GPU has mma.sync, else the same tiling in plain Numba), "numba" (that plain-Numba twin),
 #: "off" (the float32 CUDA-core kernel, as for float32 caches or queries)
 prefill_mma_mode = "auto"
+#: decode of float16/bfloat16 queries on a cache of the same format (head_dim 64 or 128):
+#: "auto" (a stage's products on tensor cores where the GPU has mma.sync, else the same
+#: layout in plain Numba), "numba" (that plain-Numba twin), "off" (the CUDA-core stage)
+decode_mma_mode = "auto"
 SPLIT_GRAIN = 16 if SIMULATED else 64  # decode: split lengths are multiples of this
 LOG2E = 1.4426950408889634
 
@@ -184,7 +189,7 @@ def paged_decode(query, k_cache, v_cache, block_tables, context_lens, scale, win
     key = ("decode", query.shape, query.dtype, k_cache.shape, k_cache.dtype, out.dtype,
            block_tables.shape[1], window, decode_target_blocks, DECODE_THREADS, DECODE_STAGES,
            DECODE_STAGE_BYTES, DECODE_MAX_REGISTERS, DECODE_BLOCKS_PER_SM, DECODE_MIN_CHUNK,
-           DECODE_MERGE_SPLITS, DECODE_LONG_SHARE)
+           DECODE_MERGE_SPLITS, DECODE_LONG_SHARE, decode_mma_mode)
     plan = _plans.get(key) or _remember_plan(key, _decode_plan(
         query, k_cache, block_tables, window, out))
     launch, kernel, grid, scratch, tail = plan
@@ -199,14 +204,19 @@ def _decode_plan(query, k_cache, block_tables, window, out):
     kind_kv = kind_of(k_cache.dtype)
     _check_row(head_dim, kind_kv)
     group = num_heads // num_kv_heads
-    hpb = decode_heads_per_block(group)
-    kernel = build_decode_kernel(DECODE_THREADS, group, hpb, head_dim, kind_of(query.dtype),
+    kind_q = kind_of(query.dtype)
+    tensor_cores = _decode_tensor_cores(kind_q, kind_kv, head_dim, heads_per_block(group))
+    hpb = heads_per_block(group) if tensor_cores else decode_heads_per_block(group)
+    kernel = build_decode_kernel(DECODE_THREADS, group, hpb, head_dim, kind_q,
                                  kind_kv, kind_of(out.dtype), block_size, DECODE_TABLE,
                                  DECODE_STAGES, DECODE_STAGE_BYTES,
-                                 DECODE_MAX_REGISTERS if hpb <= 4 else None)
+                                 DECODE_MAX_REGISTERS if hpb <= 4 or tensor_cores else None,
+                                 tensor_cores)
     head_blocks = num_kv_heads * (group // hpb)
     _, keys_per_pass, passes = stage_shape(head_dim, k_cache.dtype.itemsize, DECODE_STAGE_BYTES)
     kpw = keys_per_pass * passes                      # keys per warp stage; chunks align to it
+    if tensor_cores:
+        kpw = decode_mma.STAGE_KEYS
     max_keys = block_tables.shape[1] * block_size
     if window:                                        # the window's start is rounded down
         max_keys = min(max_keys, window + kpw - 1)
@@ -230,6 +240,16 @@ def _decode_plan(query, k_cache, block_tables, window, out):
     scratch = _split_scratch(num_seqs, head_blocks, splits, hpb, head_dim)
     return (launcher(kernel), kernel, (splits, head_blocks, num_seqs), scratch,
             (np.int32(num_kv_heads), np.int32(splits), np.int32(chunk)))
+
+
+def _decode_tensor_cores(kind_q, kind_kv, head_dim, hpb):
+    """0: the CUDA-core stage; 1: the tensor-core layout in plain Numba; 2: with mma.sync."""
+    if decode_mma_mode not in ("auto", "numba", "off"):
+        raise ValueError(f"cuda backend: decode_mma_mode must be 'auto', 'numba' or 'off', got "
+                         f"{decode_mma_mode!r}")
+    if decode_mma_mode == "off" or not decode_mma.supported(kind_q, kind_kv, head_dim, hpb):
+        return 0
+    return 2 if decode_mma_mode == "auto" and mma.mma_supported() else 1
 
 
 def paged_prefill(query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,

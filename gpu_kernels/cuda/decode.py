@@ -39,6 +39,11 @@ block): the block with the last ticket merges all splits
 once into shared memory, the partial rows read with 16-byte loads, several
 splits in flight) and resets the counter, so there is no second launch.
 
+Half queries on a cache of the same half format with head_dim 64 or 128 take a second
+kernel of the same blocks, splits, ring and merges (``tensor_cores``): its stages are 8 keys,
+copied with a swizzle, and their two products run on tensor cores (``decode_mma``), so a
+key costs a few issued instructions instead of ~100 (conversions, FMAs, shuffles).
+
 Minus infinity is the finite ``NEG`` (fast-math).
 """
 from __future__ import annotations
@@ -46,10 +51,11 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from numba import cuda, float32, int32
+from numba import cuda, float32, int32, uint32
 
-from .primitives import (F32, exp2, fmax32, from_f32, ld4, register_cap, shfl_xor, to_f32,
-                              vmax, vmin, word_elem)
+from .primitives import (F32, exp2, fmax32, from_f32, ld4, pack2, register_cap, shfl_idx,
+                         shfl_xor, to_f32, vmax, vmin, word_elem)
+from . import decode_mma
 from .shared_memory import (cp_async16, cp_async_commit, cp_async_wait, lds4f, shared_vectors,
                           syncwarp)
 
@@ -97,8 +103,12 @@ def _scatter_level(half, offset):
 
 @functools.lru_cache(maxsize=None)
 def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, block_size,
-                        table_len, stages, stage_bytes, max_registers=None):
-    """Compile-time specialization of the decode kernel (all arguments are constants)."""
+                        table_len, stages, stage_bytes, max_registers=None, tensor_cores=0):
+    """Compile-time specialization of the decode kernel (all arguments are constants).
+
+    ``tensor_cores``: 0 the CUDA-core stage below; 1 the tensor-core stage of
+    ``decode_mma`` in plain Numba (simulator, GPUs without ``mma.sync``); 2 with ``mma.sync``.
+    """
     EPW = 1 if kind_kv == F32 else 2            # elements per 32-bit word
     DPV = 4 * EPW                               # elements per 16-byte vector
     ROW_VECS = head_dim // DPV                  # vectors per key row
@@ -108,6 +118,9 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
     VPL = ROW_VECS // TG                        # vectors per lane and row
     DL = VPL * DPV                              # dims per lane
     KPW = P * TK                                # keys per warp stage
+    if tensor_cores:
+        KPW = decode_mma.STAGE_KEYS
+    SWZ = decode_mma.SWIZZLE if tensor_cores else 0
     HP2 = 1 << _log2(2 * hpb - 1)               # heads rounded up to a power of two
     NV = P * HP2                                # partial dots per lane
     LEVELS = _log2(TG)
@@ -161,9 +174,12 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
                     + (j - jb * BS) * ROW_WORDS + (lane % ROW_VECS) * 4
             for c in range(CPL):
                 nbytes = 16 if j + c * KSTEP < end else 0
-                cp_async16(ring, dst + 128 * c, kw, src + c * KSTEP * ROW_WORDS, nbytes)
-                cp_async16(ring, dst + KPW * ROW_WORDS + 128 * c, vw,
-                           src + c * KSTEP * ROW_WORDS, nbytes)
+                d = dst + 128 * c
+                if SWZ:                                      # row r, chunk ch ^ (r & SWZ)
+                    r = lane // ROW_VECS + c * KSTEP
+                    d = dst - lane * 4 + r * ROW_WORDS + 4 * ((lane % ROW_VECS) ^ (r & SWZ))
+                cp_async16(ring, d, kw, src + c * KSTEP * ROW_WORDS, nbytes)
+                cp_async16(ring, d + KPW * ROW_WORDS, vw, src + c * KSTEP * ROW_WORDS, nbytes)
         elif n < n_stages:
             dst = ((n % STAGES) * NW + warp) * SLOT
             key0 = start + (n * NW + warp) * KPW
@@ -178,9 +194,95 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
                     src = tbl_sh[jb - b_first] * blk_stride + head_off \
                         + (j - jb * BS) * ROW_WORDS + (idx - kk * ROW_VECS) * 4
                     nbytes = 16
-                cp_async16(ring, dst + idx * 4, kw, src, nbytes)
-                cp_async16(ring, dst + KPW * ROW_WORDS + idx * 4, vw, src, nbytes)
+                d = dst + idx * 4
+                if SWZ:
+                    d = dst + kk * ROW_WORDS + 4 * ((idx - kk * ROW_VECS) ^ (kk & SWZ))
+                cp_async16(ring, d, kw, src, nbytes)
+                cp_async16(ring, d + KPW * ROW_WORDS, vw, src, nbytes)
         cp_async_commit()
+
+    @cuda.jit(device=True, inline="always")
+    def finish(tid, i, hb, split, head0, splits, ring, w_ml, f_ml, flag_sh, out, part_ml,
+               part_acc, counters):
+        """Merge the warps' (max, sum, acc) rows (``w_ml``, ``ring``) and write the output or
+        this split's partial; the last split's block merges all splits."""
+        w_acc = ring
+        if tid < hpb:
+            m_max = NEG
+            for w8 in range(NW):
+                m_max = vmax(m_max, w_ml[w8, tid, 0])
+            den = float32(0.0)
+            for w8 in range(NW):
+                den += exp2(w_ml[w8, tid, 0] - m_max) * w_ml[w8, tid, 1]
+            f_ml[tid, 0] = m_max
+            f_ml[tid, 1] = den
+        cuda.syncthreads()
+        for idx in range(tid, hpb * head_dim, threads):
+            g = idx // head_dim
+            num = float32(0.0)
+            for w8 in range(NW):
+                num += exp2(w_ml[w8, g, 0] - f_ml[g, 0]) * w_acc[w8 * hpb * head_dim + idx]
+            if splits == 1:
+                den = f_ml[g, 1]
+                o = num / den if den > 0 else float32(0.0)
+                out[i, head0 + g, idx - g * head_dim] = from_f32(o, kind_o)
+            else:
+                part_acc[i, hb, split, g, idx - g * head_dim] = num
+        if splits == 1:
+            return
+        if tid < hpb:
+            part_ml[i, hb, (split * hpb + tid) * 2] = f_ml[tid, 0]
+            part_ml[i, hb, (split * hpb + tid) * 2 + 1] = f_ml[tid, 1]
+
+        # ---- split-K: the last block of this (sequence, head block) merges all splits
+        cuda.threadfence()
+        cuda.syncthreads()
+        if tid == 0:
+            ticket = cuda.atomic.add(counters, i * cuda.gridDim.y + hb, 1)
+            flag_sh[0] = 1 if ticket == splits - 1 else 0
+        cuda.syncthreads()
+        if flag_sh[0] == 0:
+            return
+        cuda.threadfence()
+        wts = ring                                           # free: split weights, then sums
+        for e in range(tid, splits * hpb, threads):
+            wts[e] = part_ml[i, hb, 2 * e]
+            wts[MAX_SPLITS * hpb + e] = part_ml[i, hb, 2 * e + 1]
+        cuda.syncthreads()
+        if tid < hpb:
+            m_max = NEG
+            for sp in range(splits):
+                m_max = vmax(m_max, wts[sp * hpb + tid])
+            den = float32(0.0)
+            for sp in range(splits):
+                den += exp2(wts[sp * hpb + tid] - m_max) * wts[MAX_SPLITS * hpb + sp * hpb + tid]
+            f_ml[tid, 0] = m_max
+            f_ml[tid, 1] = float32(1.0) / den if den > 0 else float32(0.0)
+        cuda.syncthreads()
+        for e in range(tid, splits * hpb, threads):
+            g = e % hpb
+            wts[e] = exp2(wts[e] - f_ml[g, 0]) * f_ml[g, 1]
+        cuda.syncthreads()
+        # out = sum_s w_s acc_s: 16-byte loads, MERGE_UNROLL splits in flight per thread
+        row = hpb * head_dim
+        base = (i * cuda.gridDim.y + hb) * splits * row
+        for vi in range(tid, row // 4, threads):
+            g = (4 * vi) // head_dim
+            o4 = cuda.local.array(4, float32)
+            for x in range(4):
+                o4[x] = 0.0
+            for sp0 in range(0, splits, MERGE_UNROLL):
+                for u in range(MERGE_UNROLL):
+                    sp = sp0 + u
+                    if sp < splits:
+                        t = lds4f(part_acc, base + sp * row + 4 * vi)
+                        w8 = wts[sp * hpb + g]
+                        for x in range(4):
+                            o4[x] += w8 * t[x]
+            for x in range(4):
+                out[i, head0 + g, 4 * vi - g * head_dim + x] = from_f32(o4[x], kind_o)
+        if tid == 0:
+            counters[i * cuda.gridDim.y + hb] = 0
 
     @cuda.jit(fastmath=True, **register_cap(max_registers))
     def decode(q, kw, vw, block_tables, context_lens, out, part_ml, part_acc, counters,
@@ -346,81 +448,124 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
                         w_acc[(warp * hpb + g) * head_dim + (kl + v * TG) * DPV + e] = \
                             acc[g * DL + v * DPV + e]
         cuda.syncthreads()
-        if tid < hpb:
-            m_max = NEG
-            for w8 in range(NW):
-                m_max = vmax(m_max, w_ml[w8, tid, 0])
-            den = float32(0.0)
-            for w8 in range(NW):
-                den += exp2(w_ml[w8, tid, 0] - m_max) * w_ml[w8, tid, 1]
-            f_ml[tid, 0] = m_max
-            f_ml[tid, 1] = den
-        cuda.syncthreads()
-        for idx in range(tid, hpb * head_dim, threads):
-            g = idx // head_dim
-            num = float32(0.0)
-            for w8 in range(NW):
-                num += exp2(w_ml[w8, g, 0] - f_ml[g, 0]) * w_acc[w8 * hpb * head_dim + idx]
-            if splits == 1:
-                den = f_ml[g, 1]
-                o = num / den if den > 0 else float32(0.0)
-                out[i, head0 + g, idx - g * head_dim] = from_f32(o, kind_o)
-            else:
-                part_acc[i, hb, split, g, idx - g * head_dim] = num
-        if splits == 1:
-            return
-        if tid < hpb:
-            part_ml[i, hb, (split * hpb + tid) * 2] = f_ml[tid, 0]
-            part_ml[i, hb, (split * hpb + tid) * 2 + 1] = f_ml[tid, 1]
+        finish(tid, i, hb, split, head0, splits, ring, w_ml, f_ml, flag_sh, out, part_ml,
+               part_acc, counters)
 
-        # ---- split-K: the last block of this (sequence, head block) merges all splits
-        cuda.threadfence()
-        cuda.syncthreads()
-        if tid == 0:
-            ticket = cuda.atomic.add(counters, i * cuda.gridDim.y + hb, 1)
-            flag_sh[0] = 1 if ticket == splits - 1 else 0
-        cuda.syncthreads()
-        if flag_sh[0] == 0:
-            return
-        cuda.threadfence()
-        wts = ring                                           # free: split weights, then sums
-        for e in range(tid, splits * hpb, threads):
-            wts[e] = part_ml[i, hb, 2 * e]
-            wts[MAX_SPLITS * hpb + e] = part_ml[i, hb, 2 * e + 1]
-        cuda.syncthreads()
-        if tid < hpb:
-            m_max = NEG
-            for sp in range(splits):
-                m_max = vmax(m_max, wts[sp * hpb + tid])
-            den = float32(0.0)
-            for sp in range(splits):
-                den += exp2(wts[sp * hpb + tid] - m_max) * wts[MAX_SPLITS * hpb + sp * hpb + tid]
-            f_ml[tid, 0] = m_max
-            f_ml[tid, 1] = float32(1.0) / den if den > 0 else float32(0.0)
-        cuda.syncthreads()
-        for e in range(tid, splits * hpb, threads):
-            g = e % hpb
-            wts[e] = exp2(wts[e] - f_ml[g, 0]) * f_ml[g, 1]
-        cuda.syncthreads()
-        # out = sum_s w_s acc_s: 16-byte loads, MERGE_UNROLL splits in flight per thread
-        row = hpb * head_dim
-        base = (i * cuda.gridDim.y + hb) * splits * row
-        for vi in range(tid, row // 4, threads):
-            g = (4 * vi) // head_dim
-            o4 = cuda.local.array(4, float32)
-            for x in range(4):
-                o4[x] = 0.0
-            for sp0 in range(0, splits, MERGE_UNROLL):
-                for u in range(MERGE_UNROLL):
-                    sp = sp0 + u
-                    if sp < splits:
-                        t = lds4f(part_acc, base + sp * row + 4 * vi)
-                        w8 = wts[sp * hpb + g]
-                        for x in range(4):
-                            o4[x] += w8 * t[x]
-            for x in range(4):
-                out[i, head0 + g, 4 * vi - g * head_dim + x] = from_f32(o4[x], kind_o)
-        if tid == 0:
-            counters[i * cuda.gridDim.y + hb] = 0
+    if not tensor_cores:
+        return decode
 
-    return decode
+    HW = head_dim // 2                          # words of a query row
+    QW = 8 * HW                                 # q_sh: 8 rows (an mma tile's rows g)
+    MT = head_dim // 16
+    ACC2 = 4 * MT                               # accumulators per lane (decode_mma.pv)
+    QF = head_dim // 8                          # query fragment words per lane
+    load_q, qk, pv = decode_mma.stage_ops(kind_kv, head_dim, tensor_cores == 2)
+
+    @cuda.jit(fastmath=True, **register_cap(max_registers))
+    def decode_tc(q, kw, vw, block_tables, context_lens, out, part_ml, part_acc, counters,
+                  scale_log2, window, num_kv_heads, splits, chunk):
+        """The same blocks, splits, ring and merges; a stage's products on tensor cores
+        (``decode_mma``): lane ``4 g + t`` holds the scores and softmax state of head ``g``
+        (rows >= hpb unused) for keys ``2 t, 2 t + 1`` of each stage, and the output dims
+        ``16 m + g, + 8`` of heads ``2 t, 2 t + 1``."""
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        split = cuda.blockIdx.x
+        hb = cuda.blockIdx.y
+        i = cuda.blockIdx.z
+        kvh = hb // HCHUNKS
+        head0 = kvh * group + (hb % HCHUNKS) * hpb
+
+        smem = alloc_smem()
+        ring = smem[:RING]
+        tbl_sh = cuda.shared.array(TBL, int32)
+        q_sh = cuda.shared.array(QW, uint32)
+        w_ml = cuda.shared.array((NW, hpb, 2), float32)
+        f_ml = cuda.shared.array((hpb, 2), float32)
+        scratch = cuda.shared.array(threads, float32)
+        flag_sh = cuda.shared.array(1, int32)
+
+        length = context_lens[i]
+        lo = 0
+        if window > 0:
+            lo = vmax(0, length - window)
+        start = lo - lo % KPW + split * chunk
+        end = vmin(length, start + chunk)
+        n_keys = vmax(0, end - start)
+        b_first = start // BS
+        if n_keys > 0:
+            for e in range(tid, (end - 1) // BS - b_first + 1, threads):
+                tbl_sh[e] = block_tables[i, b_first + e]
+        for e in range(tid, QW, threads):
+            g = e // HW
+            d = 2 * (e - g * HW)
+            word = uint32(0)
+            if g < hpb:
+                word = pack2(to_f32(q[i, head0 + g, d], kind_q),
+                             to_f32(q[i, head0 + g, d + 1], kind_q), kind_kv)
+            q_sh[e] = word
+        blk_stride = num_kv_heads * PAGE_WORDS
+        head_off = kvh * PAGE_WORDS
+        n_stages = (n_keys + NW * KPW - 1) // (NW * KPW)
+        g = lane // 4
+        t = lane % 4
+        acc = cuda.local.array(ACC2, float32)
+        for k in range(ACC2):
+            acc[k] = 0.0
+        qf = cuda.local.array(QF, uint32)
+        s = cuda.local.array(2, float32)
+        m_run = NEG
+        l_run = float32(0.0)
+        cuda.syncthreads()
+        load_q(qf, q_sh, lane)
+
+        for n in range(STAGES - 1):
+            issue(ring, kw, vw, tbl_sh, n, n_stages, start, end, b_first, blk_stride, head_off,
+                  warp, lane)
+        for n in range(n_stages):
+            wait_ring()
+            syncwarp()
+            issue(ring, kw, vw, tbl_sh, n + STAGES - 1, n_stages, start, end, b_first,
+                  blk_stride, head_off, warp, lane)
+            base = ((n % STAGES) * NW + warp) * SLOT
+            key0 = start + (n * NW + warp) * KPW + 2 * t
+            qk(s, qf, q_sh, ring, base, lane, scratch)
+            s0 = s[0] * scale_log2 if key0 < end and key0 >= lo else NEG
+            s1 = s[1] * scale_log2 if key0 + 1 < end and key0 + 1 >= lo else NEG
+            m_new = fmax32(m_run, fmax32(s0, s1))
+            m_new = fmax32(m_new, shfl_xor(m_new, 1, scratch))
+            m_new = fmax32(m_new, shfl_xor(m_new, 2, scratch))
+            p0 = exp2(s0 - m_new) if s0 > NEG else float32(0.0)
+            p1 = exp2(s1 - m_new) if s1 > NEG else float32(0.0)
+            alpha = exp2(m_run - m_new)
+            a0 = shfl_idx(alpha, 8 * t, scratch)             # heads 2t, 2t + 1 (output layout)
+            a1 = shfl_idx(alpha, 8 * t + 4, scratch)
+            if decode_mma.warp_any(m_new != m_run, scratch):   # rare once the max settles
+                l_run *= alpha
+                for k in range(ACC2 // 2):
+                    acc[2 * k] *= a0
+                    acc[2 * k + 1] *= a1
+            m_run = m_new
+            l_run += p0 + p1
+            pv(acc, p0, p1, ring, base + KPW * ROW_WORDS, lane, scratch)
+
+        # ---- the 4 lanes of a head hold disjoint keys' sums (same max)
+        l_run += shfl_xor(l_run, 1, scratch)
+        l_run += shfl_xor(l_run, 2, scratch)
+        wait_all()
+        cuda.syncthreads()
+        if g < hpb and t == 0:
+            w_ml[warp, g, 0] = m_run
+            w_ml[warp, g, 1] = l_run
+        for e in range(2):
+            if 2 * t + e < hpb:
+                for m in range(MT):
+                    for h in range(2):
+                        ring[(warp * hpb + 2 * t + e) * head_dim + 16 * m + 8 * h + g] = \
+                            acc[4 * m + 2 * h + e]
+        cuda.syncthreads()
+        finish(tid, i, hb, split, head0, splits, ring, w_ml, f_ml, flag_sh, out, part_ml,
+               part_acc, counters)
+
+    return decode_tc
