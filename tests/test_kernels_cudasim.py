@@ -227,3 +227,26 @@ else:
                              backend="cuda")
         np.testing.assert_array_equal(prob.k_cache.view(np.uint8), ref_k.view(np.uint8))
         np.testing.assert_array_equal(prob.v_cache.view(np.uint8), ref_v.view(np.uint8))
+
+    def test_device_functions_keep_the_fake_module_when_calls_interleave():
+        """The simulator swaps a device function's global ``cuda`` per call
+        (``numba/cuda/simulator/kernelapi.py``, ``swapped_cuda_module``): thread A enters
+        while the real module is bound (and will restore it), thread B enters after it,
+        A leaves -- B must still reach the launch's ``syncthreads``. Replays that order
+        with the library's own context manager, as our launches run it."""
+        from numba import cuda
+        from numba.cuda.simulator.kernel import _push_kernel_context
+        from numba.cuda.simulator.kernelapi import FakeCUDAModule, swapped_cuda_module
+
+        from gpu_kernels.cuda import primitives
+
+        fake = FakeCUDAModule((1, 1, 1), (2, 1, 1), 0)
+        fn = primitives.shfl_xor.fn
+        with _push_kernel_context(fake), primitives.simulated_launch():
+            a, b = swapped_cuda_module(fn, fake), swapped_cuda_module(fn, fake)
+            a.__enter__()
+            b.__enter__()
+            a.__exit__(None, None, None)
+            assert primitives.cuda.syncthreads == fake.syncthreads     # B, still inside
+            b.__exit__(None, None, None)
+        assert primitives.cuda is cuda

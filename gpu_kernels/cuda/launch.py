@@ -27,7 +27,7 @@ import ctypes
 
 import numpy as np
 
-from .primitives import SIMULATED
+from .primitives import SIMULATED, simulated_launch
 
 try:
     from cuda.bindings import driver as _drv
@@ -117,6 +117,10 @@ class Launcher:
             raise RuntimeError(f"cuLaunchKernel of {self.dispatcher.__name__}: {err}")
 
     def _numba_launch(self, grid, block, stream, args):
+        if SIMULATED:
+            with simulated_launch():
+                self.dispatcher[grid, block, stream, self.shared](*args)
+            return
         if not self.shared:
             self.dispatcher[grid, block, stream](*args)
             return

@@ -48,7 +48,9 @@ while 128 accumulators are live spilled 528 bytes per thread.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
 
 import numpy as np
 from numba import config, cuda
@@ -86,6 +88,45 @@ def kind_of(dtype) -> int:
     if dtype == np.uint16:
         return BF16
     raise TypeError(f"unsupported CUDA attention dtype {dtype}")
+
+
+class _CurrentBlock:
+    """Stands for ``numba.cuda`` in this package's modules during a simulated launch.
+
+    The simulator makes ``cuda.threadIdx`` and friends work by rebinding a device
+    function's global ``cuda`` to the launch's fake module on entry and restoring the
+    real one on exit (``numba/cuda/simulator/kernelapi.py``, ``swapped_cuda_module``).
+    Its threads share the module's globals, so when the first thread to enter a device
+    function leaves it, the real module comes back under threads still inside, which
+    then fail with "module 'numba.cuda' has no attribute 'syncthreads'" -- now and then,
+    as thread switches fall. Bound for the whole launch, this object answers every
+    attribute from the launch's fake module, and the per-call swap (which only replaces
+    the real module) leaves it in place.
+    """
+
+    def __getattr__(self, name):
+        from numba.cuda.simulator.kernel import _get_kernel_context
+        return getattr(_get_kernel_context(), name)
+
+
+@contextlib.contextmanager
+def simulated_launch():
+    """Around one simulated kernel launch: bind :class:`_CurrentBlock` as ``cuda`` in
+    this package's modules (no-op on a GPU)."""
+    if not SIMULATED:
+        yield
+        return
+    real, stand_in = cuda, _CurrentBlock()       # (this module's own `cuda` is rebound too)
+    bound = [(vars(m), name) for m in list(sys.modules.values())
+             if getattr(m, "__name__", "").startswith("gpu_kernels.")
+             for name, value in list(vars(m).items()) if value is real]
+    for globs, name in bound:
+        globs[name] = stand_in
+    try:
+        yield
+    finally:
+        for globs, name in bound:
+            globs[name] = real
 
 
 if SIMULATED:
