@@ -16,7 +16,9 @@ then the LM head -- and share each phase's items (`cpu.sync`): ``ROWS`` output r
 micro-kernel of `cpu.microkernel`, more tokens), one (sequence, KV head) of
 attention. A thread that runs out of items to claim runs the unfinished
 ones itself rather than wait, so no thread ever waits for another (a
-descheduled one on a busy machine costs the others one item, not the step).
+descheduled one on a busy machine costs the others one item, not the step);
+a matmul phase ends on ``TAIL_ITEMS`` items a quarter that size, so the
+item a thread runs twice at the end of a phase is a small one.
 Cheap row-wise work between matmuls (norms, residual adds, SiLU) every thread
 does for itself on its own copy. Every phase writes its own per-layer buffer,
 so a thread that falls behind never finds its inputs overwritten; it finds the
@@ -57,6 +59,7 @@ _SEQ = dict(fastmath=True, cache=True, nogil=True, boundscheck=False)
 TILE = 48  # weight rows per item of a several-token matmul (a multiple of the micro-kernel's R): small
 # enough that the half item a phase loses at its end (a thread runs a held item again) stays small
 BLAS_TILE = 256  # most weight rows per item of a matmul of more than SMALL_T tokens
+TAIL_ITEMS = 4  # a dot-product or micro-kernel phase ends on this many items of a quarter the rows
 
 
 def num_phases(num_layers: int) -> int:
@@ -81,6 +84,30 @@ def _rows_of(k, x, formats, float_w, codes, nibbles, scales, offsets, sums, xt, 
         blas_rows(xt, nibbles[k], scales[k], offsets[k], w, out, lo, hi)
     else:
         blas_rows(xt, codes[k], scales[k], offsets[k], w, out, lo, hi)
+
+
+@njit(**_SEQ)
+def split_rows(num_out, rows, tail):
+    """A matmul phase's items: ``big`` items of ``rows`` outputs over the first ``head``, then items of
+    ``small`` (with ``tail``: ``TAIL_ITEMS`` or so of a quarter of ``rows``, starting on a multiple of 4
+    so the micro-kernel's groups of rows stay where they are; else none) -> (big, small, head, items)."""
+    small, head = rows, num_out
+    if tail:  # the thread that finishes first then runs at most a small item a second time
+        small = rows // 4
+        head = max(0, num_out - TAIL_ITEMS * small) // 4 * 4
+    big = (head + rows - 1) // rows
+    return big, small, head, big + (num_out - head + small - 1) // small
+
+
+@njit(**_SEQ)
+def _item_rows(item, big, rows, small, head, num_out):
+    """Output rows [lo, hi) of a matmul phase's ``item``: ``big`` items of ``rows`` over the first
+    ``head`` outputs, then items of ``small`` up to ``num_out``."""
+    if item < big:
+        lo = item * rows
+        return lo, min(head, lo + rows)
+    lo = head + (item - big) * small
+    return lo, min(num_out, lo + small)
 
 
 @njit(**_SEQ)
@@ -111,19 +138,17 @@ def _linear_phase(k, x, formats, float_w, codes, nibbles, scales, offsets, out, 
         rows = (num_out + items - 1) // items
         xt = np.ascontiguousarray(x.T)
         w = np.empty((rows, num_blocks * BLOCK), np.float32)
-    items = (num_out + rows - 1) // rows
+    big, small, head, items = split_rows(num_out, rows, x.shape[0] <= SMALL_T)
     item = claim(counters, phase)
     while item < items:
-        lo = item * rows
-        _rows_of(k, x, formats, float_w, codes, nibbles, scales, offsets, sums, xt, w, yt, out, lo,
-                 min(num_out, lo + rows))
+        lo, hi = _item_rows(item, big, rows, small, head, num_out)
+        _rows_of(k, x, formats, float_w, codes, nibbles, scales, offsets, sums, xt, w, yt, out, lo, hi)
         finish(marks, phase, item, epoch)
         item = claim(counters, phase)
     for item in range(items):  # held by another thread (or one that has not come yet): run it here too
         if not finished(marks, phase, item, epoch):
-            lo = item * rows
-            _rows_of(k, x, formats, float_w, codes, nibbles, scales, offsets, sums, xt, w, yt, out, lo,
-                     min(num_out, lo + rows))
+            lo, hi = _item_rows(item, big, rows, small, head, num_out)
+            _rows_of(k, x, formats, float_w, codes, nibbles, scales, offsets, sums, xt, w, yt, out, lo, hi)
             finish(marks, phase, item, epoch)
 
 
