@@ -139,7 +139,7 @@ def test_unfinished_items_are_run_by_whoever_gets_there():
     blocks, lists = _one_q8_linear(rng)
     x = rng.standard_normal((1, 96)).astype(np.float32)
     counters, marks = np.zeros(STRIDE, np.int64), np.zeros((1, 64), np.int64)
-    items = kernel.split_rows(64, kernel.ROWS, True)[3]
+    items = kernel.split_rows(64, kernel.DOT_ROWS, True)[3]
     counters[0] = items  # every item claimed by a thread that went away
     out = np.full((1, 64), np.nan, np.float32)
     kernel._linear_phase(0, x, *lists, out, counters, marks, 1, 0, 2)
@@ -148,7 +148,7 @@ def test_unfinished_items_are_run_by_whoever_gets_there():
 
 
 @pytest.mark.parametrize("num_out", [3, 31, 64, 70, 576, 961, 3072, 49152])
-@pytest.mark.parametrize("rows", [kernel.ROWS, kernel.TILE])
+@pytest.mark.parametrize("rows", [kernel.DOT_ROWS, kernel.TILE])
 def test_a_phase_ends_on_small_items_that_keep_the_row_groups(num_out, rows):
     """Whoever finishes a phase first runs the item still held by another thread a second time:
     the last items are a quarter the size, and every output is in exactly one item, the items

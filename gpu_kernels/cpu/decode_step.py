@@ -11,7 +11,7 @@ all ``T`` tokens.
 A team of threads calls ``decode_step`` together (`engine.fused_decode` keeps
 the team), each with its ``tid``; alone, one thread does everything. The
 threads walk the same *phases* -- per layer: QKV, attention, O, gate/up, down;
-then the LM head -- and share each phase's items (`cpu.sync`): ``ROWS`` output rows of a matmul
+then the LM head -- and share each phase's items (`cpu.sync`): ``DOT_ROWS`` output rows of a matmul
 (dot products, up to ``MATVEC_T`` tokens) or ``TILE`` (the register-blocked
 micro-kernel of `cpu.microkernel`, more tokens), one (sequence, KV head) of
 attention. A thread that runs out of items to claim runs the unfinished
@@ -48,7 +48,7 @@ from numba import njit
 
 from .activations import silu_mul
 from .attention import decode_item, store_rows
-from .block_matmul import BLOCK, MATVEC_T, ROWS, SMALL_T, blas_rows, block_sums, matvec_rows, padded_transpose, tiled_rows
+from .block_matmul import BLOCK, MATVEC_T, SMALL_T, blas_rows, block_sums, matvec_rows, padded_transpose, tiled_rows
 from .sync import claim, finish, finished
 
 FLOAT, INT8, NIBBLE = 0, 1, 2
@@ -56,6 +56,8 @@ QKV, O_PROJ, GATE_UP, DOWN = 0, 1, 2, 3
 PHASES_PER_LAYER = 5  # QKV, attention, O, gate/up, down
 
 _SEQ = dict(fastmath=True, cache=True, nogil=True, boundscheck=False)
+DOT_ROWS = 128  # weight rows per item of a dot-product matmul: long runs of contiguous rows stream from
+# memory faster than items interleaved every 32 rows between the threads
 TILE = 48  # weight rows per item of a several-token matmul (a multiple of the micro-kernel's R): small
 # enough that the half item a phase loses at its end (a thread runs a held item again) stays small
 BLAS_TILE = 256  # most weight rows per item of a matmul of more than SMALL_T tokens
@@ -126,7 +128,7 @@ def _linear_phase(k, x, formats, float_w, codes, nibbles, scales, offsets, out, 
     w = np.empty((1, 1), np.float32)
     yt = np.empty((1, 1), np.float32)
     if x.shape[0] <= MATVEC_T:
-        rows = ROWS
+        rows = DOT_ROWS
         block_sums(x, sums)
     elif x.shape[0] <= SMALL_T:  # the micro-kernel on TILE rows an item
         rows = TILE
