@@ -200,12 +200,8 @@ def contiguous(torch, cache, tables):
     return pages.permute(0, 2, 1, 3, 4).reshape(s, h, nb * bs, d).contiguous()
 
 
-def resources(dispatcher, threads, shared=None):
-    """'regs R, local L B, B blocks/SM' of the kernel a dispatcher last compiled (``shared``:
-    dynamic shared bytes per block; by default those its launcher gives)."""
-    if shared is None:
-        from gpu_kernels.cuda.launch import launcher
-        shared = launcher(dispatcher).shared
+def resources(dispatcher, threads, shared=0):
+    """'regs R, local L B, B blocks/SM' of the kernel a dispatcher last compiled."""
     found = list(dispatcher.overloads.values())
     if not found:
         return "resources unknown"
@@ -219,8 +215,6 @@ def resources(dispatcher, threads, shared=None):
     try:
         blocks = kernel._codelibrary.get_cufunc().kernel.occupancy.max_active_blocks_per_multiprocessor(threads, shared)
         parts.append(f"{blocks} blocks/SM ({blocks * threads // 32} warps)")
-        if shared:
-            parts.append(f"{shared / 1024:.0f} KB dynamic shared memory per block")
     except Exception:                                       # noqa: BLE001
         pass
     return ", ".join(parts)

@@ -32,7 +32,7 @@ from .primitives import F32, SIMULATED, from_f32, kind_of, to_f32
 
 THREADS = 64 if SIMULATED else 128    # threads per block (write_kv)
 DECODE_THREADS = 64 if SIMULATED else 128
-DECODE_STAGES = 3                      # decode: ring slots per warp (cp.async pipeline depth)
+DECODE_STAGES = 2                      # decode: ring slots per warp (cp.async pipeline depth)
 DECODE_STAGE_BYTES = 512 if SIMULATED else 4096   # decode: K + V bytes per warp stage
 DECODE_TABLE = 8 if SIMULATED else 512  # decode: block-table entries a block keeps (chunk limit)
 DECODE_BLOCKS_PER_SM = 4               # decode: split-K aims at this many blocks per SM
@@ -207,11 +207,11 @@ def _decode_plan(query, k_cache, block_tables, window, out):
     kind_q = kind_of(query.dtype)
     tensor_cores = _decode_tensor_cores(kind_q, kind_kv, head_dim, heads_per_block(group))
     hpb = heads_per_block(group) if tensor_cores else decode_heads_per_block(group)
-    kernel, shared = build_decode_kernel(DECODE_THREADS, group, hpb, head_dim, kind_q,
-                                         kind_kv, kind_of(out.dtype), block_size, DECODE_TABLE,
-                                         DECODE_STAGES, DECODE_STAGE_BYTES,
-                                         DECODE_MAX_REGISTERS if hpb <= 4 or tensor_cores
-                                         else None, tensor_cores)
+    kernel = build_decode_kernel(DECODE_THREADS, group, hpb, head_dim, kind_q,
+                                 kind_kv, kind_of(out.dtype), block_size, DECODE_TABLE,
+                                 DECODE_STAGES, DECODE_STAGE_BYTES,
+                                 DECODE_MAX_REGISTERS if hpb <= 4 or tensor_cores else None,
+                                 tensor_cores)
     head_blocks = num_kv_heads * (group // hpb)
     _, keys_per_pass, passes = stage_shape(head_dim, k_cache.dtype.itemsize, DECODE_STAGE_BYTES)
     kpw = keys_per_pass * passes                      # keys per warp stage; chunks align to it
@@ -238,7 +238,7 @@ def _decode_plan(query, k_cache, block_tables, window, out):
         raise NotImplementedError(f"cuda decode: {max_keys} keys need {splits} splits of at most "
                                   f"{chunk} keys (> {MAX_SPLITS}); raise DECODE_TABLE")
     scratch = _split_scratch(num_seqs, head_blocks, splits, hpb, head_dim)
-    return (launcher(kernel, shared), kernel, (splits, head_blocks, num_seqs), scratch,
+    return (launcher(kernel), kernel, (splits, head_blocks, num_seqs), scratch,
             (np.int32(num_kv_heads), np.int32(splits), np.int32(chunk)))
 
 

@@ -53,11 +53,11 @@ import functools
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
-from .primitives import (F32, SIMULATED, exp2, fmax32, from_f32, ld4, pack2, register_cap,
-                         shfl_idx, shfl_xor, to_f32, vmax, vmin, word_elem)
+from .primitives import (F32, exp2, fmax32, from_f32, ld4, pack2, register_cap, shfl_idx,
+                         shfl_xor, to_f32, vmax, vmin, word_elem)
 from . import decode_mma
-from .shared_memory import (cp_async16, cp_async_commit, cp_async_wait, dynamic_shared_vectors,
-                            lds4f, shared_vectors, syncwarp)
+from .shared_memory import (cp_async16, cp_async_commit, cp_async_wait, lds4f, shared_vectors,
+                          syncwarp)
 
 NEG = np.float32(-1e30)
 MAX_SPLITS = 256     # split-K: at most this many splits (their weights live in shared memory)
@@ -104,14 +104,10 @@ def _scatter_level(half, offset):
 @functools.lru_cache(maxsize=None)
 def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, block_size,
                         table_len, stages, stage_bytes, max_registers=None, tensor_cores=0):
-    """Compile-time specialization of the decode kernel (all arguments are constants):
-    ``(kernel, dynamic shared bytes per block)``.
+    """Compile-time specialization of the decode kernel (all arguments are constants).
 
     ``tensor_cores``: 0 the CUDA-core stage below; 1 the tensor-core stage of
     ``decode_mma`` in plain Numba (simulator, GPUs without ``mma.sync``); 2 with ``mma.sync``.
-    The ring (and the CUDA-core stage's score buffers) live in dynamic shared memory, so a
-    ring deeper than 48 KB of static shared memory allows is a launch setting (``launch``);
-    the simulator has no dynamic shared memory and keeps them static.
     """
     EPW = 1 if kind_kv == F32 else 2            # elements per 32-bit word
     DPV = 4 * EPW                               # elements per 16-byte vector
@@ -141,13 +137,7 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
     TBL = table_len + 1
     SWN = -(-NW * KPW * HP2 // 4) * 4          # per-warp scores / probabilities, 16-byte rounded
     MWN = NW * HP2
-    SMEM = RING if tensor_cores else RING + 2 * SWN   # the tensor-core stage keeps no scores
-    if SIMULATED:
-        alloc_smem = shared_vectors(SMEM)
-        dyn_bytes = 0
-    else:
-        alloc_smem = dynamic_shared_vectors()
-        dyn_bytes = 4 * SMEM
+    alloc_smem = shared_vectors(RING + 2 * SWN)
     ACCN = DL * hpb
     STAGES = stages
     wait_ring = cp_async_wait[stages - 2]
@@ -462,7 +452,7 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
                part_acc, counters)
 
     if not tensor_cores:
-        return decode, dyn_bytes
+        return decode
 
     HW = head_dim // 2                          # words of a query row
     QW = 8 * HW                                 # q_sh: 8 rows (an mma tile's rows g)
@@ -578,4 +568,4 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
         finish(tid, i, hb, split, head0, splits, ring, w_ml, f_ml, flag_sh, out, part_ml,
                part_acc, counters)
 
-    return decode_tc, dyn_bytes
+    return decode_tc
