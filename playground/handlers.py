@@ -31,6 +31,7 @@ from .colors import OwnerColors
 from .conversation import Node
 from .inputs import InputError, Limits
 from .inspector import block_inspector_html
+from .live_map import LiveMap
 from .logprobs import METRICS
 from .monitor import EngineMonitor
 from .prompt_view import prompt_view_html, score_prompt
@@ -81,7 +82,8 @@ class Handlers:
     """Event handlers bound to one ``LLM`` (shared by every tab)."""
 
 
-    def __init__(self, llm: Any, monitor: EngineMonitor, limits: Limits, *, allow_engine_admin: bool = False):
+    def __init__(self, llm: Any, monitor: EngineMonitor, limits: Limits, *, allow_engine_admin: bool = False,
+                 map_every: float = 0.5):
         self.llm, self.monitor, self.limits = llm, monitor, limits
         self.allow_engine_admin = allow_engine_admin
         self.tokenizer = llm.get_tokenizer()
@@ -92,9 +94,12 @@ class Handlers:
         self.max_model_len = getattr(engine, "max_model_len", None) or getattr(llm.config, "max_model_len", None)
         self.default_mode = default_mode(self.tokenizer)
         self.tabs = Tabs(on_close=self._tab_closed)
+        # The block map's own route (every ``map_every`` s per open tab), not a Gradio event.
+        self.live_map = LiveMap(lambda session, css: self.block_map(session, css=css), map_every)
         self._turn_lock = threading.RLock()
 
     def _tab_closed(self, session: ChatSession) -> None:
+        self.live_map.forget(session)
         if session.active_request_id:
             self.llm.abort(session.active_request_id)
 
@@ -409,20 +414,22 @@ class Handlers:
         names.update({rid: name for rid, name in session.labels.items() if rid in ids and name != "this chat"})
         return names
 
-    def refresh_map(self, session: ChatSession) -> str:
-        """Map timer tick: the block map, re-drawn only when the snapshot or this tab changed.
+    def block_map(self, session: ChatSession, *, css: bool = True) -> tuple[str, str]:
+        """The tab's block map and its key (a string that changes whenever the map would).
 
-        A tick is one event per open tab several times a second, on the cores the engine
-        decodes with, so it does little: one output, and the grid of cells (the same for every
-        tab) is drawn once per snapshot (``render.block_map_html`` keeps the last one).
+        Every open tab asks for it several times a second (``live_map``), on the cores the
+        engine decodes with: the grid of cells, the same for every tab, is drawn once per
+        snapshot (``render.block_map_html`` keeps the last one); only the legend is per tab.
         """
-        snap = self.monitor.snapshot()          # read first: the monitor keeps its pace while a view reads
-        key = (self.monitor.version, len(session.tree.nodes), id(session.tree.last_reply()))
-        if key == session.map_key:
-            return gr.skip()
-        session.map_key = key
+        version = self.monitor.version          # before the snapshot: a newer one only redraws again
+        snap = self.monitor.snapshot()          # a read keeps the monitor at its fast pace
+        key = f"{version}.{len(session.tree.nodes)}.{id(session.tree.last_reply())}"
         colors = self.colors.colors(self._owner_ids(snap))
-        return render.block_map_html(snap, labels=self.labels(session, snap), colors=colors)
+        return render.block_map_html(snap, labels=self.labels(session, snap), colors=colors, css=css), key
+
+    def map_panel(self, session: ChatSession) -> str:
+        """Page load: the tab's block map, with the token its script polls the map's route with."""
+        return self.live_map.html(session)
 
     def refresh_panels(self, session: ChatSession) -> tuple:
         """Panels timer tick (about once a second): prefix cache, engine and timeline panels."""
