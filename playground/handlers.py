@@ -41,7 +41,11 @@ from .timeline import timeline_html
 __all__ = ["Limits", "Handlers"]
 
 SKIP6 = (gr.skip(),) * 6
-CHAT_UPDATES_PER_S = 5          # a streaming reply's updates to the page
+# A streaming reply's updates to the page: each is a step of a Gradio event (the chat re-sent and
+# diffed) on the cores the engine decodes with, so there is a budget for all tabs together:
+# at most CHAT_UPDATES_PER_S a reply, CHAT_UPDATES_PER_S_ALL over every reply streaming at once.
+CHAT_UPDATES_PER_S = 5
+CHAT_UPDATES_PER_S_ALL = 12
 # The compare view's strips are for reading: branching starts from the logprob view above it.
 COMPARE_HINT = "<span>· hover (or tap) a token for its alternatives · branch from the logprob view above</span>"
 
@@ -97,6 +101,8 @@ class Handlers:
         # The block map's own route (every ``map_every`` s per open tab), not a Gradio event.
         self.live_map = LiveMap(lambda session, css: self.block_map(session, css=css), map_every)
         self._turn_lock = threading.RLock()
+        self._streaming = 0                      # replies streaming now, over every tab
+        self._streaming_lock = threading.Lock()
 
     def _tab_closed(self, session: ChatSession) -> None:
         self.live_map.forget(session)
@@ -169,6 +175,11 @@ class Handlers:
             reply.state = f"prefill {mine['num_computed_tokens']} / {mine['num_prompt_tokens']} tokens"
 
     # -- streaming one reply -------------------------------------------------------------
+    def update_period(self) -> float:
+        """Seconds between two updates of one streaming reply: the shared budget split between
+        the replies streaming now (5 a second for one or two, 3 for four, 1.5 for eight)."""
+        return max(1 / CHAT_UPDATES_PER_S, self._streaming / CHAT_UPDATES_PER_S_ALL)
+
     def _run(self, session: ChatSession, node: Node, prompt: Any, params: Any, first: tuple = ()) -> Iterator[tuple]:
         """Generate ``node``'s reply, yielding ``first`` and then the chat outputs as it grows; finish the
         turn however it ends (the tab's streaming slot is released even if cancelled at ``first``)."""
@@ -189,6 +200,8 @@ class Handlers:
 
         worker = threading.Thread(target=consume, name=f"stream-{reply.request_id}", daemon=True)
         worker.start()
+        with self._streaming_lock:
+            self._streaming += 1
         try:
             if first:
                 yield first
@@ -201,22 +214,25 @@ class Handlers:
             sent, lp_at, sent_at = None, 0.0, 0.0
             while not done.is_set():
                 changed.wait(0.25)
-                # At most CHAT_UPDATES_PER_S updates: each one re-sends the chat, and a fast engine
-                # would otherwise spend its time on one per token for every streaming tab.
-                time.sleep(max(0.0, sent_at + 1 / CHAT_UPDATES_PER_S - time.monotonic()))
+                # Paced (update_period): each update re-sends the chat, and a fast engine would
+                # otherwise have the server send one per token for every streaming tab.
+                period = self.update_period()
+                time.sleep(max(0.0, sent_at + period - time.monotonic()))
                 changed.clear()
                 self._reply_state(reply)
                 key = (len(reply.token_ids), reply.state, reply.num_prompt_tokens)
                 if key == sent or done.is_set():
                     continue
                 now = time.monotonic()
-                if reply.records and now - lp_at >= 0.5:     # the logprob view twice a second
+                if reply.records and now - lp_at >= max(0.5, 2 * period):   # the logprob view: every other update at most
                     lp, lp_at = render.logprob_html(reply.records, metric=session.lp_metric), now
                 if sent is None or sent[2] != key[2]:
                     prefix = self.prefix_html(session)
                 sent, sent_at = key, time.monotonic()
                 yield self.chat(session), gr.skip(), lp, prefix, *controls
         finally:
+            with self._streaming_lock:
+                self._streaming -= 1
             if not done.is_set():           # cancelled (Stop, closed tab): abort, let the stream end
                 reply.stopped = True
                 cancelled.set()

@@ -555,6 +555,41 @@ def test_the_block_map_is_polled_from_its_own_route_not_a_gradio_event(app):
     assert int(step.search(after.text).group(1)) > int(step.search(panel).group(1))  # the engine moved on
 
 
+def test_replies_streaming_at_once_share_one_budget_of_updates(paced_engine):
+    """Every streamed update is a step of a Gradio event on the cores the engine decodes with.
+    Each reply sent 5 a second however many streamed, so four tabs made the server send 20 a
+    second; now the replies streaming at once share 12 a second (a lone reply keeps 5)."""
+    from playground.chat import ChatSession
+    from playground.handlers import CHAT_UPDATES_PER_S_ALL, Handlers
+    from playground.monitor import EngineMonitor
+
+    monitor = EngineMonitor(paced_engine, interval=0.1)
+    h = Handlers(paced_engine, monitor, Limits())
+    gaps: list[list[float]] = [[] for _ in range(4)]
+
+    def chat(i: int) -> None:
+        last = None
+        for _ in h.send(f"Count from one to {20 + i}.", ChatSession(), SYSTEM, *greedy(24), "chat"):
+            now = time.monotonic()
+            if last is not None:
+                gaps[i].append(now - last)
+            last = now
+
+    try:
+        threads = [threading.Thread(target=chat, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        monitor.close()
+    assert h.update_period() == pytest.approx(0.2)                  # none streaming: a lone reply's pace
+    streamed = [g[1:-1] for g in gaps]                               # between the first and the last update
+    assert all(len(g) >= 3 for g in streamed)
+    median = sorted(x for g in streamed for x in g)[sum(len(g) for g in streamed) // 2]
+    assert median >= 0.9 * 4 / CHAT_UPDATES_PER_S_ALL               # about 3 a second each, not 5
+
+
 def test_streamed_updates_skip_only_the_message_box(paced_engine):
     """Each gr.skip() in a streamed update made Gradio build a new component on the server (several
     updates a second for every streaming tab); unchanged outputs are sent again instead (Gradio diffs a stream's values, so they cost nothing on the wire). Only the
