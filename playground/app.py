@@ -267,9 +267,28 @@ def build_app(
     # table of up to 10,000 past events) unless told to do it less often; the page never shows it.
     os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", "1000")
     demo.queue(max_size=queue_size, default_concurrency_limit=concurrency)
+    _pace_queue(demo)
     demo.playground_monitor = monitor   # so callers can close it
     demo.playground_routes = [h.live_map.route()]    # added to Gradio's app by launch()
     return demo
+
+
+# Gradio's queue looks for waiting events every millisecond and for progress to report every 10 ms
+# (``gradio.queueing.Queue``: ``sleep_when_free``, ``progress_update_sleep_when_free``): the server
+# wakes ~1,100 times a second whether anyone is on the page or not, on the cores the engine decodes
+# with. A chat waits at most QUEUE_POLL_S more to start (beside a first token's hundreds of ms);
+# the page reports no progress bars (its replies show their own state).
+QUEUE_POLL_S = 0.02
+PROGRESS_POLL_S = 0.25
+
+
+def _pace_queue(demo: gr.Blocks) -> None:
+    queue = getattr(demo, "_queue", None)
+    if queue is None or not hasattr(queue, "sleep_when_free"):
+        return                                   # another Gradio: its own pace
+    queue.sleep_when_free = max(queue.sleep_when_free, QUEUE_POLL_S)
+    if hasattr(queue, "progress_update_sleep_when_free"):
+        queue.progress_update_sleep_when_free = max(queue.progress_update_sleep_when_free, PROGRESS_POLL_S)
 
 
 def launch(demo: gr.Blocks, **kwargs: Any):

@@ -555,6 +555,16 @@ def test_the_block_map_is_polled_from_its_own_route_not_a_gradio_event(app):
     assert int(step.search(after.text).group(1)) > int(step.search(panel).group(1))  # the engine moved on
 
 
+def test_gradios_queue_does_not_wake_the_server_every_millisecond(app):
+    """Gradio 6's queue (gradio/queueing.py, ``Queue.__init__``: ``sleep_when_free = 0.001``,
+    ``progress_update_sleep_when_free = 0.01`` off Windows) looks for work ~1,100 times a second,
+    idle or not, on the cores the engine decodes with; the app slows those loops down (the chats
+    through the queue in this module still run)."""
+    demo, _ = app
+    assert demo._queue.sleep_when_free >= 0.02
+    assert demo._queue.progress_update_sleep_when_free >= 0.25
+
+
 def test_replies_streaming_at_once_share_one_budget_of_updates(paced_engine):
     """Every streamed update is a step of a Gradio event on the cores the engine decodes with.
     Each reply sent 5 a second however many streamed, so four tabs made the server send 20 a
