@@ -72,15 +72,22 @@ class Tab:
             self.map_key = response.headers["X-Map-Key"]
 
     def refresh_every(self, interval: float, stop: threading.Event) -> None:
-        panels_at = 0.0
+        """The map's polls every ``interval`` s; the panels' timer once a second beside them, on its
+        own (the page's two timers are independent: a slow panels tick does not delay the map)."""
+        panels = threading.Thread(target=self._panels_every, args=(1.0, stop))
+        panels.start()
         while not stop.is_set():
             t0 = time.perf_counter()
             self.poll_map()
             self.tick_s.append(time.perf_counter() - t0)
-            if t0 - panels_at >= 1.0:
-                panels_at = t0
-                for i in self.panel_ticks:
-                    self._tick(i)
+            stop.wait(max(0.0, interval - (time.perf_counter() - t0)))
+        panels.join()
+
+    def _panels_every(self, interval: float, stop: threading.Event) -> None:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            for i in self.panel_ticks:
+                self._tick(i)
             stop.wait(max(0.0, interval - (time.perf_counter() - t0)))
 
     def chat(self, max_tokens: int) -> None:

@@ -37,6 +37,7 @@ const base = () => {
   return root.endsWith('/') ? root : root + '/';
 };
 const poll = async () => {
+  const started = performance.now();
   const live = element.querySelector('.kv-live[data-tab]');
   let wait = 500;
   if (live) {
@@ -60,7 +61,7 @@ const poll = async () => {
       } catch (e) { wait = Math.max(wait, 2000); }   // server unreachable: try again later
     }
   }
-  setTimeout(poll, wait);
+  setTimeout(poll, Math.max(0, wait - (performance.now() - started)));   // one poll per period, round trip included
 };
 setTimeout(poll, 0);
 """
