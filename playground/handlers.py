@@ -211,7 +211,7 @@ class Handlers:
             lp = first[2] if first and isinstance(first[2], str) else gr.skip()
             prefix = first[3] if first and isinstance(first[3], str) else gr.skip()
             controls = (None, None) if first else (gr.skip(), gr.skip())    # reset by ``first``
-            sent, lp_at, sent_at = None, 0.0, 0.0
+            sent, lp_at, sent_at, prefix_at = None, 0.0, 0.0, 0.0
             while not done.is_set():
                 changed.wait(0.25)
                 # Paced (update_period): each update re-sends the chat, and a fast engine would
@@ -226,8 +226,10 @@ class Handlers:
                 now = time.monotonic()
                 if reply.records and now - lp_at >= max(0.5, 2 * period):   # the logprob view: every other update at most
                     lp, lp_at = render.logprob_html(reply.records, metric=session.lp_metric), now
-                if sent is None or sent[2] != key[2]:
-                    prefix = self.prefix_html(session)
+                # The page re-applies a stream's every output on each update, so the prefix panel's
+                # engine-wide stats would stay as first sent (over the panels' timer) unless redrawn.
+                if sent is None or sent[2] != key[2] or now - prefix_at >= 1.0:
+                    prefix, prefix_at = self.prefix_html(session), now
                 sent, sent_at = key, time.monotonic()
                 yield self.chat(session), gr.skip(), lp, prefix, *controls
         finally:

@@ -565,6 +565,26 @@ def test_gradios_queue_does_not_wake_the_server_every_millisecond(app):
     assert demo._queue.progress_update_sleep_when_free >= 0.25
 
 
+def test_the_prefix_panel_follows_the_engine_while_a_reply_streams(paced_engine):
+    """Gradio's page re-applies every output of a streamed update (the stream's own value, not the
+    panels' timer's newer one), so the prefix panel's engine-wide stats sent once at the start
+    stayed there for the whole reply (KV usage 0.0 % beside a map of used blocks). Streamed
+    updates now redraw it about once a second: the KV usage it shows grows with the reply."""
+    from playground.chat import ChatSession
+    from playground.handlers import Handlers
+    from playground.monitor import EngineMonitor
+
+    monitor = EngineMonitor(paced_engine, interval=0.1)
+    try:
+        h = Handlers(paced_engine, monitor, Limits())
+        updates = list(h.send("Count from one to forty.", ChatSession(), SYSTEM, *greedy(40), "chat"))
+    finally:
+        monitor.close()
+    usage = [re.search(r'data-stat="KV usage"><td>KV usage</td><td><b>([\d.]+)%', u[3]).group(1)
+             for u in updates[1:-1] if isinstance(u[3], str) and "of " in u[3]]
+    assert len(set(usage)) >= 2, usage
+
+
 def test_replies_streaming_at_once_share_one_budget_of_updates(paced_engine):
     """Every streamed update is a step of a Gradio event on the cores the engine decodes with.
     Each reply sent 5 a second however many streamed, so four tabs made the server send 20 a
