@@ -143,7 +143,7 @@ def sweep_split_rule(torch, timer, decode_case, scale):
 #: decode stage on tensor cores vs CUDA cores: (decode_mma_mode, register cap, blocks per SM
 #: aimed at, ring stages)
 DECODE_MMA_VARIANTS = [("off", 128, 4, 2), ("auto", 128, 4, 2), ("auto", 128, 3, 2),
-                       ("auto", 128, 6, 2)]
+                       ("auto", 128, 6, 2), ("auto", 128, 2, 2)]
 DECODE_MMA_SHAPES = [(1, 2048), (1, 8192), (1, 16384), (1, 32768), (16, 2048), (16, 8192),
                      (64, 2048), (64, 8192)]
 
