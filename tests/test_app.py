@@ -577,7 +577,7 @@ def test_the_prefix_panel_follows_the_engine_while_a_reply_streams(paced_engine)
     monitor = EngineMonitor(paced_engine, interval=0.1)
     try:
         h = Handlers(paced_engine, monitor, Limits())
-        updates = list(h.send("Count from one to forty.", ChatSession(), SYSTEM, *greedy(40), "chat"))
+        updates = list(h.send("Tell me a long story about a dragon.", ChatSession(), SYSTEM, *greedy(48), "chat"))
     finally:
         monitor.close()
     usage = [re.search(r'data-stat="KV usage"><td>KV usage</td><td><b>([\d.]+)%', u[3]).group(1)
