@@ -29,6 +29,14 @@ _MISSING = object()
 
 IN_CI = os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
+if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+    # The simulator runs a block's threads as Python threads while the launching thread
+    # polls them in a busy loop until all reach a barrier (numba/cuda/simulator/kernel.py,
+    # BlockManager.run). With Python's default 5 ms switch interval the poller keeps the
+    # GIL for whole intervals in which no simulated thread can move; handing it over each
+    # millisecond halves the CPU time of the simulator files.
+    sys.setswitchinterval(0.001)
+
 
 def unavailable(reason: str):
     """Skip: ``reason`` says what is missing and how to install it; in CI, fail instead."""

@@ -83,11 +83,12 @@ else:
     def test_rising_scores_rescale_right(monkeypatch, slack):
         """Scores rising ~0.4 log2 units per key: over a 16-key tile a row's maximum moves by
         ~6.4 (kept, below the slack: probabilities up to 2**6.4), over two by more (moved).
-        With the slack and without it (the maximum moving on every rise) the output matches
-        the reference; a missed rescale would weight early keys 2**6 too much or too little."""
+        One 16-row tile (8 tokens x 2 heads) over three key tiles sees both. With the slack
+        and without it (the maximum moving on every rise) the output matches the reference;
+        a missed rescale would weight early keys 2**6 too much or too little."""
         monkeypatch.setattr(cuda_backend, "PREFILL_MMA_TILES",
                             {16: (1, 1, 16, 2, None, slack)})
-        prob = make_problem(np.random.default_rng(10), context_lens=[64, 21], query_lens=[40, 21],
+        prob = make_problem(np.random.default_rng(10), context_lens=[48], query_lens=[8],
                             num_kv_heads=1, group=2, head_dim=16, block_size=4, dtype="float16",
                             query_dtype="float16")
         grow_scores(prob, 0.4)

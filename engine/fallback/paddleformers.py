@@ -110,7 +110,8 @@ def build_paddleformers_model(checkpoint, dtype: str, device: str, blocks: dict 
     model_cls = paddleformers_class(checkpoint.architecture)
     name = attention_adapter.register()
     config = paddleformers_config(model_cls, checkpoint.config, device, name)
-    model = model_cls(config)
+    with paddle.LazyGuard():   # parameters get memory when the checkpoint fills them
+        model = model_cls(config)
     load_hf_weights(model, checkpoint.weights("float32"), num_heads=config.num_attention_heads,
                     num_kv_heads=config.num_key_value_heads)
     fixups = tuple(apply_fixups(model))

@@ -80,8 +80,8 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping, min_parallel_work):
     """Scatter ``key/value[t]`` into slot ``slot_mapping[t]`` (-1 = skip), converting formats."""
     num_tokens = key.shape[0]
     if key.size >= min_parallel_work:
-        for t in prange(num_tokens):
-            write_token(key, value, k_cache, v_cache, slot_mapping, t)
+        for t in prange(num_tokens):     # prange's index is unsigned: one type for both loops
+            write_token(key, value, k_cache, v_cache, slot_mapping, np.int64(t))
     else:
         for t in range(num_tokens):
             write_token(key, value, k_cache, v_cache, slot_mapping, t)
@@ -239,18 +239,21 @@ def paged_decode(query, k_cache, v_cache, block_tables, context_lens, scale, win
     part_acc = np.empty((num_seqs, num_kv_heads, splits, group, head_dim), np.float32)
     items = num_seqs * num_kv_heads * splits
     if parallel:
-        for item in prange(items):
+        for uitem in prange(items):      # prange's index is unsigned: one type for both loops
+            item = np.int64(uitem)
             decode_item(query, k_cache, v_cache, block_tables, context_lens, scale, window,
                         item // (num_kv_heads * splits), (item // splits) % num_kv_heads,
                         item % splits, part_m, part_l, part_acc)
-        for item in prange(num_seqs * num_kv_heads):
+        for uitem in prange(num_seqs * num_kv_heads):
+            item = np.int64(uitem)
             i, h = item // num_kv_heads, item % num_kv_heads
             l, acc = merge(part_m[i, h], part_l[i, h], part_acc[i, h])
             store_rows(out, i, 1, h * group, group, l, acc)
     else:
         for item in range(items):
             decode_item(query, k_cache, v_cache, block_tables, context_lens, scale, window,
-                        item // num_kv_heads, item % num_kv_heads, 0, part_m, part_l, part_acc)
+                        item // num_kv_heads, item % num_kv_heads, np.int64(0),
+                        part_m, part_l, part_acc)
         for item in range(num_seqs * num_kv_heads):
             i, h = item // num_kv_heads, item % num_kv_heads
             store_rows(out, i, 1, h * group, group, part_l[i, h, 0], part_acc[i, h, 0])

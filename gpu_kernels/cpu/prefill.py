@@ -234,9 +234,9 @@ def paged_prefill(query, k_cache, v_cache, block_tables, query_start_loc, contex
         work += n * keys
     items = tile_start[num_seqs] * num_kv_heads
     if work * num_heads * head_dim >= min_parallel_work:
-        for item in prange(items):
+        for item in prange(items):       # prange's index is unsigned: one type for both loops
             run_item(query, k_cache, v_cache, block_tables, query_start_loc, context_lens,
-                     scale, window, out, tile_start, tile, num_tiled, item)
+                     scale, window, out, tile_start, tile, num_tiled, np.int64(item))
     else:
         for item in range(items):
             run_item(query, k_cache, v_cache, block_tables, query_start_loc, context_lens,
