@@ -9,9 +9,10 @@ Starts the app as ``python -m playground`` does (load, warm-up, ``build_app``, `
    so the same tokens) run two ways, alternated ``--repeats`` times:
    *engine alone* — ``LLM.stream`` on each chat, nobody on the page (the app idles);
    *app* — each chat sent by its own tab through the app over HTTP, streaming the chat and the
-   logprob view, while every tab fires the page's timers as its script does (a POST to
-   ``/run/predict``: the timers skip the queue): the block map's every ``--interval`` s, the
-   prefix-cache, engine and timeline panels' once a second. The tabs run in their own process
+   logprob view, while every tab refreshes its panels as the page's script does: the block map
+   from the map's own route every ``--interval`` s (``playground.live_map``), the prefix-cache,
+   engine and timeline panels through their timer once a second (a POST to ``/run/predict``:
+   the timer skips the queue). The tabs run in their own process
    (``benchmarks.playground_tabs``, at a lower CPU priority: a browser's work is not the
    server's), so what is measured is the server's side.
    Decode tok/s is read from the engine's step events in both (steps where every chat decodes),
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tabs", type=int, default=4, help="open tabs, each streaming one chat")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--interval", type=float, default=0.2,
-                        help="the page's block-map timer (s), as build_app's refresh_every")
+                        help="the page's block-map refresh (s), as build_app's refresh_every")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-warm-up", action="store_true", help="start without the CLI's warm-up")
     parser.add_argument("--tabs-nice", type=int, default=10,

@@ -2,10 +2,10 @@
 HTTP in their own process (as a browser is), so their client work never runs under the engine's
 interpreter lock. Started by the benchmark; reads one command per line on stdin:
 
-``round MAX_TOKENS`` — every tab fires the page's block-map timer every ``--interval`` s (and the
-other panels' timer once a second), as the page's script does (``/run/predict``), and
-sends its chat (``/chat``, greedy); when all chats have finished, one JSON line is printed:
-block maps received per second per tab, and the timer's round-trip times.
+``round MAX_TOKENS`` — every tab polls the block map's route every ``--interval`` s and fires the
+other panels' timer once a second (``/run/predict``), as the page's script does, and sends its
+chat (``/chat``, greedy); when all chats have finished, one JSON line is printed: block maps
+received per second per tab, and the polls' round-trip times.
 ``round MAX_TOKENS chats`` — the chats without the timers.
 ``ticks`` — the timers alone: ``{"ticking": n}`` at once, the JSON line after a ``stop`` line.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import threading
@@ -40,17 +41,18 @@ class Tab:
         self.prompt = prompt
         config = self.client.config
         kv_map = next(c["id"] for c in config["components"] if c.get("props", {}).get("elem_id") == "kv-map")
-        ticks = [i for i, d in enumerate(config["dependencies"]) if any(t[1] == "tick" for t in d.get("targets", []))]
-        # The page's two timers: the block map's (fast) and the other panels' (about once a second).
-        self.map_tick = next(i for i in ticks if kv_map in config["dependencies"][i]["outputs"])
-        self.panel_ticks = [i for i in ticks if i != self.map_tick]
-        # The timers' events are not part of the public API; a browser tab calls them all the same.
-        for i in ticks:
-            self.client.endpoints[i].is_valid = True
+        deps = config["dependencies"]
+        # The page's load event draws the block map with the tab's token; the panels' timer ticks
+        # about once a second.
+        map_load = next(i for i, d in enumerate(deps) if kv_map in d["outputs"])
+        self.panel_ticks = [i for i, d in enumerate(deps) if any(t[1] == "tick" for t in d.get("targets", []))]
         self.maps = 0
         self.tick_s: list[float] = []
         self.http = httpx.Client(timeout=60)
         self.run_url = f"{url.rstrip('/')}/gradio_api/run/predict"
+        self.map_url = f"{url.rstrip('/')}/playground/map"
+        panel = self._tick(map_load)[0]
+        self.token, self.map_key = re.search(r'data-tab="([^"]+)".*?data-key="([^"]*)"', panel).groups()
 
     def _tick(self, fn_index: int) -> list:
         """One timer event as the page's script sends it: the timers skip the queue (``queue=False``),
@@ -61,17 +63,31 @@ class Tab:
         response.raise_for_status()
         return response.json()["data"]
 
+    def poll_map(self) -> None:
+        """The page's script asking the map's route for a newer map (204: none)."""
+        response = self.http.get(self.map_url, params={"tab": self.token, "since": self.map_key})
+        response.raise_for_status()
+        if response.status_code == 200:
+            self.maps += 1
+            self.map_key = response.headers["X-Map-Key"]
+
     def refresh_every(self, interval: float, stop: threading.Event) -> None:
-        panels_at = 0.0
+        """The map's polls every ``interval`` s; the panels' timer once a second beside them, on its
+        own (the page's two timers are independent: a slow panels tick does not delay the map)."""
+        panels = threading.Thread(target=self._panels_every, args=(1.0, stop))
+        panels.start()
         while not stop.is_set():
             t0 = time.perf_counter()
-            block_map = self._tick(self.map_tick)[0]
+            self.poll_map()
             self.tick_s.append(time.perf_counter() - t0)
-            self.maps += isinstance(block_map, str)            # a new map, not "unchanged"
-            if t0 - panels_at >= 1.0:
-                panels_at = t0
-                for i in self.panel_ticks:
-                    self._tick(i)
+            stop.wait(max(0.0, interval - (time.perf_counter() - t0)))
+        panels.join()
+
+    def _panels_every(self, interval: float, stop: threading.Event) -> None:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            for i in self.panel_ticks:
+                self._tick(i)
             stop.wait(max(0.0, interval - (time.perf_counter() - t0)))
 
     def chat(self, max_tokens: int) -> None:

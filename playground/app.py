@@ -21,6 +21,7 @@ from .chatview import META_CSS
 from .handlers import Handlers, Limits
 from .monitor import EngineMonitor
 from .inspector import BLOCK_CLICK_JS, block_inspector_html
+from .live_map import LIVE_MAP_JS
 from .minimap import MINIMAP_HTML, MINIMAP_JS
 from .prompt_view import PROMPT_VIEW_EMPTY
 from .serve_commands import serve_commands_html
@@ -106,8 +107,9 @@ def build_app(
         queue_size: requests waiting beyond this are refused with "queue full".
         concurrency: chats streaming at once (default: the engine's
             ``max_num_seqs``, so they all batch together).
-        refresh_every: seconds between block-map refreshes (the other live panels
-            refresh once a second).
+        refresh_every: seconds between block-map refreshes (each tab's script polls the
+            map's own route, ``playground.live_map``; the other live panels refresh once a
+            second through a Gradio timer).
         system_prompt: the initial system prompt.
         allow_engine_admin: enable the actions that affect every visitor
             (resetting the prefix cache, loading a second backend for the
@@ -117,10 +119,10 @@ def build_app(
     limits = limits or Limits()
     config = getattr(llm, "config", None)
     concurrency = concurrency or getattr(config, "max_num_seqs", None) or 8
-    # Snapshots a little more often than the map's timer ticks, so a tick while the engine runs
+    # Snapshots a little more often than the tabs poll the map, so a poll while the engine runs
     # finds a new one (the map then refreshes 1 / refresh_every times a second).
     monitor = EngineMonitor(llm, interval=0.75 * refresh_every)
-    h = Handlers(llm, monitor, limits, allow_engine_admin=allow_engine_admin)
+    h = Handlers(llm, monitor, limits, allow_engine_admin=allow_engine_admin, map_every=refresh_every)
     snap = monitor.snapshot()
     base_model = h.default_mode == "completion"
 
@@ -181,7 +183,7 @@ def build_app(
             with gr.Column(scale=4, min_width=380):
                 gr.Markdown("**KV cache blocks** — one cell per physical block, live; click one to inspect it, "
                             "hover a legend entry to find its blocks")
-                block_map = _html(render.block_map_html(snap), "kv-map", js=BLOCK_CLICK_JS)
+                block_map = _html(render.block_map_html(snap), "kv-map", js=BLOCK_CLICK_JS + LIVE_MAP_JS)
                 inspector = _html(block_inspector_html(None, None), "block-inspector")
                 with gr.Tabs():
                     with gr.Tab("Prefix cache"):
@@ -207,7 +209,6 @@ def build_app(
                                                 label="requests")
                             fire = gr.Button("Fire batch", variant="primary")
                         batch_view = _html(render.batch_table_html([]), "batch-view")
-        timer = gr.Timer(refresh_every)
         panel_timer = gr.Timer(max(1.0, refresh_every))
 
         T = h.tabs.wrap
@@ -252,28 +253,49 @@ def build_app(
         reset.click(T(h.reset_prefix_cache), [session], [prefix], api_name="reset_prefix_cache")
         align.click(T(h.align), [session, system], [align_view], api_name="align", concurrency_limit=1,
                     concurrency_id="align", preprocess=False)
-        # Live views: a fast timer for the block map (one output), a slow one for the other panels.
+        # Live views: the block map is drawn by the page's load event with the tab's token, then
+        # polled by the page's script from its own route (live_map: no Gradio event per tab and
+        # refresh); the other panels refresh through a timer about once a second.
         # Ticks skip the queue (queue=False): a tick is a plain request, not a queued SSE event.
         live = dict(show_progress="hidden", concurrency_limit=None, api_visibility="private", queue=False)
-        # The map's tick runs on Gradio's event loop (a cache lookup most of the time): handing it
-        # to a worker thread cost the server more than the tick itself.
-        map_view = dict(fn=T(h.refresh_map, on_loop=True), inputs=[session], outputs=[block_map], **live)
         panel_views = dict(fn=T(h.refresh_panels), inputs=[session], outputs=[prefix, engine, timeline], **live)
-        timer.tick(**map_view)
         panel_timer.tick(**panel_views)
-        demo.load(**map_view)
+        demo.load(T(h.map_panel), [session], [block_map], **live)
         demo.load(**panel_views)
         demo.unload(h.tabs.forget)
     # After every queued event Gradio recomputes the summary of its monitoring dashboard (a pandas
     # table of up to 10,000 past events) unless told to do it less often; the page never shows it.
     os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", "1000")
     demo.queue(max_size=queue_size, default_concurrency_limit=concurrency)
+    _pace_queue(demo)
     demo.playground_monitor = monitor   # so callers can close it
+    demo.playground_routes = [h.live_map.route()]    # added to Gradio's app by launch()
     return demo
 
 
+# Gradio's queue looks for waiting events every millisecond and for progress to report every 10 ms
+# (``gradio.queueing.Queue``: ``sleep_when_free``, ``progress_update_sleep_when_free``): the server
+# wakes ~1,100 times a second whether anyone is on the page or not, on the cores the engine decodes
+# with. A chat waits at most QUEUE_POLL_S more to start (beside a first token's hundreds of ms);
+# the page reports no progress bars (its replies show their own state).
+QUEUE_POLL_S = 0.02
+PROGRESS_POLL_S = 0.25
+
+
+def _pace_queue(demo: gr.Blocks) -> None:
+    queue = getattr(demo, "_queue", None)
+    if queue is None or not hasattr(queue, "sleep_when_free"):
+        return                                   # another Gradio: its own pace
+    queue.sleep_when_free = max(queue.sleep_when_free, QUEUE_POLL_S)
+    if hasattr(queue, "progress_update_sleep_when_free"):
+        queue.progress_update_sleep_when_free = max(queue.progress_update_sleep_when_free, PROGRESS_POLL_S)
+
+
 def launch(demo: gr.Blocks, **kwargs: Any):
-    """``demo.launch`` with the playground's theme and CSS (bound to 127.0.0.1 unless told)."""
+    """``demo.launch`` with the playground's theme, CSS and routes (bound to 127.0.0.1 unless told)."""
+    app_kwargs = dict(kwargs.pop("app_kwargs", None) or {})
+    app_kwargs["routes"] = [*getattr(demo, "playground_routes", []), *app_kwargs.get("routes", [])]
+    kwargs["app_kwargs"] = app_kwargs
     kwargs.setdefault("server_name", os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
     kwargs.setdefault("theme", THEME)
     kwargs.setdefault("css", CSS)

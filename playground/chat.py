@@ -12,6 +12,7 @@ frees its KV blocks.
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 import uuid
 from collections.abc import Collection, Iterator
@@ -68,8 +69,9 @@ class ChatSession:
     tree: Conversation = field(default_factory=Conversation)   # every reply and branch (app)
     labels: dict[str, str] = field(default_factory=dict)  # this tab's recent requests → legend name
     last_render_key: Any = None                           # what the panels were last drawn from
-    map_key: Any = None                                   # what the block map was last drawn from
     lp_metric: str = "probability"                        # the logprob view's probability / logprob / rank
+    # Names the tab to the block map's route (unguessable: one visitor cannot ask for another's legend).
+    map_token: str = field(default_factory=lambda: secrets.token_urlsafe(12))
 
     def new_request_id(self, kind: str = "chat", label: str = "this chat") -> str:
         """A fresh engine request id for this tab, remembered with its legend name."""

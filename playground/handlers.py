@@ -31,6 +31,7 @@ from .colors import OwnerColors
 from .conversation import Node
 from .inputs import InputError, Limits
 from .inspector import block_inspector_html
+from .live_map import LiveMap
 from .logprobs import METRICS
 from .monitor import EngineMonitor
 from .prompt_view import prompt_view_html, score_prompt
@@ -40,7 +41,11 @@ from .timeline import timeline_html
 __all__ = ["Limits", "Handlers"]
 
 SKIP6 = (gr.skip(),) * 6
-CHAT_UPDATES_PER_S = 5          # a streaming reply's updates to the page
+# A streaming reply's updates to the page: each is a step of a Gradio event (the chat re-sent and
+# diffed) on the cores the engine decodes with, so there is a budget for all tabs together:
+# at most CHAT_UPDATES_PER_S a reply, CHAT_UPDATES_PER_S_ALL over every reply streaming at once.
+CHAT_UPDATES_PER_S = 5
+CHAT_UPDATES_PER_S_ALL = 12
 # The compare view's strips are for reading: branching starts from the logprob view above it.
 COMPARE_HINT = "<span>· hover (or tap) a token for its alternatives · branch from the logprob view above</span>"
 
@@ -81,7 +86,8 @@ class Handlers:
     """Event handlers bound to one ``LLM`` (shared by every tab)."""
 
 
-    def __init__(self, llm: Any, monitor: EngineMonitor, limits: Limits, *, allow_engine_admin: bool = False):
+    def __init__(self, llm: Any, monitor: EngineMonitor, limits: Limits, *, allow_engine_admin: bool = False,
+                 map_every: float = 0.5):
         self.llm, self.monitor, self.limits = llm, monitor, limits
         self.allow_engine_admin = allow_engine_admin
         self.tokenizer = llm.get_tokenizer()
@@ -92,9 +98,14 @@ class Handlers:
         self.max_model_len = getattr(engine, "max_model_len", None) or getattr(llm.config, "max_model_len", None)
         self.default_mode = default_mode(self.tokenizer)
         self.tabs = Tabs(on_close=self._tab_closed)
+        # The block map's own route (every ``map_every`` s per open tab), not a Gradio event.
+        self.live_map = LiveMap(lambda session, css: self.block_map(session, css=css), map_every)
         self._turn_lock = threading.RLock()
+        self._streaming = 0                      # replies streaming now, over every tab
+        self._streaming_lock = threading.Lock()
 
     def _tab_closed(self, session: ChatSession) -> None:
+        self.live_map.forget(session)
         if session.active_request_id:
             self.llm.abort(session.active_request_id)
 
@@ -164,6 +175,11 @@ class Handlers:
             reply.state = f"prefill {mine['num_computed_tokens']} / {mine['num_prompt_tokens']} tokens"
 
     # -- streaming one reply -------------------------------------------------------------
+    def update_period(self) -> float:
+        """Seconds between two updates of one streaming reply: the shared budget split between
+        the replies streaming now (5 a second for one or two, 3 for four, 1.5 for eight)."""
+        return max(1 / CHAT_UPDATES_PER_S, self._streaming / CHAT_UPDATES_PER_S_ALL)
+
     def _run(self, session: ChatSession, node: Node, prompt: Any, params: Any, first: tuple = ()) -> Iterator[tuple]:
         """Generate ``node``'s reply, yielding ``first`` and then the chat outputs as it grows; finish the
         turn however it ends (the tab's streaming slot is released even if cancelled at ``first``)."""
@@ -184,6 +200,8 @@ class Handlers:
 
         worker = threading.Thread(target=consume, name=f"stream-{reply.request_id}", daemon=True)
         worker.start()
+        with self._streaming_lock:
+            self._streaming += 1
         try:
             if first:
                 yield first
@@ -193,25 +211,30 @@ class Handlers:
             lp = first[2] if first and isinstance(first[2], str) else gr.skip()
             prefix = first[3] if first and isinstance(first[3], str) else gr.skip()
             controls = (None, None) if first else (gr.skip(), gr.skip())    # reset by ``first``
-            sent, lp_at, sent_at = None, 0.0, 0.0
+            sent, lp_at, sent_at, prefix_at = None, 0.0, 0.0, 0.0
             while not done.is_set():
                 changed.wait(0.25)
-                # At most CHAT_UPDATES_PER_S updates: each one re-sends the chat, and a fast engine
-                # would otherwise spend its time on one per token for every streaming tab.
-                time.sleep(max(0.0, sent_at + 1 / CHAT_UPDATES_PER_S - time.monotonic()))
+                # Paced (update_period): each update re-sends the chat, and a fast engine would
+                # otherwise have the server send one per token for every streaming tab.
+                period = self.update_period()
+                time.sleep(max(0.0, sent_at + period - time.monotonic()))
                 changed.clear()
                 self._reply_state(reply)
                 key = (len(reply.token_ids), reply.state, reply.num_prompt_tokens)
                 if key == sent or done.is_set():
                     continue
                 now = time.monotonic()
-                if reply.records and now - lp_at >= 0.5:     # the logprob view twice a second
+                if reply.records and now - lp_at >= max(0.5, 2 * period):   # the logprob view: every other update at most
                     lp, lp_at = render.logprob_html(reply.records, metric=session.lp_metric), now
-                if sent is None or sent[2] != key[2]:
-                    prefix = self.prefix_html(session)
+                # The page re-applies a stream's every output on each update, so the prefix panel's
+                # engine-wide stats would stay as first sent (over the panels' timer) unless redrawn.
+                if sent is None or sent[2] != key[2] or now - prefix_at >= 1.0:
+                    prefix, prefix_at = self.prefix_html(session), now
                 sent, sent_at = key, time.monotonic()
                 yield self.chat(session), gr.skip(), lp, prefix, *controls
         finally:
+            with self._streaming_lock:
+                self._streaming -= 1
             if not done.is_set():           # cancelled (Stop, closed tab): abort, let the stream end
                 reply.stopped = True
                 cancelled.set()
@@ -409,20 +432,22 @@ class Handlers:
         names.update({rid: name for rid, name in session.labels.items() if rid in ids and name != "this chat"})
         return names
 
-    def refresh_map(self, session: ChatSession) -> str:
-        """Map timer tick: the block map, re-drawn only when the snapshot or this tab changed.
+    def block_map(self, session: ChatSession, *, css: bool = True) -> tuple[str, str]:
+        """The tab's block map and its key (a string that changes whenever the map would).
 
-        A tick is one event per open tab several times a second, on the cores the engine
-        decodes with, so it does little: one output, and the grid of cells (the same for every
-        tab) is drawn once per snapshot (``render.block_map_html`` keeps the last one).
+        Every open tab asks for it several times a second (``live_map``), on the cores the
+        engine decodes with: the grid of cells, the same for every tab, is drawn once per
+        snapshot (``render.block_map_html`` keeps the last one); only the legend is per tab.
         """
-        snap = self.monitor.snapshot()          # read first: the monitor keeps its pace while a view reads
-        key = (self.monitor.version, len(session.tree.nodes), id(session.tree.last_reply()))
-        if key == session.map_key:
-            return gr.skip()
-        session.map_key = key
+        version = self.monitor.version          # before the snapshot: a newer one only redraws again
+        snap = self.monitor.snapshot()          # a read keeps the monitor at its fast pace
+        key = f"{version}.{len(session.tree.nodes)}.{id(session.tree.last_reply())}"
         colors = self.colors.colors(self._owner_ids(snap))
-        return render.block_map_html(snap, labels=self.labels(session, snap), colors=colors)
+        return render.block_map_html(snap, labels=self.labels(session, snap), colors=colors, css=css), key
+
+    def map_panel(self, session: ChatSession) -> str:
+        """Page load: the tab's block map, with the token its script polls the map's route with."""
+        return self.live_map.html(session)
 
     def refresh_panels(self, session: ChatSession) -> tuple:
         """Panels timer tick (about once a second): prefix cache, engine and timeline panels."""

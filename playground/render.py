@@ -111,6 +111,7 @@ def block_map_html(
     labels: Mapping[str, str] | None = None,
     columns: int | None = None,
     colors: Mapping[str, str] | None = None,
+    css: bool = True,
 ) -> str:
     """Render the KV block map of a snapshot dict.
 
@@ -123,6 +124,8 @@ def block_map_html(
         colors: ``{request_id: colour}`` kept across snapshots by the caller
             (``colors.OwnerColors``); by default ``owner_colors`` of this
             snapshot alone.
+        css: start with the panels' ``<style>`` (off for a map that replaces one
+            already on the page).
 
     Each cell is a ``div.kv-cell.kv-<kind>`` with ``data-block``,
     ``data-ref`` and ``data-owners`` attributes and a hover ``title``.
@@ -162,7 +165,7 @@ def block_map_html(
             f"</span>{text} ({counts[kind]})</span>"
         )
     return (
-        f'{_CSS}<div class="pg-panel kv-map" data-step="{_e(snapshot.get("step", 0))}">{head}'
+        f'{_CSS if css else ""}<div class="pg-panel kv-map" data-step="{_e(snapshot.get("step", 0))}">{head}'
         f'<div class="kv-grid" style="grid-template-columns:repeat({cols},minmax(0,1fr))">'
         f'{cells}</div><div class="kv-legend">{"".join(legend)}</div></div>'
     )

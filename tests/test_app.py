@@ -511,42 +511,113 @@ def test_the_prompt_view_shows_what_surprised_the_model(client, smollm2_llm):
     assert not wait_idle(smollm2_llm)["requests"]
 
 
-def test_the_block_map_has_its_own_one_output_timer(app):
-    """Each open tab fires the map's timer several times a second. It had one timer for four
-    panels, and Gradio builds a component on the server for every gr.skip() of an unchanged one;
-    now the map's timer has one output, and the page's script (a POST to /run/predict, the timers
-    skip the queue) gets the map when it changed and a skip when it did not."""
+def test_the_block_map_is_polled_from_its_own_route_not_a_gradio_event(app):
+    """Each open tab refreshes the map several times a second, on the cores the engine decodes
+    with. It was a Gradio timer (an event through Gradio's request machinery per tab and tick);
+    now the page's load event draws the map once with the tab's token, and the page's script
+    polls the map's own route: 204 while nothing changed, the new map (without the panels'
+    style, already on the page) when the engine moved on, 404 for a token it never gave out."""
     import httpx
 
     demo, url = app
     client = gradio_client.Client(url, verbose=False)
     config = client.config
     kv_map = next(c["id"] for c in config["components"] if c.get("props", {}).get("elem_id") == "kv-map")
-    timers = {c["id"]: c["props"]["value"] for c in config["components"] if c["type"] == "timer"}
-    ticks = {i: d for i, d in enumerate(config["dependencies"]) if any(t[1] == "tick" for t in d["targets"])}
-    map_ticks = [i for i, d in ticks.items() if kv_map in d["outputs"]]
-    assert len(map_ticks) == 1 and ticks[map_ticks[0]]["outputs"] == [kv_map]
-    assert timers[ticks[map_ticks[0]]["targets"][0][0]] == 0.2                 # 5 a second
-    assert all(timers[d["targets"][0][0]] >= 1.0 for i, d in ticks.items() if i != map_ticks[0])
-
-    def tick():
-        body = {"data": [None], "fn_index": map_ticks[0], "session_hash": client.session_hash,
-                "event_data": None, "trigger_id": None}
-        response = httpx.post(f"{url}gradio_api/run/predict", json=body, timeout=30)
-        response.raise_for_status()
-        return response.json()["data"][0]
-
+    drawing = [(i, d) for i, d in enumerate(config["dependencies"]) if kv_map in d["outputs"]]
+    assert [t[1] for _, d in drawing for t in d["targets"]] == ["load"]        # no timer draws it
+    body = {"data": [None], "fn_index": drawing[0][0], "session_hash": client.session_hash,
+            "event_data": None, "trigger_id": None}
     wait_idle(demo.playground_monitor.llm)
-    first = tick()
-    assert isinstance(first, str) and 'class="pg-panel kv-map"' in first
-    assert tick()["__type__"] == "update"                                         # nothing changed: a skip
+    time.sleep(0.5)                                         # the monitor's last snapshot of the idle engine
+    response = httpx.post(f"{url}gradio_api/run/predict", json=body, timeout=30)
+    response.raise_for_status()
+    panel = response.json()["data"][0]
+    tab, every, key = re.search(r'class="kv-live" data-tab="([^"]+)" data-every="([^"]+)" data-key="([^"]+)"',
+                                panel).groups()
+    assert float(every) == 0.2 and 'class="pg-panel kv-map"' in panel
+
+    def poll(since: str, token: str = tab) -> httpx.Response:
+        return httpx.get(f"{url}playground/map", params={"tab": token, "since": since}, timeout=30)
+
+    unchanged = poll(key)
+    assert unchanged.status_code == 204 and unchanged.headers["X-Map-Key"] == key and not unchanged.content
+    again = poll("")
+    assert again.status_code == 200 and again.headers["X-Map-Key"] == key
+    assert again.text.startswith('<div class="pg-panel kv-map"') and "<style>" not in again.text
+    assert poll(key, token="not-a-tab").status_code == 404
     client.predict("Hi!", SYSTEM, *greedy(4), api_name="/chat")
-    deadline, after = time.monotonic() + 10, tick()
-    while not isinstance(after, str) and time.monotonic() < deadline:           # the monitor's next snapshot
+    deadline, after = time.monotonic() + 10, poll(key)
+    while after.status_code == 204 and time.monotonic() < deadline:            # the monitor's next snapshot
         time.sleep(0.05)
-        after = tick()
+        after = poll(key)
     step = re.compile(r'class="pg-panel kv-map" data-step="(\d+)"')
-    assert int(step.search(after).group(1)) > int(step.search(first).group(1))  # the engine moved on
+    assert after.status_code == 200 and after.headers["X-Map-Key"] != key
+    assert int(step.search(after.text).group(1)) > int(step.search(panel).group(1))  # the engine moved on
+
+
+def test_gradios_queue_does_not_wake_the_server_every_millisecond(app):
+    """Gradio 6's queue (gradio/queueing.py, ``Queue.__init__``: ``sleep_when_free = 0.001``,
+    ``progress_update_sleep_when_free = 0.01`` off Windows) looks for work ~1,100 times a second,
+    idle or not, on the cores the engine decodes with; the app slows those loops down (the chats
+    through the queue in this module still run)."""
+    demo, _ = app
+    assert demo._queue.sleep_when_free >= 0.02
+    assert demo._queue.progress_update_sleep_when_free >= 0.25
+
+
+def test_the_prefix_panel_follows_the_engine_while_a_reply_streams(paced_engine):
+    """Gradio's page re-applies every output of a streamed update (the stream's own value, not the
+    panels' timer's newer one), so the prefix panel's engine-wide stats sent once at the start
+    stayed there for the whole reply (KV usage 0.0 % beside a map of used blocks). Streamed
+    updates now redraw it about once a second: the KV usage it shows grows with the reply."""
+    from playground.chat import ChatSession
+    from playground.handlers import Handlers
+    from playground.monitor import EngineMonitor
+
+    monitor = EngineMonitor(paced_engine, interval=0.1)
+    try:
+        h = Handlers(paced_engine, monitor, Limits())
+        updates = list(h.send("Tell me a long story about a dragon.", ChatSession(), SYSTEM, *greedy(48), "chat"))
+    finally:
+        monitor.close()
+    usage = [re.search(r'data-stat="KV usage"><td>KV usage</td><td><b>([\d.]+)%', u[3]).group(1)
+             for u in updates[1:-1] if isinstance(u[3], str) and 'class="cached-tokens"' in u[3]]
+    assert len(set(usage)) >= 2, usage
+
+
+def test_replies_streaming_at_once_share_one_budget_of_updates(paced_engine):
+    """Every streamed update is a step of a Gradio event on the cores the engine decodes with.
+    Each reply sent 5 a second however many streamed, so four tabs made the server send 20 a
+    second; now the replies streaming at once share 12 a second (a lone reply keeps 5)."""
+    from playground.chat import ChatSession
+    from playground.handlers import CHAT_UPDATES_PER_S_ALL, Handlers
+    from playground.monitor import EngineMonitor
+
+    monitor = EngineMonitor(paced_engine, interval=0.1)
+    h = Handlers(paced_engine, monitor, Limits())
+    gaps: list[list[float]] = [[] for _ in range(4)]
+
+    def chat(i: int) -> None:
+        last = None
+        for _ in h.send(f"Count from one to {20 + i}.", ChatSession(), SYSTEM, *greedy(24), "chat"):
+            now = time.monotonic()
+            if last is not None:
+                gaps[i].append(now - last)
+            last = now
+
+    try:
+        threads = [threading.Thread(target=chat, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        monitor.close()
+    assert h.update_period() == pytest.approx(0.2)                  # none streaming: a lone reply's pace
+    streamed = [g[1:-1] for g in gaps]                               # between the first and the last update
+    assert all(len(g) >= 3 for g in streamed)
+    median = sorted(x for g in streamed for x in g)[sum(len(g) for g in streamed) // 2]
+    assert median >= 0.9 * 4 / CHAT_UPDATES_PER_S_ALL               # about 3 a second each, not 5
 
 
 def test_streamed_updates_skip_only_the_message_box(paced_engine):

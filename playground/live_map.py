@@ -1,0 +1,108 @@
+"""The live block map: every open tab polls a route of its own for it, not a Gradio event.
+
+A Gradio timer makes each refresh of each tab a Gradio event (request parsing, session state,
+pre- and postprocessing of the output), several times a second per tab, on the same cores the
+engine decodes with. Here the page's load event draws the map once, with a token naming the
+tab (``data-tab``); from then on the page's script asks ``GET <root>/playground/map?tab=T&since=K``
+every ``refresh_every`` seconds and gets either 204 (nothing changed since the map with key K)
+or the new map's HTML (key in the ``X-Map-Key`` header), which it swaps into the panel. The map
+is still drawn from the monitor's latest snapshot by ``render.block_map_html``, whose grid of
+cells is drawn once per snapshot for every tab; only the legend (this tab's names) is per tab.
+
+The route is added to Gradio's app by ``playground.app.launch`` (``app_kwargs={"routes": ...}``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from html import escape
+
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from .chat import ChatSession
+
+__all__ = ["LiveMap", "LIVE_MAP_JS", "ROUTE"]
+
+ROUTE = "/playground/map"
+
+# Runs once per page (the map panel's js_on_load). It polls only once the load event has drawn
+# the map with the tab's token, and not while the page is hidden (a background tab). Only the
+# inside of the ``.kv-live`` wrapper is replaced: that wrapper is what Gradio itself rendered.
+LIVE_MAP_JS = """
+const base = () => {
+  const root = String((window.gradio_config && window.gradio_config.root) || document.baseURI);
+  return root.endsWith('/') ? root : root + '/';
+};
+const poll = async () => {
+  const started = performance.now();
+  const live = element.querySelector('.kv-live[data-tab]');
+  let wait = 500;
+  if (live) {
+    wait = 1000 * Number(live.dataset.every || 0.5);
+    if (!document.hidden) {
+      const url = new URL('playground/map', base());
+      url.searchParams.set('tab', live.dataset.tab);
+      url.searchParams.set('since', live.dataset.key || '');
+      try {
+        const r = await fetch(url, {cache: 'no-store'});
+        if (r.status === 200) {
+          const key = r.headers.get('X-Map-Key');
+          const next = document.createElement('template');
+          next.innerHTML = await r.text();
+          const old = live.querySelector('.kv-map'), map = next.content.querySelector('.kv-map');
+          if (map) { if (old) old.replaceWith(map); else live.append(map); }
+          if (key) live.dataset.key = key;
+        } else if (r.status === 404) {
+          wait = 5000;                               // the server forgot this tab (restarted)
+        }
+      } catch (e) { wait = Math.max(wait, 2000); }   // server unreachable: try again later
+    }
+  }
+  setTimeout(poll, Math.max(0, wait - (performance.now() - started)));   // one poll per period, round trip included
+};
+setTimeout(poll, 0);
+"""
+
+
+class LiveMap:
+    """The block map of every open tab, served from ``ROUTE``.
+
+    ``draw(session, css)`` returns the current map of a tab (with the panels' ``<style>`` or
+    without) and its key (a string that changes when the map would); ``html(session)`` is the
+    panel's content for the page's load event.
+    """
+
+    def __init__(self, draw: Callable[[ChatSession, bool], tuple[str, str]], every: float):
+        self.draw, self.every = draw, every
+        self._tabs: weakref.WeakValueDictionary[str, ChatSession] = weakref.WeakValueDictionary()
+
+    def html(self, session: ChatSession) -> str:
+        """The panel as the page's load event draws it: the map inside the tab's polling wrapper."""
+        body, key = self.draw(session, True)
+        self._tabs[session.map_token] = session
+        return (f'<div class="kv-live" data-tab="{session.map_token}" data-every="{self.every:g}" '
+                f'data-key="{escape(key)}">{body}</div>')
+
+    def forget(self, session: ChatSession) -> None:
+        self._tabs.pop(session.map_token, None)
+
+    def __len__(self) -> int:
+        return len(self._tabs)
+
+    async def respond(self, request: Request) -> Response:
+        """``GET ROUTE?tab=T&since=K``: 204 if the map's key is still K, else the map (on the event
+        loop: a cached lookup most of the time, a legend otherwise)."""
+        session = self._tabs.get(request.query_params.get("tab", ""))
+        if session is None:
+            return JSONResponse({"error": "unknown tab: reload the page"}, status_code=404)
+        body, key = self.draw(session, False)
+        headers = {"Cache-Control": "no-store", "X-Map-Key": key}
+        if key == request.query_params.get("since"):
+            return Response(status_code=204, headers=headers)
+        return HTMLResponse(body, headers=headers)
+
+    def route(self) -> Route:
+        return Route(ROUTE, self.respond, methods=["GET"], name="playground_map")
