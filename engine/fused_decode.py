@@ -198,7 +198,8 @@ class FusedDecode:
         logits = np.empty((len(rows) if self.has_head else 0, self.cfg.vocab_size), np.float32)
         self.counters[:] = 0
         self.epoch += 1
-        items = -(-self._max_rows // kernel.ROWS) + 8 + num_tokens * self.cfg.num_kv_heads  # bounds any phase's
+        # bounds any phase's items (`decode_step.split_rows`: at most ~TAIL_ITEMS more than whole items)
+        items = -(-self._max_rows // min(kernel.DOT_ROWS, kernel.TILE)) + 8 + num_tokens * self.cfg.num_kv_heads
         if self.marks.shape[1] < items:
             self.marks = np.zeros((self.marks.shape[0], items), np.int64)
         args = (self.counters, self.marks, self.epoch, token_ids, positions, slots, block_tables, context_lens,

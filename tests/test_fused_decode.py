@@ -139,11 +139,29 @@ def test_unfinished_items_are_run_by_whoever_gets_there():
     blocks, lists = _one_q8_linear(rng)
     x = rng.standard_normal((1, 96)).astype(np.float32)
     counters, marks = np.zeros(STRIDE, np.int64), np.zeros((1, 64), np.int64)
-    counters[0] = 64 // kernel.ROWS  # every item claimed by a thread that went away
+    items = kernel.split_rows(64, kernel.DOT_ROWS, True)[3]
+    counters[0] = items  # every item claimed by a thread that went away
     out = np.full((1, 64), np.nan, np.float32)
     kernel._linear_phase(0, x, *lists, out, counters, marks, 1, 0, 2)
     np.testing.assert_allclose(out, x @ blocks.dequantize().T, rtol=1e-5, atol=1e-4)
-    assert (marks == 1).sum() == 64 // kernel.ROWS
+    assert (marks == 1).sum() == items
+
+
+@pytest.mark.parametrize("num_out", [3, 31, 64, 70, 576, 961, 3072, 49152])
+@pytest.mark.parametrize("rows", [kernel.DOT_ROWS, kernel.TILE])
+def test_a_phase_ends_on_small_items_that_keep_the_row_groups(num_out, rows):
+    """Whoever finishes a phase first runs the item still held by another thread a second time:
+    the last items are a quarter the size, and every output is in exactly one item, the items
+    starting on multiples of 4 (the micro-kernel's groups of rows do not move)."""
+    big, small, head, items = kernel.split_rows(num_out, rows, True)
+    spans = [kernel._item_rows(i, big, rows, small, head, num_out) for i in range(items)]
+    assert [lo for lo, _ in spans] == sorted(lo for lo, _ in spans) and spans[0][0] == 0
+    assert all(hi == lo2 for (_, hi), (lo2, _) in zip(spans, spans[1:])) and spans[-1][1] == num_out
+    assert all(lo % 4 == 0 and hi > lo for lo, hi in spans)
+    assert max(hi - lo for lo, hi in spans) <= rows
+    tail = spans[-min(items, kernel.TAIL_ITEMS):]
+    assert all(hi - lo <= rows // 4 for lo, hi in tail)
+    assert items <= -(-num_out // rows) + 8  # the bound `FusedDecode.step` sizes the marks by
 
 
 def test_fused_decode_team_gives_the_single_threads_numbers(tmp_path):

@@ -11,12 +11,14 @@ all ``T`` tokens.
 A team of threads calls ``decode_step`` together (`engine.fused_decode` keeps
 the team), each with its ``tid``; alone, one thread does everything. The
 threads walk the same *phases* -- per layer: QKV, attention, O, gate/up, down;
-then the LM head -- and share each phase's items (`cpu.sync`): ``ROWS`` output rows of a matmul
+then the LM head -- and share each phase's items (`cpu.sync`): ``DOT_ROWS`` output rows of a matmul
 (dot products, up to ``MATVEC_T`` tokens) or ``TILE`` (the register-blocked
 micro-kernel of `cpu.microkernel`, more tokens), one (sequence, KV head) of
 attention. A thread that runs out of items to claim runs the unfinished
 ones itself rather than wait, so no thread ever waits for another (a
-descheduled one on a busy machine costs the others one item, not the step).
+descheduled one on a busy machine costs the others one item, not the step);
+a matmul phase ends on ``TAIL_ITEMS`` items a quarter that size, so the
+item a thread runs twice at the end of a phase is a small one.
 Cheap row-wise work between matmuls (norms, residual adds, SiLU) every thread
 does for itself on its own copy. Every phase writes its own per-layer buffer,
 so a thread that falls behind never finds its inputs overwritten; it finds the
@@ -46,7 +48,7 @@ from numba import njit
 
 from .activations import silu_mul
 from .attention import decode_item, store_rows
-from .block_matmul import BLOCK, MATVEC_T, ROWS, SMALL_T, blas_rows, block_sums, matvec_rows, padded_transpose, tiled_rows
+from .block_matmul import BLOCK, MATVEC_T, SMALL_T, blas_rows, block_sums, matvec_rows, padded_transpose, tiled_rows
 from .sync import claim, finish, finished
 
 FLOAT, INT8, NIBBLE = 0, 1, 2
@@ -54,9 +56,12 @@ QKV, O_PROJ, GATE_UP, DOWN = 0, 1, 2, 3
 PHASES_PER_LAYER = 5  # QKV, attention, O, gate/up, down
 
 _SEQ = dict(fastmath=True, cache=True, nogil=True, boundscheck=False)
+DOT_ROWS = 128  # weight rows per item of a dot-product matmul: long runs of contiguous rows stream from
+# memory faster than items interleaved every 32 rows between the threads
 TILE = 48  # weight rows per item of a several-token matmul (a multiple of the micro-kernel's R): small
 # enough that the half item a phase loses at its end (a thread runs a held item again) stays small
 BLAS_TILE = 256  # most weight rows per item of a matmul of more than SMALL_T tokens
+TAIL_ITEMS = 4  # a dot-product or micro-kernel phase ends on this many items of a quarter the rows
 
 
 def num_phases(num_layers: int) -> int:
@@ -84,6 +89,30 @@ def _rows_of(k, x, formats, float_w, codes, nibbles, scales, offsets, sums, xt, 
 
 
 @njit(**_SEQ)
+def split_rows(num_out, rows, tail):
+    """A matmul phase's items: ``big`` items of ``rows`` outputs over the first ``head``, then items of
+    ``small`` (with ``tail``: ``TAIL_ITEMS`` or so of a quarter of ``rows``, starting on a multiple of 4
+    so the micro-kernel's groups of rows stay where they are; else none) -> (big, small, head, items)."""
+    small, head = rows, num_out
+    if tail:  # the thread that finishes first then runs at most a small item a second time
+        small = rows // 4
+        head = max(0, num_out - TAIL_ITEMS * small) // 4 * 4
+    big = (head + rows - 1) // rows
+    return big, small, head, big + (num_out - head + small - 1) // small
+
+
+@njit(**_SEQ)
+def _item_rows(item, big, rows, small, head, num_out):
+    """Output rows [lo, hi) of a matmul phase's ``item``: ``big`` items of ``rows`` over the first
+    ``head`` outputs, then items of ``small`` up to ``num_out``."""
+    if item < big:
+        lo = item * rows
+        return lo, min(head, lo + rows)
+    lo = head + (item - big) * small
+    return lo, min(num_out, lo + small)
+
+
+@njit(**_SEQ)
 def _linear_phase(k, x, formats, float_w, codes, nibbles, scales, offsets, out, counters, marks, epoch, phase,
                   team_size):
     """out = x @ W_k.T as one phase: this thread runs the items it claims, then every item not yet
@@ -99,7 +128,7 @@ def _linear_phase(k, x, formats, float_w, codes, nibbles, scales, offsets, out, 
     w = np.empty((1, 1), np.float32)
     yt = np.empty((1, 1), np.float32)
     if x.shape[0] <= MATVEC_T:
-        rows = ROWS
+        rows = DOT_ROWS
         block_sums(x, sums)
     elif x.shape[0] <= SMALL_T:  # the micro-kernel on TILE rows an item
         rows = TILE
@@ -111,19 +140,17 @@ def _linear_phase(k, x, formats, float_w, codes, nibbles, scales, offsets, out, 
         rows = (num_out + items - 1) // items
         xt = np.ascontiguousarray(x.T)
         w = np.empty((rows, num_blocks * BLOCK), np.float32)
-    items = (num_out + rows - 1) // rows
+    big, small, head, items = split_rows(num_out, rows, x.shape[0] <= SMALL_T)
     item = claim(counters, phase)
     while item < items:
-        lo = item * rows
-        _rows_of(k, x, formats, float_w, codes, nibbles, scales, offsets, sums, xt, w, yt, out, lo,
-                 min(num_out, lo + rows))
+        lo, hi = _item_rows(item, big, rows, small, head, num_out)
+        _rows_of(k, x, formats, float_w, codes, nibbles, scales, offsets, sums, xt, w, yt, out, lo, hi)
         finish(marks, phase, item, epoch)
         item = claim(counters, phase)
     for item in range(items):  # held by another thread (or one that has not come yet): run it here too
         if not finished(marks, phase, item, epoch):
-            lo = item * rows
-            _rows_of(k, x, formats, float_w, codes, nibbles, scales, offsets, sums, xt, w, yt, out, lo,
-                     min(num_out, lo + rows))
+            lo, hi = _item_rows(item, big, rows, small, head, num_out)
+            _rows_of(k, x, formats, float_w, codes, nibbles, scales, offsets, sums, xt, w, yt, out, lo, hi)
             finish(marks, phase, item, epoch)
 
 
