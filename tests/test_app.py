@@ -565,21 +565,26 @@ def test_gradios_queue_does_not_wake_the_server_every_millisecond(app):
     assert demo._queue.progress_update_sleep_when_free >= 0.25
 
 
+def streamed_updates(engine, message: str, max_tokens: int) -> list:
+    """Every update one chat's ``Handlers.send`` yields, on its own monitor."""
+    from playground.chat import ChatSession
+    from playground.handlers import Handlers
+    from playground.monitor import EngineMonitor
+
+    monitor = EngineMonitor(engine, interval=0.1)
+    try:
+        h = Handlers(engine, monitor, Limits())
+        return list(h.send(message, ChatSession(), SYSTEM, *greedy(max_tokens), "chat"))
+    finally:
+        monitor.close()
+
+
 def test_the_prefix_panel_follows_the_engine_while_a_reply_streams(paced_engine):
     """Gradio's page re-applies every output of a streamed update (the stream's own value, not the
     panels' timer's newer one), so the prefix panel's engine-wide stats sent once at the start
     stayed there for the whole reply (KV usage 0.0 % beside a map of used blocks). Streamed
     updates now redraw it about once a second: the KV usage it shows grows with the reply."""
-    from playground.chat import ChatSession
-    from playground.handlers import Handlers
-    from playground.monitor import EngineMonitor
-
-    monitor = EngineMonitor(paced_engine, interval=0.1)
-    try:
-        h = Handlers(paced_engine, monitor, Limits())
-        updates = list(h.send("Tell me a long story about a dragon.", ChatSession(), SYSTEM, *greedy(48), "chat"))
-    finally:
-        monitor.close()
+    updates = streamed_updates(paced_engine, "Tell me a long story about a dragon.", 48)
     usage = [re.search(r'data-stat="KV usage"><td>KV usage</td><td><b>([\d.]+)%', u[3]).group(1)
              for u in updates[1:-1] if isinstance(u[3], str) and 'class="cached-tokens"' in u[3]]
     assert len(set(usage)) >= 2, usage
@@ -624,16 +629,7 @@ def test_streamed_updates_skip_only_the_message_box(paced_engine):
     """Each gr.skip() in a streamed update made Gradio build a new component on the server (several
     updates a second for every streaming tab); unchanged outputs are sent again instead (Gradio diffs a stream's values, so they cost nothing on the wire). Only the
     message box is skipped: the visitor may be typing there."""
-    from playground.chat import ChatSession
-    from playground.handlers import Handlers
-    from playground.monitor import EngineMonitor
-
-    monitor = EngineMonitor(paced_engine, interval=0.1)
-    try:
-        h = Handlers(paced_engine, monitor, Limits())
-        updates = list(h.send("Count from one to ten.", ChatSession(), SYSTEM, *greedy(12), "chat"))
-    finally:
-        monitor.close()
+    updates = streamed_updates(paced_engine, "Count from one to ten.", 12)
     skip = {"__type__": "update"}
     streamed = updates[1:-1]
     assert len(streamed) >= 3
