@@ -102,6 +102,15 @@ def prefill_text(tokenizer, n: int) -> list[int]:
     return ids[:n]
 
 
+def decode_only_tok_s(outs) -> float:
+    """Aggregate decode rate of requests that ran together: the tokens after each one's first, over
+    the time from the last request's first token to the last one's end (every step in that window
+    decodes; the prompts' prefill lies before it)."""
+    first = max(o.metrics.first_token_time for o in outs)
+    last = max(o.metrics.finished_time for o in outs)
+    return sum(len(o.outputs[0].token_ids) - 1 for o in outs) / (last - first)
+
+
 class EngineSide:
     """A fresh ``LLM`` measured the same way as the peer: prefill, single-stream and multi-stream decode."""
 
@@ -128,10 +137,7 @@ class EngineSide:
         t0 = time.perf_counter()
         outs = self.llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
         total = time.perf_counter() - t0
-        first = max(o.metrics.first_token_time for o in outs)
-        last = max(o.metrics.finished_time for o in outs)
-        after_first = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
-        return streams * tokens / total, after_first / (last - first)
+        return streams * tokens / total, decode_only_tok_s(outs)
 
     def close(self) -> str:
         path = self.llm.snapshot().decode_path
