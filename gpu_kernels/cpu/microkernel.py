@@ -39,7 +39,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .block_dot import _F32, _I8, _I32, _I64, _V8F, _check_params, _codes_as_floats, _data, _fma, _load_vec, _Params, _splat
+from .block_dot import (_F32, _I8, _I32, _I64, _V8F, _check_params, _codes_as_floats, _data, _fma, _load_vec,
+                        _Params, _splat)
 
 R = 4  # weight rows of the full tile (16 tokens: two vectors of 8)
 BLOCK = 32
