@@ -146,7 +146,7 @@ def sweep_split_rule(torch, timer, decode_case, scale):
 #: decode stage on tensor cores vs CUDA cores: (decode_mma_mode, register cap, blocks per SM
 #: aimed at, ring stages, ring stages with few sequences (0: the same))
 DECODE_MMA_VARIANTS = [("off", 128, 4, 2, 0), ("auto", 128, 4, 2, 0), ("auto", 128, 4, 2, 3),
-                       ("auto", 128, 4, 3, 3), ("auto", 128, 6, 2, 3)]
+                       ("auto", 128, 4, 2, 4), ("auto", 128, 4, 3, 3), ("auto", 128, 6, 2, 3)]
 DECODE_MMA_SHAPES = [(1, 2048), (1, 8192), (1, 16384), (1, 32768), (16, 2048), (16, 8192),
                      (64, 2048), (64, 8192)]
 
@@ -177,9 +177,13 @@ def sweep_decode_mma(torch, timer, decode_case, scale):
                 for n, x in zip(names, v):
                     setattr(cuda_backend, n, x)
                 call = lambda: gpu_kernels.paged_decode(q, kc, vc, bt, lens, scale, out=out)  # noqa
-                out.fill_(float("nan"))
-                call()
-                torch.cuda.synchronize()
+                try:
+                    out.fill_(float("nan"))
+                    call()
+                    torch.cuda.synchronize()
+                except Exception as exc:                    # noqa: BLE001 - report, go on
+                    cells.append(f"{v}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
+                    continue
                 err = (out.float() - ref).abs().max().item()
                 t = min(timer(call), timer(call))
                 cells.append(f"{v}: {t:.1f} ({peer / t:.2f}x) err {err:.1e}")
