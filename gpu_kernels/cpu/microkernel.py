@@ -39,7 +39,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .block_dot import _F32, _I64, _V8F, _check_params, _codes_as_floats, _data, _fma, _load_vec, _Params, _splat
+from .block_dot import (_F32, _I8, _I32, _I64, _V8F, _check_params, _codes_as_floats, _data, _fma, _load_vec,
+                        _Params, _splat)
 
 R = 4  # weight rows of the full tile (16 tokens: two vectors of 8)
 BLOCK = 32
@@ -64,6 +65,18 @@ def _opaque(builder, ptr):
     return builder.asm(fnty, "", "=r,0", [ptr], side_effect=False)
 
 
+def _prefetch_rows(builder, codes, first, count, row_bytes):
+    """Ask for the ``count`` rows of codes from row ``first`` on, a 64-byte line at a time."""
+    i8p = _I8.as_pointer()
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
+                                        "llvm.prefetch.p0i8")
+    start = builder.gep(builder.bitcast(codes, i8p), [builder.mul(first, row_bytes)])
+    end = builder.mul(row_bytes, ir.Constant(_I64, count))
+    with cgutils.for_range_slice(builder, ir.Constant(_I64, 0), end, ir.Constant(_I64, 64)) as (i, _):
+        # read access, keep in all cache levels, data cache
+        builder.call(fn, [builder.gep(start, [i]), ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+
+
 def _tile_codegen(rows, vecs, nibble):
     def codegen(context, builder, sig, args):
         arrays = {i: context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 4)}
@@ -80,6 +93,7 @@ def _tile_codegen(rows, vecs, nibble):
         row_codes = [builder.gep(codes, [builder.mul(builder.add(row, ir.Constant(_I64, r)), row_bytes)])
                      for r in range(rows)]
         row_blocks = [builder.mul(builder.add(row, ir.Constant(_I64, r)), num_blocks) for r in range(rows)]
+        _prefetch_rows(builder, codes, builder.add(row, ir.Constant(_I64, rows)), rows, row_bytes)
 
         def dequant(b):
             """Block ``b`` of the rows, scaled, into buffer half ``b & 1``."""
