@@ -555,6 +555,36 @@ def test_the_block_map_is_polled_from_its_own_route_not_a_gradio_event(app):
     assert int(step.search(after.text).group(1)) > int(step.search(panel).group(1))  # the engine moved on
 
 
+def test_the_map_route_asks_for_the_same_login_as_gradio(smollm2_llm):
+    """Launched with ``auth=``, Gradio answers its own routes only after ``POST /login`` (its
+    access-token cookie); the map's route (not one of Gradio's) must ask for the same login: a tab
+    token alone, seen by anyone who shares the link, must not show the map."""
+    import httpx
+
+    demo = build_app(smollm2_llm)
+    _, url, _ = launch(demo, prevent_thread_lock=True, quiet=True, auth=[("ada", "lovelace")])
+    try:
+        user, stranger = httpx.Client(base_url=url, timeout=30), httpx.Client(base_url=url, timeout=30)
+        assert stranger.get("gradio_api/info").status_code == 401               # Gradio's own routes
+        assert stranger.post("login", data={"username": "ada", "password": "wrong"}).status_code == 400
+        assert user.post("login", data={"username": "ada", "password": "lovelace"}).status_code == 200
+        config = user.get("config").json()
+        kv_map = next(c["id"] for c in config["components"] if c.get("props", {}).get("elem_id") == "kv-map")
+        load = next(i for i, d in enumerate(config["dependencies"]) if kv_map in d["outputs"])
+        panel = user.post("gradio_api/run/predict", json={"data": [None], "fn_index": load, "session_hash": "ada1",
+                                                          "event_data": None, "trigger_id": None}).json()["data"][0]
+        tab = re.search(r'data-tab="([^"]+)"', panel).group(1)
+        params = {"tab": tab, "since": ""}
+        assert user.get("playground/map", params=params).status_code == 200
+        refused = stranger.get("playground/map", params=params)
+        assert refused.status_code == 401 and "kv-map" not in refused.text
+        forger = httpx.Client(base_url=url, timeout=30, cookies={"access-token-unsecure-x": "forged"})
+        assert forger.get("playground/map", params=params).status_code == 401
+    finally:
+        demo.close()
+        demo.playground_monitor.close()
+
+
 def test_gradios_queue_does_not_wake_the_server_every_millisecond(app):
     """Gradio 6's queue (gradio/queueing.py, ``Queue.__init__``: ``sleep_when_free = 0.001``,
     ``progress_update_sleep_when_free = 0.01`` off Windows) looks for work ~1,100 times a second,
