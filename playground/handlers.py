@@ -103,6 +103,7 @@ class Handlers:
         self._turn_lock = threading.RLock()
         self._streaming = 0                      # replies streaming now, over every tab
         self._streaming_lock = threading.Lock()
+        self._timeline_cache: tuple[int, str] | None = None
 
     def _tab_closed(self, session: ChatSession) -> None:
         self.live_map.forget(session)
@@ -453,18 +454,26 @@ class Handlers:
         """Panels timer tick (about once a second): prefix cache, engine and timeline panels."""
         last = session.tree.last_reply()
         key = (self.monitor.version, len(session.tree.nodes), id(last), self.monitor.num_steps)
-        timeline = timeline_html(self.monitor.timeline.series())     # the timeline moves on even when idle
-        if key == session.last_render_key:
-            return gr.skip(), gr.skip(), timeline
-        session.last_render_key = key
-        snap = self.monitor.snapshot()
-        reply = last.reply if last else None
-        stats = {"ttft": reply.ttft, "decode_tps": reply.decode_tps} if reply else None
-        return (
-            render.prefix_cache_html(snap, self.turns(session)),
-            render.engine_panel_html(snap, self.monitor.steps(120), stats),
-            timeline,
-        )
+        timeline = self._timeline()                 # the timeline moves on even when the engine idles
+        if key != session.last_render_key or session.last_panels is None:
+            snap = self.monitor.snapshot()
+            reply = last.reply if last else None
+            stats = {"ttft": reply.ttft, "decode_tps": reply.decode_tps} if reply else None
+            session.last_render_key = key
+            session.last_panels = (render.prefix_cache_html(snap, self.turns(session)),
+                                   render.engine_panel_html(snap, self.monitor.steps(120), stats))
+        # Unchanged panels are sent again as their last value, not gr.skip(): Gradio 6.31 answers a
+        # skip by building a new component and its config (``Blocks.postprocess_data``), ~2 ms a
+        # skip on this machine, while re-sending a string is a copy (the page keeps an equal value).
+        return (*session.last_panels, timeline)
+
+    def _timeline(self) -> str:
+        """The timeline panel, the same for every tab: drawn at most once per second."""
+        second = int(time.time())
+        cached = self._timeline_cache
+        if cached is None or cached[0] != second:
+            cached = self._timeline_cache = (second, timeline_html(self.monitor.timeline.series()))
+        return cached[1]
 
     @staticmethod
     def _owner_ids(snap: dict) -> list[str]:

@@ -665,3 +665,32 @@ def test_streamed_updates_skip_only_the_message_box(paced_engine):
     assert len(streamed) >= 3
     assert all([i for i, v in enumerate(u) if v == skip] == [1] for u in streamed)
     assert all(isinstance(u[2], str) and isinstance(u[3], str) for u in streamed)   # logprobs, prefix panel
+
+
+def test_the_panels_timer_sends_unchanged_panels_as_values_not_skips(smollm2_llm):
+    """The panels' timer ticks once a second in every open tab. An unchanged prefix or engine panel
+    was answered with gr.skip(), and Gradio 6.31 answers a skip by building a new component and its
+    config (``Blocks.postprocess_data``: ~1.5-2 ms a skip here, against ~0.4 ms for a value): the
+    costliest way to say "no change". Unchanged panels are now their last value again (the page
+    keeps an equal value as it is), and the timeline, the same for every tab, is drawn at most once
+    a second for all of them."""
+    from playground.chat import ChatSession
+    from playground.handlers import Handlers
+    from playground.monitor import EngineMonitor
+
+    monitor = EngineMonitor(smollm2_llm, interval=0.1)
+    try:
+        h = Handlers(smollm2_llm, monitor, Limits())
+        tabs = [ChatSession(), ChatSession()]
+        first = [h.refresh_panels(tab) for tab in tabs]
+        again = [h.refresh_panels(tab) for tab in tabs]
+        skip = {"__type__": "update"}
+        assert all(v != skip and isinstance(v, str) for out in first + again for v in out)
+        assert again[0][:2] == first[0][:2]                                   # nothing changed: same panels
+        if again[0][2] is again[1][2]:                                        # the same second
+            assert again[0][2] is first[1][2] or again[0][2] is first[0][2]   # one drawing for every tab
+        list(h.send("Hi", tabs[0], SYSTEM, *greedy(4), "chat"))
+        after = h.refresh_panels(tabs[0])
+        assert after[0] != first[0][0]                                         # this turn now shows
+    finally:
+        monitor.close()
