@@ -13,8 +13,10 @@ Starts the app as ``python -m playground`` does (load, warm-up, ``build_app``, `
    from the map's own route every ``--interval`` s (``playground.live_map``), the prefix-cache,
    engine and timeline panels through their timer once a second (a POST to ``/run/predict``:
    the timer skips the queue). The tabs run in their own process
-   (``benchmarks.playground_tabs``, at a lower CPU priority: a browser's work is not the
-   server's), so what is measured is the server's side.
+   (``benchmarks.playground_tabs``), at nice 10 by default: on this machine they still take CPU
+   from the engine, as browsers on the server's own machine would. ``--tabs-idle`` runs them at
+   Linux's SCHED_IDLE instead (only CPU time the server leaves idle), closer to browsers on the
+   visitors' own machines; the output says which was used.
    Decode tok/s is read from the engine's step events in both (steps where every chat decodes),
    so client-side time never enters it. Goal: the app at most 5 % slower, with the map
    refreshed at least 4 times a second per tab (it changes once per monitor snapshot, so it can
@@ -114,10 +116,10 @@ def engine_alone(llm, prompts: list[str], max_tokens: int, cores: list | None = 
 class Tabs:
     """The open tabs, in their own process (``benchmarks.playground_tabs``)."""
 
-    def __init__(self, url: str, prompts: list[str], interval: float, nice: int):
+    def __init__(self, url: str, prompts: list[str], interval: float, nice: int, idle: bool = False):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.playground_tabs", url, "--interval", str(interval),
-             "--nice", str(nice), "--prompts", *prompts],
+             "--nice", str(nice), *(["--idle"] if idle else []), "--prompts", *prompts],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
         self._read()                                         # {"ready": n}
 
@@ -221,6 +223,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-warm-up", action="store_true", help="start without the CLI's warm-up")
     parser.add_argument("--tabs-nice", type=int, default=10,
                         help="CPU priority of the tabs' process (a browser's work is not the server's)")
+    parser.add_argument("--tabs-idle", action="store_true",
+                        help="run the tabs' process at SCHED_IDLE instead of nice --tabs-nice: the stand-in "
+                             "browsers then get only CPU the server leaves idle, as browsers on the visitors' "
+                             "own machines take none of it; the default has them compete for the server's "
+                             "cores, as browsers on the server's machine would")
     parser.add_argument("--split", action="store_true",
                         help="also measure the refresh timers alone and the chats through the app alone")
     parser.add_argument("--switch-interval", type=float, default=None,
@@ -253,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         first = first_chat(url)
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.tabs)]
-        tabs = Tabs(url, prompts, args.interval, args.tabs_nice)
+        tabs = Tabs(url, prompts, args.interval, args.tabs_nice, idle=args.tabs_idle)
         engine_alone(llm, prompts, args.max_tokens)                       # both paths once, unmeasured
         tabs.round(llm, len(prompts), args.max_tokens)
         idle_cpu0 = cpu_s()
@@ -279,6 +286,9 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "model": llm.model_name, "model_impl": llm.model_impl, "tabs": args.tabs, "max_tokens": args.max_tokens,
         "refresh_interval_s": args.interval, "warm_up": not args.no_warm_up,
+        # How the stand-in browsers share this machine's cores with the server: printed, since it
+        # moves the result (SCHED_IDLE: they get only what the server leaves idle).
+        "tabs_process_priority": "SCHED_IDLE (--tabs-idle)" if args.tabs_idle else f"nice {args.tabs_nice}",
         "switch_interval_ms": round(sys.getswitchinterval() * 1000, 3),
         "start_to_ready_s": round(ready_s, 1),
         "first_chat_first_token_s": round(first["client_s"], 3) if first["client_s"] is not None else None,
