@@ -79,7 +79,9 @@ class DecodeMeter:
         self._unsubscribe()
         full = [(t, d) for t, d, prefill in self.steps if d == self.n and not prefill]
         if len(full) < 3:
-            raise RuntimeError(f"only {len(full)} steps decoded all {self.n} chats together: raise --max-tokens")
+            raise RuntimeError(f"only {len(full)} steps decoded all {self.n} chats together: raise --max-tokens "
+                               "(with --tabs-idle on a busy machine: the tabs' process got too little CPU to "
+                               "send its chats at once; measure that mode on a quiet machine)")
         return sum(d for _, d in full[1:]) / (full[-1][0] - full[0][0])
 
     @property
