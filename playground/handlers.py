@@ -451,21 +451,26 @@ class Handlers:
         return self.live_map.html(session)
 
     def refresh_panels(self, session: ChatSession) -> tuple:
-        """Panels timer tick (about once a second): prefix cache, engine and timeline panels."""
+        """Panels timer tick (about once a second): prefix cache, engine and timeline panels, and the
+        block inspector (the block clicked last, as the engine holds it now: a block clicked while a
+        reply used it says "cached, reusable" once the reply has ended, like the map beside it)."""
         last = session.tree.last_reply()
         key = (self.monitor.version, len(session.tree.nodes), id(last), self.monitor.num_steps)
         timeline = self._timeline()                 # the timeline moves on even when the engine idles
+        key = (*key, session.inspected)
         if key != session.last_render_key or session.last_panels is None:
             snap = self.monitor.snapshot()
             reply = last.reply if last else None
             stats = {"ttft": reply.ttft, "decode_tps": reply.decode_tps} if reply else None
             session.last_render_key = key
             session.last_panels = (render.prefix_cache_html(snap, self.turns(session)),
-                                   render.engine_panel_html(snap, self.monitor.steps(120), stats))
+                                   render.engine_panel_html(snap, self.monitor.steps(120), stats),
+                                   self._inspector(session, snap))
         # Unchanged panels are sent again as their last value, not gr.skip(): Gradio 6.31 answers a
         # skip by building a new component and its config (``Blocks.postprocess_data``), ~2 ms a
         # skip on this machine, while re-sending a string is a copy (the page keeps an equal value).
-        return (*session.last_panels, timeline)
+        prefix, engine, inspector = session.last_panels
+        return prefix, engine, timeline, inspector
 
     def _timeline(self) -> str:
         """The timeline panel, the same for every tab: drawn at most once per second."""
@@ -489,11 +494,17 @@ class Handlers:
             block_id = int(data.get("block"))
         except (TypeError, ValueError):
             return gr.skip()
-        snap = self.monitor.refresh()
+        session.inspected = block_id
+        return self._inspector(session, self.monitor.refresh())
+
+    def _inspector(self, session: ChatSession, snap: dict) -> str:
+        """The block inspector of ``session.inspected`` in ``snap``."""
+        if session.inspected is None:
+            return block_inspector_html(None, None)
         own = {n.reply.request_id: list(n.reply.prompt_token_ids) + n.reply.all_token_ids
                for n in session.tree.replies()}
         names = self.labels(session, snap)
-        return block_inspector_html(snap, block_id, name=lambda rid: names.get(rid, rid), own_tokens=own,
+        return block_inspector_html(snap, session.inspected, name=lambda rid: names.get(rid, rid), own_tokens=own,
                                     decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False))
 
     def _admin(self, what: str) -> None:

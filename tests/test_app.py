@@ -694,3 +694,41 @@ def test_the_panels_timer_sends_unchanged_panels_as_values_not_skips(smollm2_llm
         assert after[0] != first[0][0]                                         # this turn now shows
     finally:
         monitor.close()
+
+
+def test_the_block_inspector_follows_the_engine_after_the_click(paced_engine):
+    """Found in Chromium: a block clicked while a reply used it still said "used", owned by "this
+    chat", after the reply had ended, beside a map that showed it cached: the inspector was drawn
+    once, at the click. The panels' timer now redraws it from the latest snapshot."""
+    from playground.chat import ChatSession
+    from playground.handlers import Handlers
+    from playground.monitor import EngineMonitor
+
+    monitor = EngineMonitor(paced_engine, interval=0.1)
+    try:
+        h, tab = Handlers(paced_engine, monitor, Limits()), ChatSession()
+        chat = threading.Thread(target=lambda: list(h.send("Tell me a story.", tab, SYSTEM, *greedy(24), "chat")))
+        chat.start()
+        deadline, used = time.monotonic() + 60, []
+        while not used and time.monotonic() < deadline:
+            time.sleep(0.05)
+            used = [b["block_id"] for b in monitor.refresh()["blocks"] if b["ref_cnt"] and b.get("hashed")]
+        assert used, "the reply never held a full block"
+        clicked = h.inspect_block(tab, gr_event({"block": used[0]}))
+        assert re.search(r"<td>state</td><td><b>used</b>", clicked), clicked
+        chat.join(120)
+        monitor.wait_idle()
+        inspector = h.refresh_panels(tab)[3]
+        assert f'data-block="{used[0]}"' in inspector
+        assert re.search(r"<td>state</td><td><b>cached, reusable</b>", inspector), inspector
+    finally:
+        h.stop(tab)
+        chat.join(60)
+        monitor.close()
+
+
+def gr_event(data: dict):
+    """A ``gr.EventData`` as Gradio builds it for a custom ``trigger('click', data)``."""
+    import gradio as gr
+
+    return gr.EventData(None, data)
