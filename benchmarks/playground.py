@@ -24,6 +24,9 @@ Starts the app as ``python -m playground`` does (load, warm-up, ``build_app``, `
    process (engine and app server) and of the tabs' process is printed beside, in cores, and
    this process's CPU seconds for the same chats in both modes (their difference is the app's
    server-side work, a number the machine's load moves less than tok/s).
+3. ``--cold-start PORT`` instead of 1 and 2: only the first chat after ``python -m playground
+   --port PORT``, started in its own process (in a fresh clone this includes compiling the
+   kernels, which the CLI does before it prints the URL).
 """
 
 from __future__ import annotations
