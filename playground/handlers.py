@@ -99,7 +99,7 @@ class Handlers:
         self.default_mode = default_mode(self.tokenizer)
         self.tabs = Tabs(on_close=self._tab_closed)
         # The block map's own route (every ``map_every`` s per open tab), not a Gradio event.
-        self.live_map = LiveMap(lambda session, css: self.block_map(session, css=css), map_every)
+        self.live_map = LiveMap(lambda session, css: self.block_map(session, css=css), map_every, key=self.map_key)
         self._turn_lock = threading.RLock()
         self._streaming = 0                      # replies streaming now, over every tab
         self._streaming_lock = threading.Lock()
@@ -440,11 +440,16 @@ class Handlers:
         engine decodes with: the grid of cells, the same for every tab, is drawn once per
         snapshot (``render.block_map_html`` keeps the last one); only the legend is per tab.
         """
-        version = self.monitor.version          # before the snapshot: a newer one only redraws again
-        snap = self.monitor.snapshot()          # a read keeps the monitor at its fast pace
-        key = f"{version}.{len(session.tree.nodes)}.{id(session.tree.last_reply())}"
+        key = self.map_key(session)             # before the snapshot: a newer one only redraws again
+        snap = self.monitor.snapshot()
         colors = self.colors.colors(self._owner_ids(snap))
         return render.block_map_html(snap, labels=self.labels(session, snap), colors=colors, css=css), key
+
+    def map_key(self, session: ChatSession) -> str:
+        """What the tab's block map is drawn from: the monitor's snapshot and the tab's conversation
+        (its legend names). A view reading it keeps the monitor at its fast pace."""
+        self.monitor.mark_read()
+        return f"{self.monitor.version}.{len(session.tree.nodes)}.{id(session.tree.last_reply())}"
 
     def map_panel(self, session: ChatSession) -> str:
         """Page load: the tab's block map, with the token its script polls the map's route with."""

@@ -99,12 +99,14 @@ class LiveMap:
     """The block map of every open tab, served from ``ROUTE``.
 
     ``draw(session, css)`` returns the current map of a tab (with the panels' ``<style>`` or
-    without) and its key (a string that changes when the map would); ``html(session)`` is the
-    panel's content for the page's load event.
+    without) and its key (a string that changes when the map would); ``key(session)``, when
+    given, is that key alone, cheaper than a drawing: a poll whose map did not change (204) then
+    draws nothing. ``html(session)`` is the panel's content for the page's load event.
     """
 
-    def __init__(self, draw: Callable[[ChatSession, bool], tuple[str, str]], every: float):
-        self.draw, self.every = draw, every
+    def __init__(self, draw: Callable[[ChatSession, bool], tuple[str, str]], every: float,
+                 key: Callable[[ChatSession], str] | None = None):
+        self.draw, self.every, self.key = draw, every, key
         self._tabs: weakref.WeakValueDictionary[str, ChatSession] = weakref.WeakValueDictionary()
 
     def html(self, session: ChatSession) -> str:
@@ -128,9 +130,12 @@ class LiveMap:
         session = self._tabs.get(request.query_params.get("tab", ""))
         if session is None:
             return JSONResponse({"error": "unknown tab: reload the page"}, status_code=404)
+        since = request.query_params.get("since")
+        if self.key is not None and (key := self.key(session)) == since:
+            return Response(status_code=204, headers={"Cache-Control": "no-store", "X-Map-Key": key})
         body, key = self.draw(session, False)
         headers = {"Cache-Control": "no-store", "X-Map-Key": key}
-        if key == request.query_params.get("since"):
+        if key == since:
             return Response(status_code=204, headers=headers)
         return HTMLResponse(body, headers=headers)
 

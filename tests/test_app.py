@@ -732,3 +732,35 @@ def gr_event(data: dict):
     import gradio as gr
 
     return gr.EventData(None, data)
+
+
+def test_a_map_poll_that_finds_no_change_draws_nothing():
+    """Every open tab polls the map's route five times a second, on the cores the engine decodes
+    with. The route drew the tab's map (legend, colours, the page's HTML) for every poll and only
+    then compared keys, so a 204 cost a drawing; now it compares the map's key first."""
+    from starlette.applications import Starlette
+    from starlette.testclient import TestClient
+
+    from playground.chat import ChatSession
+    from playground.live_map import LiveMap
+
+    drawn, version = [], {"v": 1}
+
+    def draw(session, css):
+        drawn.append(css)
+        return f'<div class="pg-panel kv-map">v{version["v"]}</div>', str(version["v"])
+
+    live = LiveMap(draw, 0.2, key=lambda session: str(version["v"]))
+    app = Starlette(routes=[live.route()])
+    app.auth = app.auth_dependency = None            # as Gradio's App without a login (gradio/routes.py)
+    app.tokens = {}
+    tab = ChatSession()
+    live.html(tab)                                   # the page's load event: one drawing
+    client = TestClient(app)
+    for _ in range(5):
+        assert client.get("/playground/map", params={"tab": tab.map_token, "since": "1"}).status_code == 204
+    assert drawn == [True]
+    version["v"] = 2
+    changed = client.get("/playground/map", params={"tab": tab.map_token, "since": "1"})
+    assert changed.status_code == 200 and changed.headers["X-Map-Key"] == "2" and "v2" in changed.text
+    assert drawn == [True, False]
