@@ -17,8 +17,8 @@ DECODE_VARIANTS = [(128, 2, 4096, 128, 4), (128, 2, 4096, 128, 2), (128, 2, 4096
 DECODE_SHAPES = [(64, 8192), (64, 2048), (16, 8192), (16, 2048), (1, 2048), (1, 8192)]
 #: tensor-core prefill tiles for head_dim 128: (warps, 16-row tiles per warp, keys, K/V stages,
 #: register cap, rescale slack)
-PREFILL_VARIANTS = [(4, 2, 32, 3, None, 8.0), (4, 2, 32, 3, None, 0.0), (4, 2, 32, 2, None, 8.0),
-                    (4, 2, 32, 4, None, 8.0), (4, 1, 32, 2, None, 8.0)]
+PREFILL_VARIANTS = [(4, 2, 32, 3, None, 8.0), (4, 2, 32, 2, None, 8.0), (8, 2, 32, 3, None, 8.0),
+                    (8, 2, 32, 2, None, 8.0), (4, 2, 64, 2, None, 8.0)]
 
 
 def _set_decode(threads, stages, stage_bytes, regs, per_sm):
@@ -31,6 +31,8 @@ def sweep_decode(torch, timer, decode_case, scale):
     defaults = (cuda_backend.DECODE_THREADS, cuda_backend.DECODE_STAGES,
                 cuda_backend.DECODE_STAGE_BYTES, cuda_backend.DECODE_MAX_REGISTERS,
                 cuda_backend.DECODE_BLOCKS_PER_SM)
+    few = cuda_backend.DECODE_FEW_SEQS_STAGES
+    cuda_backend.DECODE_FEW_SEQS_STAGES = 0         # each variant's stages at every batch
     times = {v: [] for v in DECODE_VARIANTS}
     res = {}
     for seqs, ctx in DECODE_SHAPES:
@@ -45,6 +47,7 @@ def sweep_decode(torch, timer, decode_case, scale):
         del q, kc, vc, bt, out
         torch.cuda.empty_cache()
     _set_decode(*defaults)
+    cuda_backend.DECODE_FEW_SEQS_STAGES = few
     print("decode variants: µs at " + ", ".join(f"{s}x{c}" for s, c in DECODE_SHAPES))
     for v in DECODE_VARIANTS:
         kv = [2 * s * c * 8 * 128 * 2 for s, c in DECODE_SHAPES]
@@ -141,20 +144,23 @@ def sweep_split_rule(torch, timer, decode_case, scale):
 
 
 #: decode stage on tensor cores vs CUDA cores: (decode_mma_mode, register cap, blocks per SM
-#: aimed at, ring stages)
-DECODE_MMA_VARIANTS = [("off", 128, 4, 2), ("auto", 128, 4, 2), ("auto", 128, 3, 2),
-                       ("auto", 128, 6, 2), ("auto", 128, 2, 2)]
+#: aimed at, ring stages, ring stages with few sequences (0: the same))
+DECODE_MMA_VARIANTS = [("off", 128, 4, 2, 0), ("auto", 128, 4, 2, 0), ("auto", 128, 4, 2, 3),
+                       ("auto", 128, 4, 2, 4), ("auto", 128, 4, 3, 3), ("auto", 128, 6, 2, 3)]
 DECODE_MMA_SHAPES = [(1, 2048), (1, 8192), (1, 16384), (1, 32768), (16, 2048), (16, 8192),
                      (64, 2048), (64, 8192)]
 
 
 def sweep_decode_mma(torch, timer, decode_case, scale):
-    """Decode µs per variant (tensor-core stage or not, register cap, blocks per SM, stages),
+    """Decode µs per variant (tensor-core stage or not, register cap, blocks per SM, stages,
+    stages with few sequences),
     SDPA beside and each variant's max error vs SDPA, same run."""
     import torch.nn.functional as F
-    names = ("decode_mma_mode", "DECODE_MAX_REGISTERS", "DECODE_BLOCKS_PER_SM", "DECODE_STAGES")
+    names = ("decode_mma_mode", "DECODE_MAX_REGISTERS", "DECODE_BLOCKS_PER_SM", "DECODE_STAGES",
+             "DECODE_FEW_SEQS_STAGES")
     defaults = [getattr(cuda_backend, n) for n in names]
-    print("decode stage variants (mode, register cap, blocks/SM aimed at, stages): µs per call "
+    print("decode stage variants (mode, register cap, blocks/SM aimed at, stages, stages with few "
+          "sequences): µs per call "
           "(x SDPA), max error vs SDPA")
     res = {}
     try:
@@ -171,9 +177,13 @@ def sweep_decode_mma(torch, timer, decode_case, scale):
                 for n, x in zip(names, v):
                     setattr(cuda_backend, n, x)
                 call = lambda: gpu_kernels.paged_decode(q, kc, vc, bt, lens, scale, out=out)  # noqa
-                out.fill_(float("nan"))
-                call()
-                torch.cuda.synchronize()
+                try:
+                    out.fill_(float("nan"))
+                    call()
+                    torch.cuda.synchronize()
+                except Exception as exc:                    # noqa: BLE001 - report, go on
+                    cells.append(f"{v}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
+                    continue
                 err = (out.float() - ref).abs().max().item()
                 t = min(timer(call), timer(call))
                 cells.append(f"{v}: {t:.1f} ({peer / t:.2f}x) err {err:.1e}")

@@ -1,25 +1,39 @@
-"""One tensor-core prefill at 1 x 4096 (32 / 8 heads, d=128, fp16, shuffled block tables), twice.
+"""One kernel call to profile with Nsight Compute, twice (the first call compiles).
 
-For Nsight Compute (the README's figures)::
+Default: a tensor-core prefill at 1 x 4096 (32 / 8 heads, d=128, fp16, shuffled block
+tables), the README's figures::
 
     ncu --clock-control none -k regex:prefill --launch-skip 1 --launch-count 1 \\
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \\
         python -m benchmarks.prefill_once
+
+``decode SEQS CONTEXT``: one fp16 decode step of the benchmark's decode table instead
+(``-k regex:decode``).
 """
 from __future__ import annotations
 
+import sys
+
 import gpu_kernels
 
-from .kernels import prefill_case
+from .kernels import decode_case, prefill_case
 
 
-def main():
+def main(argv=None):
     import torch
-    seqs, prompt = 1, 4096
-    q, kc, vc, bt, qsl, lens = prefill_case(torch, seqs, prompt, torch.float16)
-    out = torch.empty_like(q)
-    for _ in range(2):                 # the first call compiles
-        gpu_kernels.paged_prefill(q, kc, vc, bt, qsl, lens, 128 ** -0.5, out=out)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "decode":
+        seqs, ctx = int(argv[1]), int(argv[2])
+        q, kc, vc, bt, lens = decode_case(torch, seqs, ctx)
+        out = torch.empty_like(q)
+        call = lambda: gpu_kernels.paged_decode(q, kc, vc, bt, lens, 128 ** -0.5, out=out)  # noqa
+    else:
+        q, kc, vc, bt, qsl, lens = prefill_case(torch, 1, 4096, torch.float16)
+        out = torch.empty_like(q)
+        call = lambda: gpu_kernels.paged_prefill(q, kc, vc, bt, qsl, lens, 128 ** -0.5,  # noqa
+                                                 out=out)
+    for _ in range(2):
+        call()
     torch.cuda.synchronize()
 
 

@@ -225,6 +225,39 @@ def test_tensor_core_decode_agrees_with_its_numba_twin(monkeypatch, dtype, head_
     assert_close(outs["auto"], ref, dtype)
 
 
+@pytest.mark.parametrize("few", [3, 4])
+def test_decode_with_few_sequences_takes_a_deeper_ring(monkeypatch, few):
+    """Few sequences (the tensor-core stage, a three- or four-slot ring per warp) give bit for
+    bit the outputs of the two-slot ring: the same keys meet the same lanes, only the copies land
+    earlier. One split per sequence (the ring turns many times) and the default splits, a
+    window."""
+    prob = make_problem(np.random.default_rng(9), context_lens=[2900, 1, 17, 1000],
+                        query_lens=[1] * 4, num_kv_heads=2, group=4, head_dim=128,
+                        block_size=16, dtype="float16", query_dtype="float16")
+    prob.query = prob.query[:4]
+    args = {k: to_torch(getattr(prob, k)) for k in
+            ("query", "k_cache", "v_cache", "block_tables", "context_lens")}
+    monkeypatch.setattr(cuda_backend, "decode_mma_mode", "auto")
+    for target, window in ((1, None), (None, 700)):
+        monkeypatch.setattr(cuda_backend, "decode_target_blocks", target)
+        outs, kernels = {}, {}
+        for n in (0, few):
+            monkeypatch.setattr(cuda_backend, "DECODE_FEW_SEQS_STAGES", n)
+            out = torch.full(prob.query.shape, float("nan"), dtype=torch.float32, device="cuda")
+            gpu_kernels.paged_decode(args["query"], args["k_cache"], args["v_cache"],
+                                     args["block_tables"], args["context_lens"], prob.scale,
+                                     sliding_window=window, out=out)
+            torch.cuda.synchronize()
+            outs[n], kernels[n] = out.cpu().numpy(), cuda_backend.last_kernels["decode"]
+        assert kernels[few] is not kernels[0]           # 4 sequences x 2 head blocks: few
+        np.testing.assert_array_equal(outs[few], outs[0])
+        ref = np.full(prob.query.shape, np.nan, np.float32)
+        gpu_kernels.paged_decode(prob.query, prob.k_cache, prob.v_cache, prob.block_tables,
+                                 prob.context_lens, prob.scale, sliding_window=window,
+                                 out=ref, backend="reference")
+        assert_close(outs[few], ref, "float16")
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_tensor_core_prefill_with_rising_scores(dtype):
     """Scores rising ~0.2 log2 units per key: a row's maximum rises by ~6.4 over a 32-key

@@ -33,6 +33,10 @@ from .primitives import F32, SIMULATED, from_f32, kind_of, to_f32
 THREADS = 64 if SIMULATED else 128    # threads per block (write_kv)
 DECODE_THREADS = 64 if SIMULATED else 128
 DECODE_STAGES = 2                      # decode: ring slots per warp (cp.async pipeline depth)
+#: decode on the tensor-core stage with few sequences (sequences x head blocks <= a quarter of
+#: the multiprocessors: split-K's short splits wait on memory latency): ring slots per warp;
+#: 0 = DECODE_STAGES (the simulator, which has no multiprocessor count, keeps DECODE_STAGES)
+DECODE_FEW_SEQS_STAGES = 3
 DECODE_STAGE_BYTES = 512 if SIMULATED else 4096   # decode: K + V bytes per warp stage
 DECODE_TABLE = 8 if SIMULATED else 512  # decode: block-table entries a block keeps (chunk limit)
 DECODE_BLOCKS_PER_SM = 4               # decode: split-K aims at this many blocks per SM
@@ -189,7 +193,7 @@ def paged_decode(query, k_cache, v_cache, block_tables, context_lens, scale, win
     key = ("decode", query.shape, query.dtype, k_cache.shape, k_cache.dtype, out.dtype,
            block_tables.shape[1], window, decode_target_blocks, DECODE_THREADS, DECODE_STAGES,
            DECODE_STAGE_BYTES, DECODE_MAX_REGISTERS, DECODE_BLOCKS_PER_SM, DECODE_MIN_CHUNK,
-           DECODE_MERGE_SPLITS, DECODE_LONG_SHARE, decode_mma_mode)
+           DECODE_MERGE_SPLITS, DECODE_LONG_SHARE, decode_mma_mode, DECODE_FEW_SEQS_STAGES)
     plan = _plans.get(key) or _remember_plan(key, _decode_plan(
         query, k_cache, block_tables, window, out))
     launch, kernel, grid, scratch, tail = plan
@@ -207,12 +211,16 @@ def _decode_plan(query, k_cache, block_tables, window, out):
     kind_q = kind_of(query.dtype)
     tensor_cores = _decode_tensor_cores(kind_q, kind_kv, head_dim, heads_per_block(group))
     hpb = heads_per_block(group) if tensor_cores else decode_heads_per_block(group)
+    head_blocks = num_kv_heads * (group // hpb)
+    stages = DECODE_STAGES
+    if tensor_cores and DECODE_FEW_SEQS_STAGES and not SIMULATED \
+            and 4 * num_seqs * head_blocks <= _num_sms():
+        stages = DECODE_FEW_SEQS_STAGES
     kernel = build_decode_kernel(DECODE_THREADS, group, hpb, head_dim, kind_q,
                                  kind_kv, kind_of(out.dtype), block_size, DECODE_TABLE,
-                                 DECODE_STAGES, DECODE_STAGE_BYTES,
+                                 stages, DECODE_STAGE_BYTES,
                                  DECODE_MAX_REGISTERS if hpb <= 4 or tensor_cores else None,
                                  tensor_cores)
-    head_blocks = num_kv_heads * (group // hpb)
     _, keys_per_pass, passes = stage_shape(head_dim, k_cache.dtype.itemsize, DECODE_STAGE_BYTES)
     kpw = keys_per_pass * passes                      # keys per warp stage; chunks align to it
     if tensor_cores:
