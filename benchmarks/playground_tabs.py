@@ -128,8 +128,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--interval", type=float, default=0.2)
     parser.add_argument("--prompts", nargs="+", required=True, help="one chat per tab")
     parser.add_argument("--nice", type=int, default=0, help="lower this process's CPU priority")
+    parser.add_argument("--idle", action="store_true",
+                        help="run at Linux's SCHED_IDLE: only on CPU time nothing else wants (browsers on "
+                             "the visitors' own machines take none of the server's)")
     args = parser.parse_args(argv)
     os.nice(args.nice)
+    if args.idle:            # before any thread starts: threads inherit the policy
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     tabs = [Tab(args.url, p) for p in args.prompts]
     print(json.dumps({"ready": len(tabs)}), flush=True)
     for line in sys.stdin:

@@ -258,7 +258,8 @@ def build_app(
         # refresh); the other panels refresh through a timer about once a second.
         # Ticks skip the queue (queue=False): a tick is a plain request, not a queued SSE event.
         live = dict(show_progress="hidden", concurrency_limit=None, api_visibility="private", queue=False)
-        panel_views = dict(fn=T(h.refresh_panels), inputs=[session], outputs=[prefix, engine, timeline], **live)
+        panel_views = dict(fn=T(h.refresh_panels), inputs=[session], outputs=[prefix, engine, timeline, inspector],
+                           **live)
         panel_timer.tick(**panel_views)
         demo.load(T(h.map_panel), [session], [block_map], **live)
         demo.load(**panel_views)

@@ -69,6 +69,8 @@ class ChatSession:
     tree: Conversation = field(default_factory=Conversation)   # every reply and branch (app)
     labels: dict[str, str] = field(default_factory=dict)  # this tab's recent requests → legend name
     last_render_key: Any = None                           # what the panels were last drawn from
+    last_panels: Any = None                               # and what they were: (prefix, engine, inspector) HTML
+    inspected: int | None = None                          # the block last clicked in the map (app)
     lp_metric: str = "probability"                        # the logprob view's probability / logprob / rank
     # Names the tab to the block map's route (unguessable: one visitor cannot ask for another's legend).
     map_token: str = field(default_factory=lambda: secrets.token_urlsafe(12))

@@ -99,10 +99,11 @@ class Handlers:
         self.default_mode = default_mode(self.tokenizer)
         self.tabs = Tabs(on_close=self._tab_closed)
         # The block map's own route (every ``map_every`` s per open tab), not a Gradio event.
-        self.live_map = LiveMap(lambda session, css: self.block_map(session, css=css), map_every)
+        self.live_map = LiveMap(lambda session, css: self.block_map(session, css=css), map_every, key=self.map_key)
         self._turn_lock = threading.RLock()
         self._streaming = 0                      # replies streaming now, over every tab
         self._streaming_lock = threading.Lock()
+        self._timeline_cache: tuple[int, str] | None = None
 
     def _tab_closed(self, session: ChatSession) -> None:
         self.live_map.forget(session)
@@ -439,32 +440,50 @@ class Handlers:
         engine decodes with: the grid of cells, the same for every tab, is drawn once per
         snapshot (``render.block_map_html`` keeps the last one); only the legend is per tab.
         """
-        version = self.monitor.version          # before the snapshot: a newer one only redraws again
-        snap = self.monitor.snapshot()          # a read keeps the monitor at its fast pace
-        key = f"{version}.{len(session.tree.nodes)}.{id(session.tree.last_reply())}"
+        key = self.map_key(session)             # before the snapshot: a newer one only redraws again
+        snap = self.monitor.snapshot()
         colors = self.colors.colors(self._owner_ids(snap))
         return render.block_map_html(snap, labels=self.labels(session, snap), colors=colors, css=css), key
+
+    def map_key(self, session: ChatSession) -> str:
+        """What the tab's block map is drawn from: the monitor's snapshot and the tab's conversation
+        (its legend names). A view reading it keeps the monitor at its fast pace."""
+        self.monitor.mark_read()
+        return f"{self.monitor.version}.{len(session.tree.nodes)}.{id(session.tree.last_reply())}"
 
     def map_panel(self, session: ChatSession) -> str:
         """Page load: the tab's block map, with the token its script polls the map's route with."""
         return self.live_map.html(session)
 
     def refresh_panels(self, session: ChatSession) -> tuple:
-        """Panels timer tick (about once a second): prefix cache, engine and timeline panels."""
+        """Panels timer tick (about once a second): prefix cache, engine and timeline panels, and the
+        block inspector (the block clicked last, as the engine holds it now: a block clicked while a
+        reply used it says "cached, reusable" once the reply has ended, like the map beside it)."""
         last = session.tree.last_reply()
         key = (self.monitor.version, len(session.tree.nodes), id(last), self.monitor.num_steps)
-        timeline = timeline_html(self.monitor.timeline.series())     # the timeline moves on even when idle
-        if key == session.last_render_key:
-            return gr.skip(), gr.skip(), timeline
-        session.last_render_key = key
-        snap = self.monitor.snapshot()
-        reply = last.reply if last else None
-        stats = {"ttft": reply.ttft, "decode_tps": reply.decode_tps} if reply else None
-        return (
-            render.prefix_cache_html(snap, self.turns(session)),
-            render.engine_panel_html(snap, self.monitor.steps(120), stats),
-            timeline,
-        )
+        timeline = self._timeline()                 # the timeline moves on even when the engine idles
+        key = (*key, session.inspected)
+        if key != session.last_render_key or session.last_panels is None:
+            snap = self.monitor.snapshot()
+            reply = last.reply if last else None
+            stats = {"ttft": reply.ttft, "decode_tps": reply.decode_tps} if reply else None
+            session.last_render_key = key
+            session.last_panels = (render.prefix_cache_html(snap, self.turns(session)),
+                                   render.engine_panel_html(snap, self.monitor.steps(120), stats),
+                                   self._inspector(session, snap))
+        # Unchanged panels are sent again as their last value, not gr.skip(): Gradio 6.31 answers a
+        # skip by building a new component and its config (``Blocks.postprocess_data``), ~2 ms a
+        # skip on this machine, while re-sending a string is a copy (the page keeps an equal value).
+        prefix, engine, inspector = session.last_panels
+        return prefix, engine, timeline, inspector
+
+    def _timeline(self) -> str:
+        """The timeline panel, the same for every tab: drawn at most once per second."""
+        second = int(time.time())
+        cached = self._timeline_cache
+        if cached is None or cached[0] != second:
+            cached = self._timeline_cache = (second, timeline_html(self.monitor.timeline.series()))
+        return cached[1]
 
     @staticmethod
     def _owner_ids(snap: dict) -> list[str]:
@@ -480,11 +499,17 @@ class Handlers:
             block_id = int(data.get("block"))
         except (TypeError, ValueError):
             return gr.skip()
-        snap = self.monitor.refresh()
+        session.inspected = block_id
+        return self._inspector(session, self.monitor.refresh())
+
+    def _inspector(self, session: ChatSession, snap: dict) -> str:
+        """The block inspector of ``session.inspected`` in ``snap``."""
+        if session.inspected is None:
+            return block_inspector_html(None, None)
         own = {n.reply.request_id: list(n.reply.prompt_token_ids) + n.reply.all_token_ids
                for n in session.tree.replies()}
         names = self.labels(session, snap)
-        return block_inspector_html(snap, block_id, name=lambda rid: names.get(rid, rid), own_tokens=own,
+        return block_inspector_html(snap, session.inspected, name=lambda rid: names.get(rid, rid), own_tokens=own,
                                     decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False))
 
     def _admin(self, what: str) -> None:

@@ -9,12 +9,15 @@ or the new map's HTML (key in the ``X-Map-Key`` header), which it swaps into the
 is still drawn from the monitor's latest snapshot by ``render.block_map_html``, whose grid of
 cells is drawn once per snapshot for every tab; only the legend (this tab's names) is per tab.
 
-The route is added to Gradio's app by ``playground.app.launch`` (``app_kwargs={"routes": ...}``).
+The route is added to Gradio's app by ``playground.app.launch`` (``app_kwargs={"routes": ...}``),
+and asks for the same login as Gradio's own routes when the app is launched with ``auth=``
+(``gradio_login``).
 """
 
 from __future__ import annotations
 
 import weakref
+import inspect
 from collections.abc import Callable
 from html import escape
 
@@ -24,7 +27,7 @@ from starlette.routing import Route
 
 from .chat import ChatSession
 
-__all__ = ["LiveMap", "LIVE_MAP_JS", "ROUTE"]
+__all__ = ["LiveMap", "LIVE_MAP_JS", "ROUTE", "gradio_login"]
 
 ROUTE = "/playground/map"
 
@@ -67,16 +70,43 @@ setTimeout(poll, 0);
 """
 
 
+async def gradio_login(request: Request) -> str | None | bool:
+    """Whether Gradio would let ``request`` through to its own routes: True when the app has no
+    login, else the logged-in user's name, or None (log in first).
+
+    Gradio 6.31 checks every route with ``login_check`` (``gradio/routes.py``, ``App.create_app``:
+    ``get_current_user``): the user comes from ``app.auth_dependency(request)`` when the app has
+    one, else from the access-token cookie that ``POST /login`` sets (``access-token-<cookie_id>``
+    or its ``-unsecure-`` twin), looked up in ``app.tokens``; a request without one gets 401. An
+    app object without those attributes (another server) is treated as having a login nobody has.
+    """
+    app = request.app
+    auth, dependency = getattr(app, "auth", None), getattr(app, "auth_dependency", None)
+    if auth is None and dependency is None and hasattr(app, "tokens"):
+        return True
+    if dependency is not None:
+        user = dependency(request)
+        return (await user) if inspect.isawaitable(user) else user
+    cookie_id, tokens = getattr(app, "cookie_id", None), getattr(app, "tokens", None) or {}
+    if cookie_id is None:
+        return None
+    token = (request.cookies.get(f"access-token-{cookie_id}")
+             or request.cookies.get(f"access-token-unsecure-{cookie_id}"))
+    return tokens.get(token)
+
+
 class LiveMap:
     """The block map of every open tab, served from ``ROUTE``.
 
     ``draw(session, css)`` returns the current map of a tab (with the panels' ``<style>`` or
-    without) and its key (a string that changes when the map would); ``html(session)`` is the
-    panel's content for the page's load event.
+    without) and its key (a string that changes when the map would); ``key(session)``, when
+    given, is that key alone, cheaper than a drawing: a poll whose map did not change (204) then
+    draws nothing. ``html(session)`` is the panel's content for the page's load event.
     """
 
-    def __init__(self, draw: Callable[[ChatSession, bool], tuple[str, str]], every: float):
-        self.draw, self.every = draw, every
+    def __init__(self, draw: Callable[[ChatSession, bool], tuple[str, str]], every: float,
+                 key: Callable[[ChatSession], str] | None = None):
+        self.draw, self.every, self.key = draw, every, key
         self._tabs: weakref.WeakValueDictionary[str, ChatSession] = weakref.WeakValueDictionary()
 
     def html(self, session: ChatSession) -> str:
@@ -95,12 +125,17 @@ class LiveMap:
     async def respond(self, request: Request) -> Response:
         """``GET ROUTE?tab=T&since=K``: 204 if the map's key is still K, else the map (on the event
         loop: a cached lookup most of the time, a legend otherwise)."""
+        if await gradio_login(request) is None:
+            return JSONResponse({"error": "Not authenticated"}, status_code=401)
         session = self._tabs.get(request.query_params.get("tab", ""))
         if session is None:
             return JSONResponse({"error": "unknown tab: reload the page"}, status_code=404)
+        since = request.query_params.get("since")
+        if self.key is not None and (key := self.key(session)) == since:
+            return Response(status_code=204, headers={"Cache-Control": "no-store", "X-Map-Key": key})
         body, key = self.draw(session, False)
         headers = {"Cache-Control": "no-store", "X-Map-Key": key}
-        if key == request.query_params.get("since"):
+        if key == since:
             return Response(status_code=204, headers=headers)
         return HTMLResponse(body, headers=headers)
 

@@ -132,11 +132,15 @@ class EngineMonitor:
         return snap
 
     # -- readers (any thread) -------------------------------------------------------
-    def snapshot(self) -> dict:
-        """The latest snapshot dict (at most about ``interval`` s behind the engine while views read it)."""
+    def mark_read(self) -> None:
+        """A view is watching: keep (or bring back at once) the fast pace of snapshots."""
         if time.monotonic() - self._read_at >= self.idle_after:
             self._wake.set()                 # a view is back: the next snapshot without the idle pause
         self._read_at = time.monotonic()
+
+    def snapshot(self) -> dict:
+        """The latest snapshot dict (at most about ``interval`` s behind the engine while views read it)."""
+        self.mark_read()
         with self._lock:
             return self._snapshot
 

@@ -555,6 +555,36 @@ def test_the_block_map_is_polled_from_its_own_route_not_a_gradio_event(app):
     assert int(step.search(after.text).group(1)) > int(step.search(panel).group(1))  # the engine moved on
 
 
+def test_the_map_route_asks_for_the_same_login_as_gradio(smollm2_llm):
+    """Launched with ``auth=``, Gradio answers its own routes only after ``POST /login`` (its
+    access-token cookie); the map's route (not one of Gradio's) must ask for the same login: a tab
+    token alone, seen by anyone who shares the link, must not show the map."""
+    import httpx
+
+    demo = build_app(smollm2_llm)
+    _, url, _ = launch(demo, prevent_thread_lock=True, quiet=True, auth=[("ada", "lovelace")])
+    try:
+        user, stranger = httpx.Client(base_url=url, timeout=30), httpx.Client(base_url=url, timeout=30)
+        assert stranger.get("gradio_api/info").status_code == 401               # Gradio's own routes
+        assert stranger.post("login", data={"username": "ada", "password": "wrong"}).status_code == 400
+        assert user.post("login", data={"username": "ada", "password": "lovelace"}).status_code == 200
+        config = user.get("config").json()
+        kv_map = next(c["id"] for c in config["components"] if c.get("props", {}).get("elem_id") == "kv-map")
+        load = next(i for i, d in enumerate(config["dependencies"]) if kv_map in d["outputs"])
+        panel = user.post("gradio_api/run/predict", json={"data": [None], "fn_index": load, "session_hash": "ada1",
+                                                          "event_data": None, "trigger_id": None}).json()["data"][0]
+        tab = re.search(r'data-tab="([^"]+)"', panel).group(1)
+        params = {"tab": tab, "since": ""}
+        assert user.get("playground/map", params=params).status_code == 200
+        refused = stranger.get("playground/map", params=params)
+        assert refused.status_code == 401 and "kv-map" not in refused.text
+        forger = httpx.Client(base_url=url, timeout=30, cookies={"access-token-unsecure-x": "forged"})
+        assert forger.get("playground/map", params=params).status_code == 401
+    finally:
+        demo.close()
+        demo.playground_monitor.close()
+
+
 def test_gradios_queue_does_not_wake_the_server_every_millisecond(app):
     """Gradio 6's queue (gradio/queueing.py, ``Queue.__init__``: ``sleep_when_free = 0.001``,
     ``progress_update_sleep_when_free = 0.01`` off Windows) looks for work ~1,100 times a second,
@@ -635,3 +665,102 @@ def test_streamed_updates_skip_only_the_message_box(paced_engine):
     assert len(streamed) >= 3
     assert all([i for i, v in enumerate(u) if v == skip] == [1] for u in streamed)
     assert all(isinstance(u[2], str) and isinstance(u[3], str) for u in streamed)   # logprobs, prefix panel
+
+
+def test_the_panels_timer_sends_unchanged_panels_as_values_not_skips(smollm2_llm):
+    """The panels' timer ticks once a second in every open tab. An unchanged prefix or engine panel
+    was answered with gr.skip(), and Gradio 6.31 answers a skip by building a new component and its
+    config (``Blocks.postprocess_data``: ~1.5-2 ms a skip here, against ~0.4 ms for a value): the
+    costliest way to say "no change". Unchanged panels are now their last value again (the page
+    keeps an equal value as it is), and the timeline, the same for every tab, is drawn at most once
+    a second for all of them."""
+    from playground.chat import ChatSession
+    from playground.handlers import Handlers
+    from playground.monitor import EngineMonitor
+
+    monitor = EngineMonitor(smollm2_llm, interval=0.1)
+    try:
+        h = Handlers(smollm2_llm, monitor, Limits())
+        tabs = [ChatSession(), ChatSession()]
+        first = [h.refresh_panels(tab) for tab in tabs]
+        again = [h.refresh_panels(tab) for tab in tabs]
+        skip = {"__type__": "update"}
+        assert all(v != skip and isinstance(v, str) for out in first + again for v in out)
+        assert again[0][:2] == first[0][:2]                                   # nothing changed: same panels
+        if again[0][2] is again[1][2]:                                        # the same second
+            assert again[0][2] is first[1][2] or again[0][2] is first[0][2]   # one drawing for every tab
+        list(h.send("Hi", tabs[0], SYSTEM, *greedy(4), "chat"))
+        after = h.refresh_panels(tabs[0])
+        assert after[0] != first[0][0]                                         # this turn now shows
+    finally:
+        monitor.close()
+
+
+def test_the_block_inspector_follows_the_engine_after_the_click(paced_engine):
+    """Found in Chromium: a block clicked while a reply used it still said "used", owned by "this
+    chat", after the reply had ended, beside a map that showed it cached: the inspector was drawn
+    once, at the click. The panels' timer now redraws it from the latest snapshot."""
+    from playground.chat import ChatSession
+    from playground.handlers import Handlers
+    from playground.monitor import EngineMonitor
+
+    monitor = EngineMonitor(paced_engine, interval=0.1)
+    try:
+        h, tab = Handlers(paced_engine, monitor, Limits()), ChatSession()
+        chat = threading.Thread(target=lambda: list(h.send("Tell me a story.", tab, SYSTEM, *greedy(24), "chat")))
+        chat.start()
+        deadline, used = time.monotonic() + 60, []
+        while not used and time.monotonic() < deadline:
+            time.sleep(0.05)
+            used = [b["block_id"] for b in monitor.refresh()["blocks"] if b["ref_cnt"] and b.get("hashed")]
+        assert used, "the reply never held a full block"
+        clicked = h.inspect_block(tab, gr_event({"block": used[0]}))
+        assert re.search(r"<td>state</td><td><b>used</b>", clicked), clicked
+        chat.join(120)
+        monitor.wait_idle()
+        inspector = h.refresh_panels(tab)[3]
+        assert f'data-block="{used[0]}"' in inspector
+        assert re.search(r"<td>state</td><td><b>cached, reusable</b>", inspector), inspector
+    finally:
+        h.stop(tab)
+        chat.join(60)
+        monitor.close()
+
+
+def gr_event(data: dict):
+    """A ``gr.EventData`` as Gradio builds it for a custom ``trigger('click', data)``."""
+    import gradio as gr
+
+    return gr.EventData(None, data)
+
+
+def test_a_map_poll_that_finds_no_change_draws_nothing():
+    """Every open tab polls the map's route five times a second, on the cores the engine decodes
+    with. The route drew the tab's map (legend, colours, the page's HTML) for every poll and only
+    then compared keys, so a 204 cost a drawing; now it compares the map's key first."""
+    from starlette.applications import Starlette
+    from starlette.testclient import TestClient
+
+    from playground.chat import ChatSession
+    from playground.live_map import LiveMap
+
+    drawn, version = [], {"v": 1}
+
+    def draw(session, css):
+        drawn.append(css)
+        return f'<div class="pg-panel kv-map">v{version["v"]}</div>', str(version["v"])
+
+    live = LiveMap(draw, 0.2, key=lambda session: str(version["v"]))
+    app = Starlette(routes=[live.route()])
+    app.auth = app.auth_dependency = None            # as Gradio's App without a login (gradio/routes.py)
+    app.tokens = {}
+    tab = ChatSession()
+    live.html(tab)                                   # the page's load event: one drawing
+    client = TestClient(app)
+    for _ in range(5):
+        assert client.get("/playground/map", params={"tab": tab.map_token, "since": "1"}).status_code == 204
+    assert drawn == [True]
+    version["v"] = 2
+    changed = client.get("/playground/map", params={"tab": tab.map_token, "since": "1"})
+    assert changed.status_code == 200 and changed.headers["X-Map-Key"] == "2" and "v2" in changed.text
+    assert drawn == [True, False]
