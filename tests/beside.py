@@ -9,15 +9,19 @@ The suite is mostly one process working one test at a time; some files do not ne
   tests waits for that process's report of the same test and passes, fails or skips as it did
   there (`BesideItem`), so every test keeps its id and outcome.
 
-The runs start, one at a time, at the end of collection, and the tests that read them are
-moved to the end of the session, so the main process never waits while it has work of its
-own. Running one of these files alone (``pytest tests/test_kernels_cpu.py``) runs it here.
+The runs start at the end of collection in two queues (`LANES`), each one run after another,
+at a lower scheduling priority than the suite's process (`yielding`): the suite never waits
+for them while it has work of its own, and they take the second core and whatever the suite
+leaves idle (its tests wait on servers, browsers and paced engines for much of their time).
+The tests that read them are moved to the end of the session. Running one of these files
+alone (``pytest tests/test_kernels_cpu.py``) runs it here.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,16 +30,20 @@ import time
 
 import pytest
 
-# in the order they run beside the suite (the simulated engine last: it compiles the CPU kernels
-# the suite's first tests have compiled by then)
+# Two queues beside the suite (`LANES`):
+# 1. the jobs queued first (transformers' reading of Gemma 3, conftest.py), then one pytest
+#    process for BESIDE_FILES (Gemma 3 through PaddleFormers goes there, which keeps the main
+#    process's peak to the shared SmolLM2 engine and one model; the engine's consistency and
+#    fuzz tests on tiny models need no shared engine);
+# 2. the simulator files, then one pytest process for LATE_BESIDE_FILES (the notebooks: each
+#    runs in its own Jupyter kernel, on the Numba cache the suite's first engine has filled by
+#    then), then the simulated engine (it compiles the CPU kernels too).
 SIMULATOR_FILES = ("test_kernels_cudasim.py", "test_kernels_mma.py")
-# (the notebooks' own kernels do their work, so they stay here; Gemma 3 through PaddleFormers goes
-# beside, which keeps the main process's peak to the shared SmolLM2 engine and one model)
-# (the engine's consistency and fuzz tests on tiny models need no shared engine: beside, they even
-# out the two cores' shares)
 BESIDE_FILES = ("test_kernels_cpu.py", "test_loader.py", "test_fallback_gemma3.py", "test_environment.py",
                 "test_engine_consistency.py", "test_fuzz_engine.py")
+LATE_BESIDE_FILES = ("test_notebooks.py",)
 LATE_SIMULATOR_FILES = ("test_engine_on_cuda_kernels.py",)
+NICE = 10      # the runs beside yield the CPU to the suite's own process
 SIMULATOR_TESTS = ("test_kernels_cudasim.py::test_cuda_kernels_in_the_simulator",
                    "test_kernels_mma.py::test_tensor_core_prefill_in_the_simulator",
                    "test_engine_on_cuda_kernels.py::test_engine_on_cuda_kernels_in_the_simulator")
@@ -45,6 +53,11 @@ REPORT_ENV = "FLEET_TESTS_BESIDE_REPORT"    # set in the beside process: where i
 
 def in_a_run_beside() -> bool:
     return os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" or REPORT_ENV in os.environ
+
+
+def yielding(argv: list[str]) -> list[str]:
+    """``argv`` run at ``NICE`` (coreutils' ``nice``; as it is where there is none)."""
+    return ["nice", "-n", str(NICE), *argv] if shutil.which("nice") else argv
 
 
 class _Output:
@@ -94,7 +107,7 @@ class _Run:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *self.args],
+            yielding([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *self.args]),
             env=dict(os.environ, **self.env), cwd=self.root,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.output = _Output(self.proc.stdout)
@@ -121,7 +134,7 @@ class _Run:
 
 class _Queue:
     """Runs jobs (`_Run`s, or anything with ``start``, ``wait`` and ``kill``) one after another in
-    a thread: one core for them, one for the suite."""
+    a thread."""
 
     def __init__(self, runs: list[_Run]):
         self.runs, self._stopped = runs, False
@@ -230,34 +243,40 @@ class BesideItem(pytest.Item):
 # ------------------------------------------------- hooks (conftest.py forwards them)
 
 def collection_modifyitems(config, items: list[pytest.Item], first=()) -> None:
-    """Queue the runs beside (after the jobs ``first``), start nothing yet; move the tests that
-    read them to the end, in run order."""
+    """Queue the runs beside in their two lanes (the jobs ``first`` at the head of the first),
+    start nothing yet; move the tests that read them to the end, in run order."""
     if in_a_run_beside() or config.option.collectonly:
         return
     name = lambda item: item.path.name  # noqa: E731
-    beside = [i for i in items if name(i) in BESIDE_FILES]
     sims = {f: [i for i in items if i.nodeid.endswith(SIMULATOR_TESTS) and name(i) == f]
             for f in SIMULATOR_FILES + LATE_SIMULATOR_FILES}
-    moved = {id(i) for i in beside} | {id(i) for group in sims.values() for i in group}
+    groups = {files: [i for i in items if name(i) in files] for files in (BESIDE_FILES, LATE_BESIDE_FILES)}
+    moved = {id(i) for group in (*sims.values(), *groups.values()) for i in group}
     own = [i for i in items if id(i) not in moved]
     root = str(config.rootpath)
-    runs = list(first)
     tail: list[pytest.Item] = []
-    for f in SIMULATOR_FILES:
-        for item in sims[f]:
-            runs.append(_simulator_run(config, str(item.path)))
-            tail.append(item)
-    if beside and own:        # alone, these files run here
-        run = _BesideRun([i.nodeid for i in beside], root)
-        runs.append(run)
-        beside = [BesideItem.from_parent(i.parent, name=i.name, run=run, original=i) for i in beside]
-    tail += beside
-    for f in LATE_SIMULATOR_FILES:
-        for item in sims[f]:
-            runs.append(_simulator_run(config, str(item.path)))
-            tail.append(item)
+
+    def simulated(files) -> list:
+        runs = []
+        for f in files:
+            for item in sims[f]:
+                runs.append(_simulator_run(config, str(item.path)))
+                tail.append(item)
+        return runs
+
+    def beside(files) -> list:
+        group = groups[files]
+        if not (group and own):        # alone, these files run here
+            tail.extend(group)
+            return []
+        run = _BesideRun([i.nodeid for i in group], root)
+        tail.extend(BesideItem.from_parent(i.parent, name=i.name, run=run, original=i) for i in group)
+        return [run]
+
+    lanes = [[*first, *beside(BESIDE_FILES)],
+             [*simulated(SIMULATOR_FILES), *beside(LATE_BESIDE_FILES), *simulated(LATE_SIMULATOR_FILES)]]
     items[:] = own + tail
-    config.__dict__["_beside_runs"] = runs
+    config.__dict__["_beside_lanes"] = [lane for lane in lanes if lane]
     if own and tail:
         config.__dict__["_first_beside_item"] = tail[0]
 
@@ -277,9 +296,9 @@ def _simulator_run(config, path: str) -> _Run:
 
 
 def collection_finish(session) -> None:
-    runs = session.config.__dict__.get("_beside_runs")
-    if runs:
-        session.config.__dict__["_beside_queue"] = _Queue(runs)
+    lanes = session.config.__dict__.get("_beside_lanes")
+    if lanes:
+        session.config.__dict__["_beside_queues"] = [_Queue(runs) for runs in lanes]
 
 
 def _describe(run) -> str:
@@ -291,16 +310,20 @@ def _describe(run) -> str:
 
 def terminal_summary(terminalreporter, config) -> None:
     """How long each run beside the suite took (they are not in --durations)."""
-    queue = config.__dict__.get("_beside_queue")
-    if queue is not None and queue.timings:
-        terminalreporter.write_sep("-", "beside the suite, one after another")
+    queues = [q for q in config.__dict__.get("_beside_queues", ()) if q.timings]
+    if not queues:
+        return
+    terminalreporter.write_sep("-", "beside the suite, in two queues")
+    own_ended = config.__dict__.get("_own_tests_ended")
+    for number, queue in enumerate(queues, 1):
         for what, seconds, returncode in queue.timings:
-            terminalreporter.write_line(f"{seconds:7.1f}s  {what}" + (f"  (exit {returncode})" if returncode else ""))
-        own_ended = config.__dict__.get("_own_tests_ended")
-        if queue.ended is not None and own_ended is not None:
-            # how evenly the two cores were shared: the later of the two waited for nothing
-            terminalreporter.write_line(f"after {queue.ended - queue.started:.0f} s the runs beside had ended; "
-                                        f"after {own_ended - queue.started:.0f} s the main process its own tests")
+            terminalreporter.write_line(f"{number}: {seconds:7.1f}s  {what}" + (f"  (exit {returncode})" if returncode else ""))
+        if queue.ended is not None:
+            terminalreporter.write_line(f"{number}: ended after {queue.ended - queue.started:.0f} s")
+    if own_ended is not None:
+        # how evenly the cores were shared: the last to end waited for nothing
+        terminalreporter.write_line(f"the main process ran its own tests for {own_ended - queues[0].started:.0f} s")
+    for queue in queues:
         for run in queue.runs:
             if isinstance(run, _BesideRun) and run.ended() and run.proc.returncode not in (0, 1):
                 terminalreporter.write_line(f"the process beside the suite exited with {run.proc.returncode}:\n"
@@ -308,9 +331,8 @@ def terminal_summary(terminalreporter, config) -> None:
 
 
 def sessionfinish(session) -> None:
-    queue = session.config.__dict__.get("_beside_queue")
-    if queue is not None:        # a session that ran to its end lets the last run finish
-        queue.stop(wait_s=0.0 if session.shouldstop or session.shouldfail else 120.0)
+    for queue in session.config.__dict__.get("_beside_queues", ()):   # a session that ran to its end
+        queue.stop(wait_s=0.0 if session.shouldstop or session.shouldfail else 120.0)   # lets the last run finish
 
 
 def runtest_logreport(report) -> None:
@@ -333,7 +355,7 @@ def relay_cudasim_run(config, path: str, capsys) -> tuple[int, str]:
     """Wait for the simulator run of ``path`` (started now if it is not queued), writing its
     progress to the terminal as it comes; return its exit code and output."""
     run = _simulator_run(config, path)
-    if run.proc is None and not any(run is r for r in config.__dict__.get("_beside_runs", ())):
+    if run.proc is None and not any(run is r for lane in config.__dict__.get("_beside_lanes", ()) for r in lane):
         run.start()
     run.wait_started()
     with capsys.disabled():

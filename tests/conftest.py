@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests/tiny_models.py
 
 import beside  # noqa: E402
 from beside import relay_cudasim_run  # noqa: E402,F401  (the simulator files' outer tests)
+from hf_reference import gguf_read_once  # noqa: E402
 
 _MISSING = object()
 
@@ -152,12 +153,14 @@ class ReferenceProcess:
         self._stdout, self._stderr = tempfile.TemporaryFile(), tempfile.TemporaryFile()
         self._proc: subprocess.Popen | None = None
         self._started = threading.Event()
+        self._queued = not start
         if start:
             self.start()
 
     def start(self) -> None:
+        argv = [sys.executable, os.path.join(os.path.dirname(__file__), "hf_reference.py"), *self.args]
         self._proc = subprocess.Popen(
-            [sys.executable, os.path.join(os.path.dirname(__file__), "hf_reference.py"), *self.args],
+            beside.yielding(argv) if self._queued else argv,
             stdin=subprocess.PIPE, stdout=self._stdout, stderr=self._stderr)
         self._proc.stdin.write(self._stdin.encode())
         self._proc.stdin.close()
@@ -222,7 +225,8 @@ def torch_transformers():
 
         assert transformers.utils.is_torch_available()
         transformers.logging.set_verbosity_error()
-        yield transformers
+        with gguf_read_once():      # the same answers, the file's header parsed once
+            yield transformers
     finally:
         for name in [name for name in sys.modules if ours(name)]:
             del sys.modules[name]
