@@ -62,9 +62,15 @@ class Sampler:
 
     def sample(self, row: np.ndarray, params: SamplingParams, rng: np.random.Generator):
         """One request's row of raw logits → (token id, logprob dict or None)."""
-        if np.isnan(row).any():
-            raise ValueError("the model produced NaN logits")
-        token = sample_row(row, params, rng)
+        if params.greedy:
+            # one pass over the vocabulary: argmax lands on the first NaN when the row has one
+            token = int(np.argmax(row))
+            if np.isnan(row[token]):
+                raise ValueError("the model produced NaN logits")
+        else:
+            if np.isnan(row).any():
+                raise ValueError("the model produced NaN logits")
+            token = sample_row(row, params, rng)
         if params.logprobs is None:
             return token, None
         return token, top_logprobs(log_softmax(row), token, params.logprobs, self.decode_token)

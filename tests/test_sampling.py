@@ -60,3 +60,21 @@ def test_chosen_token_outside_top_k_is_added_with_its_rank():
     lp = log_softmax(np.array([5.0, 4.0, 3.0, 2.0]))
     out = top_logprobs(lp, token_id=3, k=1, decode=str)
     assert set(out) == {0, 3} and out[3].rank == 4
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("nan_at", [0, 2, 3])
+def test_nan_anywhere_in_the_row_is_an_error(temperature, nan_at):
+    """Greedy finds a NaN through its argmax alone (NumPy's argmax returns the first NaN), so a NaN
+    that is not the largest finite value's neighbour must still be caught, as when sampling."""
+    row = np.array([0.1, 3.0, 2.9, -1.0], dtype=np.float32)
+    row[nan_at] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        Sampler(str).sample(row, SamplingParams(temperature=temperature), np.random.default_rng(0))
+
+
+def test_greedy_sample_matches_sample_row_with_logprobs():
+    row = np.random.default_rng(1).standard_normal(300).astype(np.float32)
+    token, lps = Sampler(str).sample(row, SamplingParams(temperature=0, logprobs=2), np.random.default_rng(0))
+    assert token == sample_row(row, SamplingParams(temperature=0), np.random.default_rng(0)) == int(np.argmax(row))
+    assert lps[token].rank == 1 and len(lps) == 2
