@@ -208,21 +208,30 @@ def test_tensor_core_decode_agrees_with_its_numba_twin(monkeypatch, dtype, head_
     outs = {}
     for mode in ("auto", "numba", "off"):
         monkeypatch.setattr(cuda_backend, "decode_mma_mode", mode)
-        out = torch.full(prob.query.shape, float("nan"), dtype=torch.float32, device="cuda")
-        gpu_kernels.paged_decode(args["query"], args["k_cache"], args["v_cache"],
-                                 args["block_tables"], args["context_lens"], prob.scale,
-                                 sliding_window=window, out=out)
-        torch.cuda.synchronize()
-        outs[mode] = out.cpu().numpy()
+        outs[mode] = _decode_to_float32(args, prob, window)
     assert np.isfinite(outs["auto"]).all()
     atol = {"float16": 5e-4, "bfloat16": 4e-3}[dtype]
     np.testing.assert_allclose(outs["auto"], outs["numba"], rtol=0, atol=atol)
     np.testing.assert_allclose(outs["auto"], outs["off"], rtol=0, atol=atol)
+    assert_close(outs["auto"], _reference_decode(prob, window), dtype)
+
+
+def _decode_to_float32(args, prob, window):
+    """``paged_decode`` on the GPU tensors ``args`` of ``prob`` into a NaN-poisoned float32 output."""
+    out = torch.full(prob.query.shape, float("nan"), dtype=torch.float32, device="cuda")
+    gpu_kernels.paged_decode(args["query"], args["k_cache"], args["v_cache"],
+                             args["block_tables"], args["context_lens"], prob.scale,
+                             sliding_window=window, out=out)
+    torch.cuda.synchronize()
+    return out.cpu().numpy()
+
+
+def _reference_decode(prob, window):
     ref = np.full(prob.query.shape, np.nan, np.float32)
     gpu_kernels.paged_decode(prob.query, prob.k_cache, prob.v_cache, prob.block_tables,
                              prob.context_lens, prob.scale, sliding_window=window, out=ref,
                              backend="reference")
-    assert_close(outs["auto"], ref, dtype)
+    return ref
 
 
 @pytest.mark.parametrize("few", [3, 4])
@@ -243,19 +252,11 @@ def test_decode_with_few_sequences_takes_a_deeper_ring(monkeypatch, few):
         outs, kernels = {}, {}
         for n in (0, few):
             monkeypatch.setattr(cuda_backend, "DECODE_FEW_SEQS_STAGES", n)
-            out = torch.full(prob.query.shape, float("nan"), dtype=torch.float32, device="cuda")
-            gpu_kernels.paged_decode(args["query"], args["k_cache"], args["v_cache"],
-                                     args["block_tables"], args["context_lens"], prob.scale,
-                                     sliding_window=window, out=out)
-            torch.cuda.synchronize()
-            outs[n], kernels[n] = out.cpu().numpy(), cuda_backend.last_kernels["decode"]
+            outs[n] = _decode_to_float32(args, prob, window)
+            kernels[n] = cuda_backend.last_kernels["decode"]
         assert kernels[few] is not kernels[0]           # 4 sequences x 2 head blocks: few
         np.testing.assert_array_equal(outs[few], outs[0])
-        ref = np.full(prob.query.shape, np.nan, np.float32)
-        gpu_kernels.paged_decode(prob.query, prob.k_cache, prob.v_cache, prob.block_tables,
-                                 prob.context_lens, prob.scale, sliding_window=window,
-                                 out=ref, backend="reference")
-        assert_close(outs[few], ref, "float16")
+        assert_close(outs[few], _reference_decode(prob, window), "float16")
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
