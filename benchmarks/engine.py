@@ -52,7 +52,7 @@ def concurrency(llm: LLM, tokens: int, levels=(1, 4, 16), repeats: int = 2) -> d
     llm.generate("warm up", SamplingParams(max_tokens=2))
     out = {}
     for n in levels:
-        prompts = [f"Write a short poem about {TOPICS[i % len(TOPICS)]}." for i in range(n)]
+        prompts = bench_fallback.poem_prompts(n)
         best = float("inf")
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -133,7 +133,7 @@ class EngineSide:
         End to end: ``streams * tokens`` over the whole ``generate`` (prefill included). Decode only:
         the tokens after each stream's first, over the time from the last first token to the last
         stream's end -- every step in that window is a decode step of the streams still running."""
-        prompts = [f"Write a short poem about {TOPICS[i % len(TOPICS)]}." for i in range(streams)]  # as `concurrency`
+        prompts = bench_fallback.poem_prompts(streams)
         t0 = time.perf_counter()
         outs = self.llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
         total = time.perf_counter() - t0

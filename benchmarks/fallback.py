@@ -46,6 +46,11 @@ TOPICS = ("a lighthouse", "the moon", "a lost key", "winter", "a robot", "the se
           "a mountain", "a library", "rain", "a garden", "a clock", "a train", "a fox", "a bridge")
 
 
+def poem_prompts(n: int) -> list[str]:
+    """``n`` different short prompts, the several-stream workload of every benchmark."""
+    return [f"Write a short poem about {TOPICS[i % len(TOPICS)]}." for i in range(n)]
+
+
 @dataclass(frozen=True)
 class Result:
     name: str
@@ -133,7 +138,7 @@ def run(model: str = "smollm2-135m-instruct", tokens: int = 64, streams: int = 1
     }
     encode = lambda text: checkpoint.tokenizer.encode(text, add_special_tokens=True)
     single = encode(STORY)
-    multi = [encode(f"Write a short poem about {TOPICS[i % len(TOPICS)]}.") for i in range(streams)]
+    multi = [encode(prompt) for prompt in poem_prompts(streams)]
     results, outputs = [], {}
     for name, factory in factories.items():  # one at a time: five models at once would not fit in memory
         log(f"loading {model}: {name} ...")
