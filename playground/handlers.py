@@ -460,9 +460,8 @@ class Handlers:
         block inspector (the block clicked last, as the engine holds it now: a block clicked while a
         reply used it says "cached, reusable" once the reply has ended, like the map beside it)."""
         last = session.tree.last_reply()
-        key = (self.monitor.version, len(session.tree.nodes), id(last), self.monitor.num_steps)
+        key = (self.monitor.version, len(session.tree.nodes), id(last), self.monitor.num_steps, session.inspected)
         timeline = self._timeline()                 # the timeline moves on even when the engine idles
-        key = (*key, session.inspected)
         if key != session.last_render_key or session.last_panels is None:
             snap = self.monitor.snapshot()
             reply = last.reply if last else None

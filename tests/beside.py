@@ -9,10 +9,11 @@ The suite is mostly one process working one test at a time; some files do not ne
   tests waits for that process's report of the same test and passes, fails or skips as it did
   there (`BesideItem`), so every test keeps its id and outcome.
 
-The runs start at the end of collection in two queues (`LANES`), each one run after another,
-at a lower scheduling priority than the suite's process (`yielding`): the suite never waits
-for them while it has work of its own, and they take the second core and whatever the suite
-leaves idle (its tests wait on servers, browsers and paced engines for much of their time).
+The runs start at the end of collection in two queues (`collection_modifyitems`), each one
+run after another, at a lower scheduling priority than the suite's process (`yielding`): the
+suite never waits for them while it has work of its own, and they take the second core and
+whatever the suite leaves idle (its tests wait on servers, browsers and paced engines for
+much of their time).
 The tests that read them are moved to the end of the session. Running one of these files
 alone (``pytest tests/test_kernels_cpu.py``) runs it here.
 """
@@ -30,7 +31,7 @@ import time
 
 import pytest
 
-# Two queues beside the suite (`LANES`):
+# Two queues beside the suite:
 # 1. the jobs queued first (transformers' reading of Gemma 3, conftest.py), then one pytest
 #    process for BESIDE_FILES (Gemma 3 through PaddleFormers goes there, which keeps the main
 #    process's peak to the shared SmolLM2 engine and one model; the engine's consistency and
@@ -331,8 +332,9 @@ def terminal_summary(terminalreporter, config) -> None:
 
 
 def sessionfinish(session) -> None:
-    for queue in session.config.__dict__.get("_beside_queues", ()):   # a session that ran to its end
-        queue.stop(wait_s=0.0 if session.shouldstop or session.shouldfail else 120.0)   # lets the last run finish
+    for queue in session.config.__dict__.get("_beside_queues", ()):
+        # a session that ran to its end lets each queue's last run finish
+        queue.stop(wait_s=0.0 if session.shouldstop or session.shouldfail else 120.0)
 
 
 def runtest_logreport(report) -> None:
