@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -595,18 +596,25 @@ def test_gradios_queue_does_not_wake_the_server_every_millisecond(app):
     assert demo._queue.progress_update_sleep_when_free >= 0.25
 
 
-def streamed_updates(engine, message: str, max_tokens: int) -> list:
-    """Every update one chat's ``Handlers.send`` yields, on its own monitor."""
-    from playground.chat import ChatSession
+@contextlib.contextmanager
+def handlers_on(engine):
+    """The app's ``Handlers`` on ``engine``, with an engine monitor of their own (closed after)."""
     from playground.handlers import Handlers
     from playground.monitor import EngineMonitor
 
     monitor = EngineMonitor(engine, interval=0.1)
     try:
-        h = Handlers(engine, monitor, Limits())
-        return list(h.send(message, ChatSession(), SYSTEM, *greedy(max_tokens), "chat"))
+        yield Handlers(engine, monitor, Limits())
     finally:
         monitor.close()
+
+
+def streamed_updates(engine, message: str, max_tokens: int) -> list:
+    """Every update one chat's ``Handlers.send`` yields, on its own monitor."""
+    from playground.chat import ChatSession
+
+    with handlers_on(engine) as h:
+        return list(h.send(message, ChatSession(), SYSTEM, *greedy(max_tokens), "chat"))
 
 
 def test_the_prefix_panel_follows_the_engine_while_a_reply_streams(paced_engine):
@@ -625,14 +633,11 @@ def test_replies_streaming_at_once_share_one_budget_of_updates(paced_engine):
     Each reply sent 5 a second however many streamed, so four tabs made the server send 20 a
     second; now the replies streaming at once share 12 a second (a lone reply keeps 5)."""
     from playground.chat import ChatSession
-    from playground.handlers import CHAT_UPDATES_PER_S_ALL, Handlers
-    from playground.monitor import EngineMonitor
+    from playground.handlers import CHAT_UPDATES_PER_S_ALL
 
-    monitor = EngineMonitor(paced_engine, interval=0.1)
-    h = Handlers(paced_engine, monitor, Limits())
     gaps: list[list[float]] = [[] for _ in range(4)]
 
-    def chat(i: int) -> None:
+    def chat(h, i: int) -> None:
         last = None
         for _ in h.send(f"Count from one to {20 + i}.", ChatSession(), SYSTEM, *greedy(24), "chat"):
             now = time.monotonic()
@@ -640,14 +645,12 @@ def test_replies_streaming_at_once_share_one_budget_of_updates(paced_engine):
                 gaps[i].append(now - last)
             last = now
 
-    try:
-        threads = [threading.Thread(target=chat, args=(i,)) for i in range(4)]
+    with handlers_on(paced_engine) as h:
+        threads = [threading.Thread(target=chat, args=(h, i)) for i in range(4)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-    finally:
-        monitor.close()
     assert h.update_period() == pytest.approx(0.2)                  # none streaming: a lone reply's pace
     streamed = [g[1:-1] for g in gaps]                               # between the first and the last update
     assert all(len(g) >= 3 for g in streamed)
@@ -675,12 +678,8 @@ def test_the_panels_timer_sends_unchanged_panels_as_values_not_skips(smollm2_llm
     keeps an equal value as it is), and the timeline, the same for every tab, is drawn at most once
     a second for all of them."""
     from playground.chat import ChatSession
-    from playground.handlers import Handlers
-    from playground.monitor import EngineMonitor
 
-    monitor = EngineMonitor(smollm2_llm, interval=0.1)
-    try:
-        h = Handlers(smollm2_llm, monitor, Limits())
+    with handlers_on(smollm2_llm) as h:
         tabs = [ChatSession(), ChatSession()]
         first = [h.refresh_panels(tab) for tab in tabs]
         again = [h.refresh_panels(tab) for tab in tabs]
@@ -692,8 +691,6 @@ def test_the_panels_timer_sends_unchanged_panels_as_values_not_skips(smollm2_llm
         list(h.send("Hi", tabs[0], SYSTEM, *greedy(4), "chat"))
         after = h.refresh_panels(tabs[0])
         assert after[0] != first[0][0]                                         # this turn now shows
-    finally:
-        monitor.close()
 
 
 def test_the_block_inspector_follows_the_engine_after_the_click(paced_engine):
@@ -701,30 +698,27 @@ def test_the_block_inspector_follows_the_engine_after_the_click(paced_engine):
     chat", after the reply had ended, beside a map that showed it cached: the inspector was drawn
     once, at the click. The panels' timer now redraws it from the latest snapshot."""
     from playground.chat import ChatSession
-    from playground.handlers import Handlers
-    from playground.monitor import EngineMonitor
 
-    monitor = EngineMonitor(paced_engine, interval=0.1)
-    try:
-        h, tab = Handlers(paced_engine, monitor, Limits()), ChatSession()
+    with handlers_on(paced_engine) as h:
+        tab = ChatSession()
         chat = threading.Thread(target=lambda: list(h.send("Tell me a story.", tab, SYSTEM, *greedy(24), "chat")))
         chat.start()
-        deadline, used = time.monotonic() + 60, []
-        while not used and time.monotonic() < deadline:
-            time.sleep(0.05)
-            used = [b["block_id"] for b in monitor.refresh()["blocks"] if b["ref_cnt"] and b.get("hashed")]
-        assert used, "the reply never held a full block"
-        clicked = h.inspect_block(tab, gr_event({"block": used[0]}))
-        assert re.search(r"<td>state</td><td><b>used</b>", clicked), clicked
-        chat.join(120)
-        monitor.wait_idle()
-        inspector = h.refresh_panels(tab)[3]
-        assert f'data-block="{used[0]}"' in inspector
-        assert re.search(r"<td>state</td><td><b>cached, reusable</b>", inspector), inspector
-    finally:
-        h.stop(tab)
-        chat.join(60)
-        monitor.close()
+        try:
+            deadline, used = time.monotonic() + 60, []
+            while not used and time.monotonic() < deadline:
+                time.sleep(0.05)
+                used = [b["block_id"] for b in h.monitor.refresh()["blocks"] if b["ref_cnt"] and b.get("hashed")]
+            assert used, "the reply never held a full block"
+            clicked = h.inspect_block(tab, gr_event({"block": used[0]}))
+            assert re.search(r"<td>state</td><td><b>used</b>", clicked), clicked
+            chat.join(120)
+            h.monitor.wait_idle()
+            inspector = h.refresh_panels(tab)[3]
+            assert f'data-block="{used[0]}"' in inspector
+            assert re.search(r"<td>state</td><td><b>cached, reusable</b>", inspector), inspector
+        finally:
+            h.stop(tab)
+            chat.join(60)
 
 
 def gr_event(data: dict):
