@@ -199,3 +199,85 @@ def sweep_decode_mma(torch, timer, decode_case, scale):
     for v in DECODE_MMA_VARIANTS:
         print(f"  {v}: {res.get(v)}")
     print()
+
+
+#: decode at large KV: each variant a dict of ``cuda_backend`` tunables (L2 qualifiers of
+#: the K/V copies, split-K aim, block shape) over the defaults
+DECODE_LARGE_VARIANTS = [
+    {},
+    {"DECODE_L2_HINT": ("evict_first",)},
+    {"DECODE_THREADS": 256, "DECODE_STAGES": 2, "DECODE_BLOCKS_PER_SM": 1,
+     "DECODE_FEW_SEQS_STAGES": 0},
+    {"DECODE_THREADS": 256, "DECODE_STAGES": 3, "DECODE_BLOCKS_PER_SM": 1,
+     "DECODE_FEW_SEQS_STAGES": 0},
+    {"DECODE_THREADS": 512, "DECODE_STAGES": 2, "DECODE_BLOCKS_PER_SM": 1,
+     "DECODE_FEW_SEQS_STAGES": 0},
+    {"DECODE_THREADS": 256, "DECODE_STAGES": 2, "DECODE_BLOCKS_PER_SM": 2,
+     "DECODE_FEW_SEQS_STAGES": 0},
+    {"DECODE_THREADS": 256, "DECODE_STAGES": 3, "DECODE_BLOCKS_PER_SM": 2,
+     "DECODE_FEW_SEQS_STAGES": 0},
+    {"DECODE_THREADS": 256, "DECODE_STAGES": 2, "DECODE_BLOCKS_PER_SM": 2,
+     "DECODE_FEW_SEQS_STAGES": 0, "DECODE_L2_HINT": ("evict_first",)},
+    {"DECODE_THREADS": 256, "DECODE_STAGES": 3, "DECODE_BLOCKS_PER_SM": 1,
+     "DECODE_FEW_SEQS_STAGES": 0, "DECODE_L2_HINT": ("evict_first",)},
+]
+DECODE_LARGE_SHAPES = [(16, 8192), (64, 2048), (64, 8192), (16, 2048), (16, 4096), (4, 8192),
+                       (1, 8192), (1, 32768), (16, 512), (64, 512)]
+
+
+def _label(variant):
+    return ", ".join(f"{k.replace('DECODE_', '').lower()}={v}" for k, v in variant.items()) \
+        or "defaults"
+
+
+def sweep_decode_large(torch, timer, decode_case, scale, rounds=2):
+    """Decode µs per variant at large KV, SDPA timed before and after them (same run), each
+    variant's max error vs SDPA; ``rounds`` passes over the variants per shape (drift)."""
+    import torch.nn.functional as F
+    names = sorted({k for v in DECODE_LARGE_VARIANTS for k in v})
+    defaults = {n: getattr(cuda_backend, n) for n in names}
+    print("decode variants at large KV: µs per call (x SDPA) per round, max error vs SDPA")
+    res = {}
+    try:
+        for seqs, ctx in DECODE_LARGE_SHAPES:
+            q, kc, vc, bt, lens = decode_case(torch, seqs, ctx)
+            out = torch.empty_like(q)
+            k4, v4 = contiguous(torch, kc, bt), contiguous(torch, vc, bt)
+            q4 = q.unsqueeze(2)
+            sdpa = lambda: F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True)  # noqa
+            peer = [min(timer(sdpa), timer(sdpa))]
+            ref = sdpa().squeeze(2).float()
+            call = lambda: gpu_kernels.paged_decode(q, kc, vc, bt, lens, scale, out=out)  # noqa
+            cells = {i: [] for i in range(len(DECODE_LARGE_VARIANTS))}
+            errs = {}
+            for _ in range(rounds):
+                for i, v in enumerate(DECODE_LARGE_VARIANTS):
+                    for n in names:
+                        setattr(cuda_backend, n, v.get(n, defaults[n]))
+                    try:
+                        if i not in errs:
+                            out.fill_(float("nan"))
+                            call()
+                            torch.cuda.synchronize()
+                            errs[i] = (out.float() - ref).abs().max().item()
+                            res.setdefault(i, resources(cuda_backend.last_kernels["decode"],
+                                                        cuda_backend.DECODE_THREADS))
+                        cells[i].append(min(timer(call), timer(call)))
+                    except Exception as exc:                # noqa: BLE001 - report, go on
+                        errs[i] = f"FAILED {type(exc).__name__}: {str(exc)[:200]}"
+            peer.append(min(timer(sdpa), timer(sdpa)))
+            p = min(peer)
+            print(f"  {seqs}x{ctx}: SDPA {peer[0]:.1f} / {peer[1]:.1f}", flush=True)
+            for i, v in enumerate(DECODE_LARGE_VARIANTS):
+                ts = " / ".join(f"{t:.1f} ({p / t:.3f}x)" for t in cells[i])
+                e = errs.get(i)
+                print(f"    {_label(v)}: {ts} err {e if isinstance(e, str) else f'{e:.1e}'}",
+                      flush=True)
+            del q, kc, vc, bt, out, k4, v4
+            torch.cuda.empty_cache()
+    finally:
+        for n in names:
+            setattr(cuda_backend, n, defaults[n])
+    for i, v in enumerate(DECODE_LARGE_VARIANTS):
+        print(f"  {_label(v)}: {res.get(i)}")
+    print()

@@ -312,7 +312,7 @@ def bench_gpu_prefill(torch, F, timer, scale, fp32_peak):
     print(f"\nprefill kernel (tensor cores, bf16): {tile}: {used}")
 
 
-def bench_gpu(sweep, only=None, split_rule=False, decode_mma=False):
+def bench_gpu(sweep, only=None, split_rule=False, decode_mma=False, decode_large=False):
     import torch
     import torch.nn.functional as F
     from numba import cuda
@@ -330,6 +330,9 @@ def bench_gpu(sweep, only=None, split_rule=False, decode_mma=False):
     if decode_mma:
         from .kernel_sweep import sweep_decode_mma
         sweep_decode_mma(torch, timer, decode_case, scale)
+    if decode_large:
+        from .kernel_sweep import sweep_decode_large
+        sweep_decode_large(torch, timer, decode_case, scale)
     if split_rule:
         from .kernel_sweep import sweep_split_rule
         sweep_split_rule(torch, timer, decode_case, scale)
@@ -354,6 +357,8 @@ def main(argv=None):
                         help="GPU: also time decode split rules at long contexts")
     parser.add_argument("--decode-mma", action="store_true",
                         help="GPU: also time the decode stage on tensor cores vs CUDA cores")
+    parser.add_argument("--decode-large", action="store_true",
+                        help="GPU: also time decode variants at large KV (L2 hints, split-K)")
     args = parser.parse_args(argv)
     try:
         from numba import cuda
@@ -363,7 +368,7 @@ def main(argv=None):
     except ImportError:
         gpu = False
     if gpu:
-        bench_gpu(args.sweep, args.only, args.split_rule, args.decode_mma)
+        bench_gpu(args.sweep, args.only, args.split_rule, args.decode_mma, args.decode_large)
     else:
         bench_cpu()
         bench_cpu_prefill()

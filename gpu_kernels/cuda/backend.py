@@ -46,6 +46,9 @@ DECODE_BLOCKS_PER_SM = 4               # decode: split-K aims at this many block
 DECODE_MERGE_SPLITS = 16
 DECODE_MIN_CHUNK = 0 if SIMULATED else 256
 DECODE_LONG_SHARE = 0.5
+#: decode: L2 qualifiers of the K/V copies (``shared_memory.cp_async16_hinted``): the
+#: stream is read once
+DECODE_L2_HINT: tuple = ()
 DECODE_MAX_REGISTERS = 128             # decode, <= 4 heads per block: 4 blocks of 128 per SM
 PREFILL_MAX_REGISTERS = None           # prefill: no cap (shared memory allows 1-2 blocks per SM)
 #: prefill tile (threads, query rows, keys) by head_dim; absent: prefill.default_tile
@@ -193,7 +196,8 @@ def paged_decode(query, k_cache, v_cache, block_tables, context_lens, scale, win
     key = ("decode", query.shape, query.dtype, k_cache.shape, k_cache.dtype, out.dtype,
            block_tables.shape[1], window, decode_target_blocks, DECODE_THREADS, DECODE_STAGES,
            DECODE_STAGE_BYTES, DECODE_MAX_REGISTERS, DECODE_BLOCKS_PER_SM, DECODE_MIN_CHUNK,
-           DECODE_MERGE_SPLITS, DECODE_LONG_SHARE, decode_mma_mode, DECODE_FEW_SEQS_STAGES)
+           DECODE_MERGE_SPLITS, DECODE_LONG_SHARE, decode_mma_mode, DECODE_FEW_SEQS_STAGES,
+           DECODE_L2_HINT)
     plan = _plans.get(key) or _remember_plan(key, _decode_plan(
         query, k_cache, block_tables, window, out))
     launch, kernel, grid, scratch, tail = plan
@@ -220,7 +224,7 @@ def _decode_plan(query, k_cache, block_tables, window, out):
                                  kind_kv, kind_of(out.dtype), block_size, DECODE_TABLE,
                                  stages, DECODE_STAGE_BYTES,
                                  DECODE_MAX_REGISTERS if hpb <= 4 or tensor_cores else None,
-                                 tensor_cores)
+                                 tensor_cores, tuple(DECODE_L2_HINT))
     _, keys_per_pass, passes = stage_shape(head_dim, k_cache.dtype.itemsize, DECODE_STAGE_BYTES)
     kpw = keys_per_pass * passes                      # keys per warp stage; chunks align to it
     if tensor_cores:
