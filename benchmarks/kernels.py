@@ -151,10 +151,15 @@ def bench_cpu_prefill():
 
 
 class GpuTimer:
-    """Cold-L2 GPU time of one call, host overhead hidden behind a sleep kernel."""
+    """Cold-L2 GPU time of one call, host overhead hidden behind a sleep kernel.
 
-    def __init__(self, torch):
+    The L2 is made cold by rewriting a 256 MB buffer before each call (L2 then holds dirty
+    lines of it); ``by_reading=True`` reads the buffer instead (L2 holds clean lines): a
+    diagnostic of how much of a call's time is writing back what an earlier kernel left."""
+
+    def __init__(self, torch, by_reading=False):
         self.torch = torch
+        self.by_reading = by_reading
         self.flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
         self.start = torch.cuda.Event(enable_timing=True)
         self.end = torch.cuda.Event(enable_timing=True)
@@ -165,7 +170,10 @@ class GpuTimer:
         torch.cuda.synchronize()
         times = []
         for _ in range(reps):
-            self.flush.zero_()
+            if self.by_reading:
+                self.flush.max()
+            else:
+                self.flush.zero_()
             torch.cuda._sleep(1_000_000)          # ~0.5 ms: the host queues fn meanwhile
             self.start.record()
             fn()
@@ -250,7 +258,7 @@ def bench_gpu_decode(torch, F, timer, bw, scale):
             del q, kc, vc, bt, out
             torch.cuda.empty_cache()
 
-    used = resources(cuda_backend.last_kernels["decode"], cuda_backend.DECODE_THREADS)
+    used = resources(cuda_backend.last_kernels["decode"], cuda_backend.last_kernels["decode_threads"])
     print(f"\ndecode kernel: {used}")
     from gpu_kernels.cuda.launch import Launcher
     print("launches: " + ("packed parameters, cuLaunchKernel" if Launcher.fast else
@@ -333,6 +341,10 @@ def bench_gpu(sweep, only=None, split_rule=False, decode_mma=False, decode_large
     if decode_large:
         from .kernel_sweep import sweep_decode_large
         sweep_decode_large(torch, timer, decode_case, scale)
+        print("the same, L2 made cold by reading 256 MB (clean lines) instead of writing them")
+        sweep_decode_large(torch, GpuTimer(torch, by_reading=True), decode_case, scale, 1,
+                           [{}, {"DECODE_EVICT_FIRST_L2": 0}],
+                           [(16, 2048), (1, 32768), (64, 512), (16, 8192)])
     if split_rule:
         from .kernel_sweep import sweep_split_rule
         sweep_split_rule(torch, timer, decode_case, scale)
