@@ -190,12 +190,16 @@ def copy_bandwidth(torch, timer):
     return 2 * src.numel() / us / 1e6
 
 
-def decode_case(torch, seqs, ctx, kv_heads=8, heads=32, head_dim=128, block_size=16):
-    """Random fp16 paged cache with shuffled blocks, and a contiguous copy for the SDPA peer."""
+def decode_case(torch, seqs, ctx, kv_heads=8, heads=32, head_dim=128, block_size=16,
+                shuffled=True):
+    """Random fp16 paged cache with shuffled blocks (``shuffled=False``: each sequence's blocks
+    in order, a diagnostic), and a contiguous copy for the SDPA peer."""
     nb = seqs * ctx // block_size
     kc = torch.randn(nb, kv_heads, block_size, head_dim, dtype=torch.float16, device="cuda")
     vc = torch.randn_like(kc)
-    tables = torch.randperm(nb, device="cuda", dtype=torch.int32).reshape(seqs, ctx // block_size)
+    order = torch.randperm(nb, device="cuda", dtype=torch.int32) if shuffled else \
+        torch.arange(nb, device="cuda", dtype=torch.int32)
+    tables = order.reshape(seqs, ctx // block_size)
     lens = torch.full((seqs,), ctx, dtype=torch.int32, device="cuda")
     q = torch.randn(seqs, heads, head_dim, dtype=torch.float16, device="cuda")
     return q, kc, vc, tables, lens
@@ -341,10 +345,10 @@ def bench_gpu(sweep, only=None, split_rule=False, decode_mma=False, decode_large
     if decode_large:
         from .kernel_sweep import sweep_decode_large
         sweep_decode_large(torch, timer, decode_case, scale)
-        print("the same, L2 made cold by reading 256 MB (clean lines) instead of writing them")
-        sweep_decode_large(torch, GpuTimer(torch, by_reading=True), decode_case, scale, 1,
-                           [{}, {"DECODE_EVICT_FIRST_L2": 0}],
-                           [(16, 2048), (1, 32768), (64, 512), (16, 8192)])
+        import functools
+        print("the same with each sequence's blocks in order (block tables not shuffled)")
+        sweep_decode_large(torch, timer, functools.partial(decode_case, shuffled=False), scale,
+                           1, [{}, {"DECODE_L2_PREFETCH": 4}], [(16, 8192), (64, 8192)])
     if split_rule:
         from .kernel_sweep import sweep_split_rule
         sweep_split_rule(torch, timer, decode_case, scale)
