@@ -207,12 +207,10 @@ def sweep_decode_mma(torch, timer, decode_case, scale):
 #: the K/V copies, split-K aim, block shape) over the defaults
 DECODE_LARGE_VARIANTS = [
     {},
-    {"DECODE_L2_PREFETCH": 2},
-    {"DECODE_L2_PREFETCH": 4},
-    {"DECODE_L2_PREFETCH": 8},
-    {"DECODE_L2_PREFETCH": 16},
-    {"DECODE_L2_PREFETCH": 4, "DECODE_FEW_PAIRS_SHAPE": (256, 2, 1)},
-    {"DECODE_L2_PREFETCH": 4, "DECODE_STAGES": 3},
+    {"DECODE_FEW_PAIRS_SHAPE": None},
+    {"DECODE_FEW_PAIRS_SHAPE": (256, 4, 1)},
+    {"DECODE_EVICT_FIRST_L2": 4},
+    {"DECODE_L2_HINT": ("L2::128B",)},
 ]
 DECODE_LARGE_SHAPES = [(16, 8192), (64, 2048), (64, 8192), (16, 2048), (1, 8192), (1, 32768),
                        (64, 512), (16, 512)]

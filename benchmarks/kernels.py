@@ -348,7 +348,11 @@ def bench_gpu(sweep, only=None, split_rule=False, decode_mma=False, decode_large
         import functools
         print("the same with each sequence's blocks in order (block tables not shuffled)")
         sweep_decode_large(torch, timer, functools.partial(decode_case, shuffled=False), scale,
-                           1, [{}, {"DECODE_L2_PREFETCH": 4}], [(16, 8192), (64, 8192)])
+                           1, [{}], [(16, 8192), (64, 2048), (64, 8192)])
+        print("the same, L2 made cold by reading 256 MB (clean lines) instead of writing them")
+        sweep_decode_large(torch, GpuTimer(torch, by_reading=True), decode_case, scale, 1,
+                           [{}, {"DECODE_EVICT_FIRST_L2": 4}],
+                           [(16, 2048), (1, 32768), (64, 512), (16, 8192)])
     if split_rule:
         from .kernel_sweep import sweep_split_rule
         sweep_split_rule(torch, timer, decode_case, scale)

@@ -52,9 +52,6 @@ DECODE_LONG_SHARE = 0.5
 #: are at most DECODE_EVICT_FIRST_L2 times the L2 size (0: never; past ~4x it costs)
 DECODE_L2_HINT: tuple = ()
 DECODE_EVICT_FIRST_L2 = 0
-#: decode: a warp asks L2 for the K/V lines of its stage this many stages ahead of the one it
-#: starts copying (``prefetch.global.L2``; 0: not)
-DECODE_L2_PREFETCH = 0
 DECODE_MAX_REGISTERS = 128             # decode, <= 4 heads per block: 4 blocks of 128 per SM
 PREFILL_MAX_REGISTERS = None           # prefill: no cap (shared memory allows 1-2 blocks per SM)
 #: prefill tile (threads, query rows, keys) by head_dim; absent: prefill.default_tile
@@ -208,7 +205,7 @@ def paged_decode(query, k_cache, v_cache, block_tables, context_lens, scale, win
            block_tables.shape[1], window, decode_target_blocks, DECODE_THREADS, DECODE_STAGES,
            DECODE_STAGE_BYTES, DECODE_MAX_REGISTERS, DECODE_BLOCKS_PER_SM, DECODE_MIN_CHUNK,
            DECODE_MERGE_SPLITS, DECODE_LONG_SHARE, decode_mma_mode, DECODE_FEW_PAIRS_SHAPE,
-           DECODE_L2_HINT, DECODE_EVICT_FIRST_L2, DECODE_L2_PREFETCH)
+           DECODE_L2_HINT, DECODE_EVICT_FIRST_L2)
     plan = _plans.get(key) or _remember_plan(key, _decode_plan(
         query, k_cache, block_tables, window, out))
     launch, kernel, grid, threads, scratch, tail = plan
@@ -248,8 +245,7 @@ def _decode_plan(query, k_cache, block_tables, window, out):
                                  kind_kv, kind_of(out.dtype), block_size, DECODE_TABLE,
                                  stages, DECODE_STAGE_BYTES,
                                  DECODE_MAX_REGISTERS if hpb <= 4 or tensor_cores else None,
-                                 tensor_cores, tuple(sorted(hint)),
-                                 0 if SIMULATED else DECODE_L2_PREFETCH)
+                                 tensor_cores, tuple(sorted(hint)))
     grain = SPLIT_GRAIN * kpw // math.gcd(SPLIT_GRAIN, kpw)
     target = decode_target_blocks or per_sm * _num_sms()
     # whole waves: at most `target` blocks (rounding up would leave a second, thin wave)

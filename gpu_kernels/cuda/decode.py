@@ -57,7 +57,7 @@ from .primitives import (F32, exp2, fmax32, from_f32, ld4, pack2, register_cap, 
                          shfl_xor, to_f32, vmax, vmin, word_elem)
 from . import decode_mma
 from .shared_memory import (cp_async16_hinted, cp_async_commit, cp_async_wait, l2_evict_first,
-                            lds4f, prefetch_l2, shared_vectors, syncwarp)
+                            lds4f, shared_vectors, syncwarp)
 
 NEG = np.float32(-1e30)
 MAX_SPLITS = 256     # split-K: at most this many splits (their weights live in shared memory)
@@ -104,13 +104,10 @@ def _scatter_level(half, offset):
 @functools.lru_cache(maxsize=None)
 def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, block_size,
                         table_len, stages, stage_bytes, max_registers=None, tensor_cores=0,
-                        l2_hint=(), prefetch=0):
+                        l2_hint=()):
     """Compile-time specialization of the decode kernel (all arguments are constants).
 
     ``l2_hint``: L2 qualifiers of the K/V copies (``shared_memory.cp_async16_hinted``).
-    ``prefetch``: when a warp starts the copies of its stage ``n``, it asks L2 for the K and
-    V lines of its stage ``n + prefetch`` (0: not), so that more of the stream is on its way
-    from DRAM than the ring holds (when a stage lies in one page).
 
     ``tensor_cores``: 0 the CUDA-core stage below; 1 the tensor-core stage of
     ``decode_mma`` in plain Numba (simulator, GPUs without ``mma.sync``); 2 with ``mma.sync``.
@@ -149,9 +146,6 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
     wait_ring = cp_async_wait[stages - 2]
     wait_all = cp_async_wait[0]
     copy = cp_async16_hinted(l2_hint)
-    PF = prefetch if FAST else 0                # (a stage in one page: one table lookup)
-    STAGE_LINES = KPW * ROW_WORDS // 32         # 128-byte lines of a stage's K (or V) rows
-    PF_ROUNDS = -(-2 * STAGE_LINES // 32)
     EVICT = "evict_first" in l2_hint
     noop = _scatter_level(0, 1)
     L0, L1, L2, L3, L4 = [_scatter_level(NV >> (k + 1), TG >> (k + 1)) if k < SCAT else noop
@@ -191,18 +185,6 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
                     d = dst - lane * 4 + r * ROW_WORDS + 4 * ((lane % ROW_VECS) ^ (r & SWZ))
                 copy(ring, d, kw, src + c * KSTEP * ROW_WORDS, nbytes, pol)
                 copy(ring, d + KPW * ROW_WORDS, vw, src + c * KSTEP * ROW_WORDS, nbytes, pol)
-            if PF:
-                key1 = start + ((n + PF) * NW + warp) * KPW
-                if n + PF < n_stages and key1 < end:
-                    jb1 = key1 // BS
-                    src1 = tbl_sh[jb1 - b_first] * blk_stride + head_off + (key1 - jb1 * BS) \
-                        * ROW_WORDS
-                    for c in range(PF_ROUNDS):
-                        li = lane + 32 * c
-                        if li < STAGE_LINES:
-                            prefetch_l2(kw, src1 + 32 * li)
-                        elif li < 2 * STAGE_LINES:
-                            prefetch_l2(vw, src1 + 32 * (li - STAGE_LINES))
         elif n < n_stages:
             dst = ((n % STAGES) * NW + warp) * SLOT
             key0 = start + (n * NW + warp) * KPW

@@ -18,10 +18,6 @@ little register cost.
     ``"evict_first"`` ``policy`` is ignored. The simulator ignores the hint.
 ``l2_evict_first()``
     an ``L2::evict_first`` cache policy (64-bit, opaque; 0 in the simulator).
-``prefetch_l2(src, si)``
-    asks L2 for the 128-byte line holding 32-bit word ``si`` of the global array ``src``
-    (``prefetch.global.L2``: no register, no shared memory; a later copy of it hits L2).
-    Nothing in the simulator.
 ``cp_async_commit()``
     closes the group of copies this thread issued since the last commit.
 ``cp_async_wait[n]()``
@@ -97,10 +93,6 @@ if SIMULATED:
     @cuda.jit(device=True)
     def l2_evict_first():
         return np.uint64(0)
-
-    @cuda.jit(device=True)
-    def prefetch_l2(src, si):
-        pass
 
     def _wait():
         pass
@@ -189,24 +181,6 @@ else:
     def l2_evict_first():
         """See the module docstring."""
         return _evict_first()
-
-    @intrinsic
-    def _prefetch_l2(typingctx, src, si):
-        sig = types.void(src, si)
-
-        def codegen(context, builder, signature, args):
-            p = _word_ptr(context, builder, signature.args[0], args[0], args[1])
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I64]),
-                               "{\n\t.reg .u64 ga;\n\tcvta.to.global.u64 ga, $0;\n"
-                               "\tprefetch.global.L2 [ga];\n}", "l,~{memory}", side_effect=True)
-            builder.call(asm, [p])
-            return context.get_dummy_value()
-        return sig, codegen
-
-    @cuda.jit(device=True)
-    def prefetch_l2(src, si):
-        """See the module docstring."""
-        _prefetch_l2(src, si)
 
     def _asm_statement(text):
         @intrinsic
