@@ -142,6 +142,7 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
     HCHUNKS = group // hpb
     KH = kv_heads
     WPH = NW // KH                              # warps per KV head
+    KROWS = KH * hpb                            # output rows of a block
     if KH > 1 and (not tensor_cores or HCHUNKS != 1 or NW % KH):
         raise ValueError(f"decode: {KH} KV heads per block need the tensor-core stage, whole "
                          f"groups per block and warps a multiple of them ({NW} warps)")
@@ -333,7 +334,7 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
         tbl_sh = cuda.shared.array(TBL, int32)
         m_w = cuda.shared.array(MWN, float32)           # per warp: running max per head
         w_ml = cuda.shared.array((NW, hpb, 2), float32)      # per-warp (max, sum)
-        f_ml = cuda.shared.array((KH * hpb, 2), float32)          # block (max, sum)
+        f_ml = cuda.shared.array((KROWS, 2), float32)          # block (max, sum)
         scratch = cuda.shared.array(threads, float32)
         flag_sh = cuda.shared.array(1, int32)
 
@@ -487,6 +488,7 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
 
     HW = head_dim // 2                          # words of a query row
     QW = 8 * HW                                 # q_sh: 8 rows (an mma tile's rows g)
+    QSH = KH * QW                               # ... per KV head of the block
     MT = head_dim // 16
     ACC2 = 4 * MT                               # accumulators per lane (decode_mma.pv)
     QF = head_dim // 8                          # query fragment words per lane
@@ -514,9 +516,9 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
         smem = alloc_smem()
         ring = smem[:RING]
         tbl_sh = cuda.shared.array(TBL, int32)
-        q_sh = cuda.shared.array(KH * QW, uint32)
+        q_sh = cuda.shared.array(QSH, uint32)
         w_ml = cuda.shared.array((NW, hpb, 2), float32)
-        f_ml = cuda.shared.array((KH * hpb, 2), float32)
+        f_ml = cuda.shared.array((KROWS, 2), float32)
         scratch = cuda.shared.array(threads, float32)
         flag_sh = cuda.shared.array(1, int32)
 
