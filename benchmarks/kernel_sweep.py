@@ -203,16 +203,14 @@ def sweep_decode_mma(torch, timer, decode_case, scale):
     print()
 
 
-#: decode at large KV: each variant a dict of ``cuda_backend`` tunables over the defaults
-#: (here: KV heads per block, threads, ring slots, blocks per SM aimed at)
+#: decode at large KV: each variant a dict of ``cuda_backend`` tunables (L2 qualifiers of
+#: the K/V copies, split-K aim, block shape) over the defaults
 DECODE_LARGE_VARIANTS = [
     {},
-    {"DECODE_KV_HEADS_SHAPE": (8, 256, 2, 2)},
-    {"DECODE_KV_HEADS_SHAPE": (8, 256, 3, 1)},
-    {"DECODE_KV_HEADS_SHAPE": (8, 256, 3, 2)},
-    {"DECODE_KV_HEADS_SHAPE": (8, 256, 2, 4)},
-    {"DECODE_KV_HEADS_SHAPE": (8, 512, 2, 1)},
-    {"DECODE_KV_HEADS_SHAPE": (4, 128, 2, 4)},
+    {"DECODE_FEW_PAIRS_SHAPE": None},
+    {"DECODE_FEW_PAIRS_SHAPE": (256, 4, 1)},
+    {"DECODE_EVICT_FIRST_L2": 4},
+    {"DECODE_L2_HINT": ("L2::128B",)},
 ]
 DECODE_LARGE_SHAPES = [(16, 8192), (64, 2048), (64, 8192), (16, 2048), (1, 8192), (1, 32768),
                        (64, 512), (16, 512)]

@@ -348,8 +348,7 @@ def bench_gpu(sweep, only=None, split_rule=False, decode_mma=False, decode_large
         import functools
         print("the same with each sequence's blocks in order (block tables not shuffled)")
         sweep_decode_large(torch, timer, functools.partial(decode_case, shuffled=False), scale,
-                           1, [{}, {"DECODE_KV_HEADS_SHAPE": (8, 256, 2, 2)}],
-                           [(16, 8192), (64, 2048), (64, 8192)])
+                           1, [{}], [(16, 8192), (64, 2048), (64, 8192)])
         print("the same, L2 made cold by reading 256 MB (clean lines) instead of writing them")
         sweep_decode_large(torch, GpuTimer(torch, by_reading=True), decode_case, scale, 1,
                            [{}, {"DECODE_EVICT_FIRST_L2": 4}],

@@ -94,22 +94,6 @@ else:
                             query_dtype=qdtype)
         check("decode", prob, window, qdtype)
 
-    @pytest.mark.parametrize("target, window", [(1, None), (8, 21)], ids=["one-split",
-                                                                          "split-k-window"])
-    def test_decode_with_kv_heads_per_block(monkeypatch, target, window):
-        """Tensor-core stage, a block's two warps on two KV heads (each warp all the chunk's
-        stages of its head): the per-head warp merge, and split-K partials of both heads
-        merged by the last block."""
-        monkeypatch.setattr(cuda_backend, "decode_target_blocks", target)
-        monkeypatch.setattr(cuda_backend, "DECODE_KV_HEADS_SHAPE", (2, 64, 2, 4))
-        prob = make_problem(np.random.default_rng(7), context_lens=[40, 9], query_lens=[1, 1],
-                            num_kv_heads=2, group=2, head_dim=64, block_size=16,
-                            dtype="float16", query_dtype="float16")
-        check("decode", prob, window, "float16")
-        plan = next(p for k, p in cuda_backend._plans.items()
-                    if k[0] == "decode" and k[-1] == (2, 64, 2, 4))
-        assert plan[2][1] == 1                               # one block row for both heads
-
     def test_decode_stage_routing(monkeypatch):
         """Half queries in the cache's format with head_dim 64 or 128 take the tensor-core
         stage (its plain-Numba twin here); float32 queries, the other half format, head_dim 16

@@ -265,26 +265,6 @@ def test_decode_with_few_pairs_takes_larger_blocks(monkeypatch, shape):
         assert_close(outs[shape], _reference_decode(prob, window), "float16")
 
 
-@pytest.mark.parametrize("shape", [(2, 256, 2, 2), (2, 128, 3, 4)])
-def test_decode_with_kv_heads_per_block(monkeypatch, shape):
-    """Blocks whose warps take different KV heads (``shape[0]`` heads per block, 4 or 2 warps
-    per head): the same function as one KV head per block up to float32 summation order,
-    and the reference's outputs. One split per sequence and the default splits, a window."""
-    prob, args = _few_pairs_problem()
-    monkeypatch.setattr(cuda_backend, "decode_mma_mode", "auto")
-    for target, window in ((1, None), (None, 700)):
-        monkeypatch.setattr(cuda_backend, "decode_target_blocks", target)
-        outs, threads = {}, {}
-        for heads in (None, shape):
-            monkeypatch.setattr(cuda_backend, "DECODE_KV_HEADS_SHAPE", heads)
-            outs[heads] = _decode_to_float32(args, prob, window)
-            threads[heads] = cuda_backend.last_kernels["decode_threads"]
-        assert threads[shape] == shape[1]
-        assert np.isfinite(outs[shape]).all()
-        np.testing.assert_allclose(outs[shape], outs[None], rtol=0, atol=5e-4)
-        assert_close(outs[shape], _reference_decode(prob, window), "float16")
-
-
 def test_decode_l2_hints_change_no_output(monkeypatch):
     """The K/V copies with L2 qualifiers (an evict_first policy, prefetch sizes) give bit for
     bit the outputs of plain copies; an unknown qualifier is refused by name."""

@@ -38,11 +38,6 @@ DECODE_STAGES = 2                      # decode: ring slots per warp (cp.async p
 #: with deeper rings and fewer, longer splits keep more bytes in flight per pair; None: the
 #: shape above. Not in the simulator (it has no multiprocessor count)
 DECODE_FEW_PAIRS_SHAPE: tuple | None = (256, 3, 1)
-#: decode on the tensor-core stage with whole GQA groups per block: (KV heads per block,
-#: threads, ring slots per warp, blocks per SM aimed at) -- warp w takes KV head w % heads,
-#: so a block's copies in flight read the same keys of its heads, which lie together in a
-#: page; None: one KV head per block (the shapes above)
-DECODE_KV_HEADS_SHAPE: tuple | None = None
 DECODE_STAGE_BYTES = 512 if SIMULATED else 4096   # decode: K + V bytes per warp stage
 DECODE_TABLE = 8 if SIMULATED else 512  # decode: block-table entries a block keeps (chunk limit)
 DECODE_BLOCKS_PER_SM = 4               # decode: split-K aims at this many blocks per SM
@@ -210,7 +205,7 @@ def paged_decode(query, k_cache, v_cache, block_tables, context_lens, scale, win
            block_tables.shape[1], window, decode_target_blocks, DECODE_THREADS, DECODE_STAGES,
            DECODE_STAGE_BYTES, DECODE_MAX_REGISTERS, DECODE_BLOCKS_PER_SM, DECODE_MIN_CHUNK,
            DECODE_MERGE_SPLITS, DECODE_LONG_SHARE, decode_mma_mode, DECODE_FEW_PAIRS_SHAPE,
-           DECODE_L2_HINT, DECODE_EVICT_FIRST_L2, DECODE_KV_HEADS_SHAPE)
+           DECODE_L2_HINT, DECODE_EVICT_FIRST_L2)
     plan = _plans.get(key) or _remember_plan(key, _decode_plan(
         query, k_cache, block_tables, window, out))
     launch, kernel, grid, threads, scratch, tail = plan
@@ -234,11 +229,6 @@ def _decode_plan(query, k_cache, block_tables, window, out):
     if tensor_cores and DECODE_FEW_PAIRS_SHAPE and not SIMULATED \
             and num_seqs * head_blocks <= _num_sms():
         threads, stages, per_sm = DECODE_FEW_PAIRS_SHAPE
-    kv_heads = 1
-    if tensor_cores and DECODE_KV_HEADS_SHAPE and hpb == group \
-            and num_kv_heads % DECODE_KV_HEADS_SHAPE[0] == 0:
-        kv_heads, threads, stages, per_sm = DECODE_KV_HEADS_SHAPE
-    grid_heads = head_blocks // kv_heads
     _, keys_per_pass, passes = stage_shape(head_dim, k_cache.dtype.itemsize, DECODE_STAGE_BYTES)
     kpw = keys_per_pass * passes                      # keys per warp stage; chunks align to it
     if tensor_cores:
@@ -255,16 +245,16 @@ def _decode_plan(query, k_cache, block_tables, window, out):
                                  kind_kv, kind_of(out.dtype), block_size, DECODE_TABLE,
                                  stages, DECODE_STAGE_BYTES,
                                  DECODE_MAX_REGISTERS if hpb <= 4 or tensor_cores else None,
-                                 tensor_cores, tuple(sorted(hint)), kv_heads)
+                                 tensor_cores, tuple(sorted(hint)))
     grain = SPLIT_GRAIN * kpw // math.gcd(SPLIT_GRAIN, kpw)
     target = decode_target_blocks or per_sm * _num_sms()
     # whole waves: at most `target` blocks (rounding up would leave a second, thin wave)
     most = MAX_SPLITS
     if DECODE_MIN_CHUNK:
         long_splits = min(-(-max_keys // DECODE_MIN_CHUNK),
-                          int(target * DECODE_LONG_SHARE) // (num_seqs * grid_heads))
+                          int(target * DECODE_LONG_SHARE) // (num_seqs * head_blocks))
         most = max(DECODE_MERGE_SPLITS, long_splits)
-    splits = max(1, min(target // (num_seqs * grid_heads), -(-max_keys // grain), most,
+    splits = max(1, min(target // (num_seqs * head_blocks), -(-max_keys // grain), most,
                         MAX_SPLITS))
     chunk = -(-max(1, -(-max_keys // splits)) // grain) * grain
     cap = DECODE_TABLE * block_size                   # the block keeps its chunk's table
@@ -274,7 +264,7 @@ def _decode_plan(query, k_cache, block_tables, window, out):
         raise NotImplementedError(f"cuda decode: {max_keys} keys need {splits} splits of at most "
                                   f"{chunk} keys (> {MAX_SPLITS}); raise DECODE_TABLE")
     scratch = _split_scratch(num_seqs, head_blocks, splits, hpb, head_dim)
-    return (launcher(kernel), kernel, (splits, grid_heads, num_seqs), threads, scratch,
+    return (launcher(kernel), kernel, (splits, head_blocks, num_seqs), threads, scratch,
             (np.int32(num_kv_heads), np.int32(splits), np.int32(chunk)))
 
 

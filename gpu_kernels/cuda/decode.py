@@ -104,18 +104,13 @@ def _scatter_level(half, offset):
 @functools.lru_cache(maxsize=None)
 def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, block_size,
                         table_len, stages, stage_bytes, max_registers=None, tensor_cores=0,
-                        l2_hint=(), kv_heads=1):
+                        l2_hint=()):
     """Compile-time specialization of the decode kernel (all arguments are constants).
 
     ``l2_hint``: L2 qualifiers of the K/V copies (``shared_memory.cp_async16_hinted``).
 
     ``tensor_cores``: 0 the CUDA-core stage below; 1 the tensor-core stage of
     ``decode_mma`` in plain Numba (simulator, GPUs without ``mma.sync``); 2 with ``mma.sync``.
-
-    ``kv_heads``: KV heads per block (tensor-core stage, whole groups per block only): warp
-    ``w`` takes KV head ``blockIdx.y * kv_heads + w % kv_heads`` and every ``kv_heads``-th
-    stage of the chunk, so the copies a block has in flight cover the same keys of all its
-    heads, which lie together in a page (``[block, kv_head, key, dim]``).
     """
     EPW = 1 if kind_kv == F32 else 2            # elements per 32-bit word
     DPV = 4 * EPW                               # elements per 16-byte vector
@@ -140,12 +135,6 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
     FAST = 32 % ROW_VECS == 0 and block_size % KPW == 0    # a stage never straddles pages
     KSTEP = max(1, 32 // ROW_VECS)              # keys between a lane's copies (FAST)
     HCHUNKS = group // hpb
-    KH = kv_heads
-    WPH = NW // KH                              # warps per KV head
-    KROWS = KH * hpb                            # output rows of a block
-    if KH > 1 and (not tensor_cores or HCHUNKS != 1 or NW % KH):
-        raise ValueError(f"decode: {KH} KV heads per block need the tensor-core stage, whole "
-                         f"groups per block and warps a multiple of them ({NW} warps)")
     BS = block_size
     PAGE_WORDS = BS * ROW_WORDS
     TBL = table_len + 1
@@ -176,12 +165,12 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
 
     @cuda.jit(device=True, inline="always")
     def issue(ring, kw, vw, tbl_sh, n, n_stages, start, end, b_first, blk_stride, head_off,
-              warp, ws, lane, pol):
+              warp, lane, pol):
         """Start the copies of stage n of this warp into its ring slot; commit a group."""
         if n < n_stages and FAST:
             # the stage's keys share one page: one table lookup, then fixed strides
             dst = ((n % STAGES) * NW + warp) * SLOT + lane * 4
-            key0 = start + (n * WPH + ws) * KPW
+            key0 = start + (n * NW + warp) * KPW
             j = key0 + lane // ROW_VECS
             src = 0
             if key0 < end:
@@ -198,7 +187,7 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
                 copy(ring, d + KPW * ROW_WORDS, vw, src + c * KSTEP * ROW_WORDS, nbytes, pol)
         elif n < n_stages:
             dst = ((n % STAGES) * NW + warp) * SLOT
-            key0 = start + (n * WPH + ws) * KPW
+            key0 = start + (n * NW + warp) * KPW
             for c in range(CPL):
                 idx = lane + 32 * c
                 kk = idx // ROW_VECS
@@ -220,45 +209,35 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
     @cuda.jit(device=True, inline="always")
     def finish(tid, i, hb, split, head0, splits, ring, w_ml, f_ml, flag_sh, out, part_ml,
                part_acc, counters):
-        """Merge the warps' (max, sum, acc) rows (``w_ml``, ``ring``) of each of the block's
-        ``KH`` KV heads (warps ``kh, kh + KH, ...``) and write the output or this split's
-        partial; the last split's block merges all splits."""
+        """Merge the warps' (max, sum, acc) rows (``w_ml``, ``ring``) and write the output or
+        this split's partial; the last split's block merges all splits."""
         w_acc = ring
-        ROWS = KH * hpb
-        if tid < ROWS:
-            kh = tid // hpb
-            g = tid - kh * hpb
+        if tid < hpb:
             m_max = NEG
-            for ws in range(WPH):
-                m_max = vmax(m_max, w_ml[kh + KH * ws, g, 0])
+            for w8 in range(NW):
+                m_max = vmax(m_max, w_ml[w8, tid, 0])
             den = float32(0.0)
-            for ws in range(WPH):
-                den += exp2(w_ml[kh + KH * ws, g, 0] - m_max) * w_ml[kh + KH * ws, g, 1]
+            for w8 in range(NW):
+                den += exp2(w_ml[w8, tid, 0] - m_max) * w_ml[w8, tid, 1]
             f_ml[tid, 0] = m_max
             f_ml[tid, 1] = den
         cuda.syncthreads()
-        for idx in range(tid, ROWS * head_dim, threads):
-            r = idx // head_dim
-            kh = r // hpb
-            g = r - kh * hpb
-            d = idx - r * head_dim
+        for idx in range(tid, hpb * head_dim, threads):
+            g = idx // head_dim
             num = float32(0.0)
-            for ws in range(WPH):
-                w8 = kh + KH * ws
-                num += exp2(w_ml[w8, g, 0] - f_ml[r, 0]) * w_acc[(w8 * hpb + g) * head_dim + d]
+            for w8 in range(NW):
+                num += exp2(w_ml[w8, g, 0] - f_ml[g, 0]) * w_acc[w8 * hpb * head_dim + idx]
             if splits == 1:
-                den = f_ml[r, 1]
+                den = f_ml[g, 1]
                 o = num / den if den > 0 else float32(0.0)
-                out[i, head0 + kh * group + g, d] = from_f32(o, kind_o)
+                out[i, head0 + g, idx - g * head_dim] = from_f32(o, kind_o)
             else:
-                part_acc[i, hb * KH + kh, split, g, d] = num
+                part_acc[i, hb, split, g, idx - g * head_dim] = num
         if splits == 1:
             return
-        if tid < ROWS:
-            kh = tid // hpb
-            g = tid - kh * hpb
-            part_ml[i, hb * KH + kh, (split * hpb + g) * 2] = f_ml[tid, 0]
-            part_ml[i, hb * KH + kh, (split * hpb + g) * 2 + 1] = f_ml[tid, 1]
+        if tid < hpb:
+            part_ml[i, hb, (split * hpb + tid) * 2] = f_ml[tid, 0]
+            part_ml[i, hb, (split * hpb + tid) * 2 + 1] = f_ml[tid, 1]
 
         # ---- split-K: the last block of this (sequence, head block) merges all splits
         cuda.threadfence()
@@ -271,47 +250,42 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
             return
         cuda.threadfence()
         wts = ring                                           # free: split weights, then sums
-        for kh in range(KH):
-            ph = hb * KH + kh
-            for e in range(tid, splits * hpb, threads):
-                wts[e] = part_ml[i, ph, 2 * e]
-                wts[MAX_SPLITS * hpb + e] = part_ml[i, ph, 2 * e + 1]
-            cuda.syncthreads()
-            if tid < hpb:
-                m_max = NEG
-                for sp in range(splits):
-                    m_max = vmax(m_max, wts[sp * hpb + tid])
-                den = float32(0.0)
-                for sp in range(splits):
-                    den += exp2(wts[sp * hpb + tid] - m_max) \
-                        * wts[MAX_SPLITS * hpb + sp * hpb + tid]
-                f_ml[tid, 0] = m_max
-                f_ml[tid, 1] = float32(1.0) / den if den > 0 else float32(0.0)
-            cuda.syncthreads()
-            for e in range(tid, splits * hpb, threads):
-                g = e % hpb
-                wts[e] = exp2(wts[e] - f_ml[g, 0]) * f_ml[g, 1]
-            cuda.syncthreads()
-            # out = sum_s w_s acc_s: 16-byte loads, MERGE_UNROLL splits in flight per thread
-            row = hpb * head_dim
-            base = (i * cuda.gridDim.y * KH + ph) * splits * row
-            for vi in range(tid, row // 4, threads):
-                g = (4 * vi) // head_dim
-                o4 = cuda.local.array(4, float32)
-                for x in range(4):
-                    o4[x] = 0.0
-                for sp0 in range(0, splits, MERGE_UNROLL):
-                    for u in range(MERGE_UNROLL):
-                        sp = sp0 + u
-                        if sp < splits:
-                            t = lds4f(part_acc, base + sp * row + 4 * vi)
-                            w8 = wts[sp * hpb + g]
-                            for x in range(4):
-                                o4[x] += w8 * t[x]
-                for x in range(4):
-                    out[i, head0 + kh * group + g, 4 * vi - g * head_dim + x] = \
-                        from_f32(o4[x], kind_o)
-            cuda.syncthreads()                               # wts and f_ml reused
+        for e in range(tid, splits * hpb, threads):
+            wts[e] = part_ml[i, hb, 2 * e]
+            wts[MAX_SPLITS * hpb + e] = part_ml[i, hb, 2 * e + 1]
+        cuda.syncthreads()
+        if tid < hpb:
+            m_max = NEG
+            for sp in range(splits):
+                m_max = vmax(m_max, wts[sp * hpb + tid])
+            den = float32(0.0)
+            for sp in range(splits):
+                den += exp2(wts[sp * hpb + tid] - m_max) * wts[MAX_SPLITS * hpb + sp * hpb + tid]
+            f_ml[tid, 0] = m_max
+            f_ml[tid, 1] = float32(1.0) / den if den > 0 else float32(0.0)
+        cuda.syncthreads()
+        for e in range(tid, splits * hpb, threads):
+            g = e % hpb
+            wts[e] = exp2(wts[e] - f_ml[g, 0]) * f_ml[g, 1]
+        cuda.syncthreads()
+        # out = sum_s w_s acc_s: 16-byte loads, MERGE_UNROLL splits in flight per thread
+        row = hpb * head_dim
+        base = (i * cuda.gridDim.y + hb) * splits * row
+        for vi in range(tid, row // 4, threads):
+            g = (4 * vi) // head_dim
+            o4 = cuda.local.array(4, float32)
+            for x in range(4):
+                o4[x] = 0.0
+            for sp0 in range(0, splits, MERGE_UNROLL):
+                for u in range(MERGE_UNROLL):
+                    sp = sp0 + u
+                    if sp < splits:
+                        t = lds4f(part_acc, base + sp * row + 4 * vi)
+                        w8 = wts[sp * hpb + g]
+                        for x in range(4):
+                            o4[x] += w8 * t[x]
+            for x in range(4):
+                out[i, head0 + g, 4 * vi - g * head_dim + x] = from_f32(o4[x], kind_o)
         if tid == 0:
             counters[i * cuda.gridDim.y + hb] = 0
 
@@ -334,7 +308,7 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
         tbl_sh = cuda.shared.array(TBL, int32)
         m_w = cuda.shared.array(MWN, float32)           # per warp: running max per head
         w_ml = cuda.shared.array((NW, hpb, 2), float32)      # per-warp (max, sum)
-        f_ml = cuda.shared.array((KROWS, 2), float32)          # block (max, sum)
+        f_ml = cuda.shared.array((hpb, 2), float32)          # block (max, sum)
         scratch = cuda.shared.array(threads, float32)
         flag_sh = cuda.shared.array(1, int32)
 
@@ -380,12 +354,12 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
         pol = l2_evict_first() if EVICT else uint64(0)
         for n in range(STAGES - 1):
             issue(ring, kw, vw, tbl_sh, n, n_stages, start, end, b_first, blk_stride, head_off,
-                  warp, warp, lane, pol)
+                  warp, lane, pol)
         for n in range(n_stages):
             wait_ring()                                      # stage n has landed (own copies)
             syncwarp()                                       # ... all lanes' copies; slot free
             issue(ring, kw, vw, tbl_sh, n + STAGES - 1, n_stages, start, end, b_first,
-                  blk_stride, head_off, warp, warp, lane, pol)
+                  blk_stride, head_off, warp, lane, pol)
             base = ((n % STAGES) * NW + warp) * SLOT
             key0 = start + (n * NW + warp) * KPW
             # ---- scores: partial dots, then reduce-scatter over the TG lanes of a key
@@ -488,7 +462,6 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
 
     HW = head_dim // 2                          # words of a query row
     QW = 8 * HW                                 # q_sh: 8 rows (an mma tile's rows g)
-    QSH = KH * QW                               # ... per KV head of the block
     MT = head_dim // 16
     ACC2 = 4 * MT                               # accumulators per lane (decode_mma.pv)
     QF = head_dim // 8                          # query fragment words per lane
@@ -500,25 +473,22 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
         """The same blocks, splits, ring and merges; a stage's products on tensor cores
         (``decode_mma``): lane ``4 g + t`` holds the scores and softmax state of head ``g``
         (rows >= hpb unused) for keys ``2 t, 2 t + 1`` of each stage, and the output dims
-        ``16 m + g, + 8`` of heads ``2 t, 2 t + 1``. Warp ``w`` serves KV head
-        ``kvh0 + w % KH`` (its query rows at ``q_sh[(w % KH) * QW:]``)."""
+        ``16 m + g, + 8`` of heads ``2 t, 2 t + 1``."""
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid % 32
         split = cuda.blockIdx.x
         hb = cuda.blockIdx.y
         i = cuda.blockIdx.z
-        kvh0 = (hb // HCHUNKS) * KH                          # the block's first KV head
-        head0 = kvh0 * group + (hb % HCHUNKS) * hpb
-        kvh = kvh0 + warp % KH                               # this warp's
-        ws = warp // KH                                      # its place among its head's warps
+        kvh = hb // HCHUNKS
+        head0 = kvh * group + (hb % HCHUNKS) * hpb
 
         smem = alloc_smem()
         ring = smem[:RING]
         tbl_sh = cuda.shared.array(TBL, int32)
-        q_sh = cuda.shared.array(QSH, uint32)
+        q_sh = cuda.shared.array(QW, uint32)
         w_ml = cuda.shared.array((NW, hpb, 2), float32)
-        f_ml = cuda.shared.array((KROWS, 2), float32)
+        f_ml = cuda.shared.array((hpb, 2), float32)
         scratch = cuda.shared.array(threads, float32)
         flag_sh = cuda.shared.array(1, int32)
 
@@ -533,20 +503,17 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
         if n_keys > 0:
             for e in range(tid, (end - 1) // BS - b_first + 1, threads):
                 tbl_sh[e] = block_tables[i, b_first + e]
-        for e in range(tid, KH * QW, threads):
-            kh = e // QW
-            g = (e - kh * QW) // HW
-            d = 2 * (e - kh * QW - g * HW)
+        for e in range(tid, QW, threads):
+            g = e // HW
+            d = 2 * (e - g * HW)
             word = uint32(0)
             if g < hpb:
-                hq = head0 + kh * group + g
-                word = pack2(to_f32(q[i, hq, d], kind_q), to_f32(q[i, hq, d + 1], kind_q),
-                             kind_kv)
+                word = pack2(to_f32(q[i, head0 + g, d], kind_q),
+                             to_f32(q[i, head0 + g, d + 1], kind_q), kind_kv)
             q_sh[e] = word
-        q_w = q_sh[(warp % KH) * QW:(warp % KH + 1) * QW]
         blk_stride = num_kv_heads * PAGE_WORDS
         head_off = kvh * PAGE_WORDS
-        n_stages = (n_keys + WPH * KPW - 1) // (WPH * KPW)
+        n_stages = (n_keys + NW * KPW - 1) // (NW * KPW)
         g = lane // 4
         t = lane % 4
         acc = cuda.local.array(ACC2, float32)
@@ -557,20 +524,20 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
         m_run = NEG
         l_run = float32(0.0)
         cuda.syncthreads()
-        load_q(qf, q_w, lane)
+        load_q(qf, q_sh, lane)
 
         pol = l2_evict_first() if EVICT else uint64(0)
         for n in range(STAGES - 1):
             issue(ring, kw, vw, tbl_sh, n, n_stages, start, end, b_first, blk_stride, head_off,
-                  warp, ws, lane, pol)
+                  warp, lane, pol)
         for n in range(n_stages):
             wait_ring()
             syncwarp()
             issue(ring, kw, vw, tbl_sh, n + STAGES - 1, n_stages, start, end, b_first,
-                  blk_stride, head_off, warp, ws, lane, pol)
+                  blk_stride, head_off, warp, lane, pol)
             base = ((n % STAGES) * NW + warp) * SLOT
-            key0 = start + (n * WPH + ws) * KPW + 2 * t
-            qk(s, qf, q_w, ring, base, lane, scratch)
+            key0 = start + (n * NW + warp) * KPW + 2 * t
+            qk(s, qf, q_sh, ring, base, lane, scratch)
             s0 = s[0] * scale_log2 if key0 < end and key0 >= lo else NEG
             s1 = s[1] * scale_log2 if key0 + 1 < end and key0 + 1 >= lo else NEG
             m_new = fmax32(m_run, fmax32(s0, s1))
