@@ -34,8 +34,8 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
     # The simulator runs a block's threads as Python threads while the launching thread
     # polls them in a busy loop until all reach a barrier (numba/cuda/simulator/kernel.py,
     # BlockManager.run); the poller holds the GIL while no simulated thread can move.
-    # `cudasim_blocks` makes it wait on its threads instead. (With the poller, a 1 ms switch
-    # interval halved the CPU; without it, Python's default 5 ms costs less: fewer handovers.)
+    # `cudasim_blocks` makes it wait on its threads instead. (A shorter switch interval, which
+    # helped against the poller, is not set: without the poller it only adds GIL handovers.)
     import cudasim_blocks  # noqa: E402
 
     cudasim_blocks.install()

@@ -4,8 +4,7 @@ The simulator runs each thread of a block as a Python thread; ``BlockManager.run
 (``numba/cuda/simulator/kernel.py``, numba 0.68.1) then polls them in a busy loop -- every
 thread's ``syncthreads_blocked`` flag, ``exception`` and ``is_alive()`` -- until all live
 threads wait at a barrier, releases them, and so on until none is alive. The poller holds
-the GIL for most of the time the simulated threads could compute: about half of a
-simulator run's CPU is spent polling.
+the GIL for much of the time the simulated threads could compute, and burns the CPU doing so.
 
 `install` replaces that loop with one that sleeps on a condition until it has something to
 do. The rules are the library's: a barrier opens when every thread still running waits at
