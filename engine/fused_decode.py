@@ -22,7 +22,7 @@ import weakref
 import numba
 import numpy as np
 import paddle
-from numba import types
+from numba import njit, types
 from numba.typed import List
 
 from gpu_kernels.cpu import decode_step as kernel
@@ -33,7 +33,7 @@ from gpu_kernels.interop import host_view
 from .attention import AttentionMetadata
 from .models.llama import Linear, LlamaForCausalLM
 
-_F1, _F2, _H2 = types.float32[::1], types.float32[:, ::1], types.uint16[:, ::1]
+_F1 = types.float32[::1]  # the type of an empty list (no Q/K norms, no QKV bias)
 MAX_THREADS = 8  # team size cap: a decode step of a small model has little work per phase
 
 
@@ -64,13 +64,12 @@ class FusedDecode:
         self.cfg = cfg
         single_threaded_blas()  # the kernel's work items already use every core
         self._keep = []  # tensors and arrays whose memory the kernel reads
-        formats, self.float_w, self.codes, self.nibbles = [], List.empty_list(_F2), List(), List()
-        scales, offsets = [], []  # per linear; typed lists below, once their dtype is known
-        self._params = (scales, offsets)
+        formats, float_w, codes, nibbles, scales, offsets = [], [], [], [], [], []  # per linear
+        self._linears = (float_w, codes, nibbles, scales, offsets)
         placeholder_f2 = np.zeros((1, 1), np.float32)
         placeholder_i8 = np.zeros((1, 1), np.int8)
         placeholder_u8 = np.zeros((1, 1), np.uint8)
-        norms, qk_norms, bias = List.empty_list(_F1), List.empty_list(_F1), List.empty_list(_F1)
+        norms, qk_norms, bias = [], [], []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             norms.append(self._view(layer.input_layernorm.weight))
@@ -91,21 +90,21 @@ class FusedDecode:
             formats.append(fmt)
             self._append(w, c, n, s, o)
         self.formats = np.asarray(formats, np.int64)
-        self.scales, self.offsets = _params_lists(scales, offsets)
-        del self._params
-        self.norms, self.qk_norms, self.qkv_bias = norms, qk_norms, bias
+        self.float_w, self.codes, self.nibbles = typed_list(float_w), typed_list(codes), typed_list(nibbles)
+        self._scales, self._offsets = _kernel_params(scales, offsets)
+        self.scales, self.offsets = typed_list(self._scales), typed_list(self._offsets)
+        self.norms, self.qk_norms, self.qkv_bias = typed_list(norms), typed_list(qk_norms), typed_list(bias)
         self.embed = self._view(model.embed_tokens.weight)
         self.final_norm = self._view(model.norm.weight)
         self.cos, self.sin = self._view(model.rope.cos), self._view(model.rope.sin)
-        self.k_caches, self.v_caches = List(), List()
-        for k, v in kv_caches:
-            self.k_caches.append(self._view(k))
-            self.v_caches.append(self._view(v))
+        self.k_caches = typed_list([self._view(k) for k, _ in kv_caches])
+        self.v_caches = typed_list([self._view(v) for _, v in kv_caches])
+        self._num_layers = len(kv_caches)
         self.scale = np.float32(cfg.head_dim ** -0.5)
         self.counters = np.zeros(kernel.num_phases(len(model.layers)) * STRIDE, np.int64)
         self.marks = np.zeros((kernel.num_phases(len(model.layers)), 0), np.int64)
         self.epoch = 0
-        self._max_rows = max(s.shape[0] for s in self.scales)
+        self._max_rows = max(s.shape[0] for s in scales)
         self._buffer = np.empty(0, np.float32)  # the per-layer results of a step, grown to the largest batch
         self._team = None
         self.threads = min(numba.get_num_threads(), MAX_THREADS)
@@ -126,7 +125,7 @@ class FusedDecode:
 
     def _buffers(self, num_tokens: int):
         """The step's shared per-layer result buffers for ``num_tokens`` sequences (views of one array)."""
-        cfg, layers = self.cfg, len(self.k_caches)
+        cfg, layers = self.cfg, self._num_layers
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         widths = (q_size + 2 * kv_size, q_size, cfg.hidden_size, 2 * cfg.intermediate_size, cfg.hidden_size)
         need = layers * num_tokens * sum(widths)
@@ -144,8 +143,8 @@ class FusedDecode:
         self._keep.append(tensor)
         return host_view(tensor)
 
-    def _append(self, w, c, n, s, o):
-        for lst, a in ((self.float_w, w), (self.codes, c), (self.nibbles, n), *zip(self._params, (s, o))):
+    def _append(self, *arrays):
+        for lst, a in zip(self._linears, arrays):
             lst.append(a)
 
     def _linear(self, linear: Linear, f2, i8, u8):
@@ -171,13 +170,13 @@ class FusedDecode:
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights one step reads (block formats as stored for the kernel)."""
+        float_w, codes, nibbles, scales, offsets = self._linears
         total = 0
         for k, fmt in enumerate(self.formats):
-            arrays = {kernel.FLOAT: (self.float_w[k],), kernel.INT8: (self.codes[k],),
-                      kernel.NIBBLE: (self.nibbles[k],)}[fmt]
+            arrays = {kernel.FLOAT: (float_w[k],), kernel.INT8: (codes[k],), kernel.NIBBLE: (nibbles[k],)}[fmt]
             total += sum(a.nbytes for a in arrays)
-            if fmt != kernel.FLOAT:
-                total += self.scales[k].nbytes + self.offsets[k].nbytes
+            if fmt != kernel.FLOAT:  # as the kernel reads them (float16 bits where exact, `_kernel_params`)
+                total += self._scales[k].nbytes + self._offsets[k].nbytes
         return total
 
     def forward(self, input_ids: paddle.Tensor, meta: AttentionMetadata) -> paddle.Tensor:
@@ -214,16 +213,46 @@ class FusedDecode:
         return out, (logits if self.has_head else None)
 
 
-def _params_lists(scales: list, offsets: list):
-    """The linears' scales and offsets as typed lists for the kernel: float16 bits (uint16 arrays)
+def _kernel_params(scales: list, offsets: list) -> tuple[list, list]:
+    """The linears' scales and offsets as the kernel reads them: float16 bits (uint16 arrays)
     where every value is exactly a float16 (GGUF stores them so: the same numbers in half the
     bytes, and a decode step is bound by the bytes it reads), else float32."""
     exact = all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in scales + offsets)
-    lists = (List.empty_list(_H2), List.empty_list(_H2)) if exact else (List.empty_list(_F2), List.empty_list(_F2))
-    for lst, arrays in zip(lists, (scales, offsets)):
-        for a in arrays:
-            lst.append(np.ascontiguousarray(a, np.float16).view(np.uint16) if exact else np.ascontiguousarray(a))
-    return lists
+
+    def as_read(a):
+        return np.ascontiguousarray(a, np.float16).view(np.uint16) if exact else np.ascontiguousarray(a)
+
+    return [as_read(a) for a in scales], [as_read(a) for a in offsets]
+
+
+def typed_list(arrays: list):
+    """``arrays`` (all of one Numba type; float32 vectors where empty) as the typed list the kernel takes.
+
+    Built by the cached functions below: the typed list's own methods, called from Python, are
+    compiled anew in every process (Numba caches no compilation of theirs)."""
+    if not arrays:
+        return _empty_vectors()
+    lst = _list_of(arrays[0])
+    for a in arrays[1:]:
+        _push(lst, a)
+    return lst
+
+
+@njit(cache=True)
+def _list_of(first):
+    lst = List()
+    lst.append(first)
+    return lst
+
+
+@njit(cache=True)
+def _push(lst, item):
+    lst.append(item)
+
+
+@njit(cache=True)
+def _empty_vectors():
+    return List.empty_list(_F1)
 
 
 class _Team:

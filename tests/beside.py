@@ -36,13 +36,16 @@ import pytest
 #    process for BESIDE_FILES (Gemma 3 through PaddleFormers goes there, which keeps the main
 #    process's peak to the shared SmolLM2 engine and one model; the engine's consistency and
 #    fuzz tests on tiny models need no shared engine);
-# 2. the simulator files, then one pytest process for LATE_BESIDE_FILES (the notebooks: each
-#    runs in its own Jupyter kernel, on the Numba cache the suite's first engine has filled by
-#    then), then the simulated engine (it compiles the CPU kernels too).
+# 2. the simulator files, then one pytest process for LATE_BESIDE_FILES: the CPU kernels
+#    against the reference (they compile the float16 / bfloat16 kernels), then the notebooks
+#    (each in its own Jupyter kernel, on the Numba cache the suite's first engine and those
+#    tests have filled by then: the kernel lab runs the half-precision kernels too), then the
+#    simulated engine (it compiles the CPU kernels too). The first queue is the longer one
+#    (transformers' reading of Gemma 3 alone is a minute and a half of CPU).
 SIMULATOR_FILES = ("test_kernels_cudasim.py", "test_kernels_mma.py")
-BESIDE_FILES = ("test_kernels_cpu.py", "test_loader.py", "test_fallback_gemma3.py", "test_environment.py",
+BESIDE_FILES = ("test_loader.py", "test_fallback_gemma3.py", "test_environment.py",
                 "test_engine_consistency.py", "test_fuzz_engine.py")
-LATE_BESIDE_FILES = ("test_notebooks.py",)
+LATE_BESIDE_FILES = ("test_kernels_cpu.py", "test_notebooks.py")
 LATE_SIMULATOR_FILES = ("test_engine_on_cuda_kernels.py",)
 NICE = 10      # the runs beside yield the CPU to the suite's own process
 SIMULATOR_TESTS = ("test_kernels_cudasim.py::test_cuda_kernels_in_the_simulator",

@@ -55,7 +55,7 @@ def test_outcomes_of_the_process_beside_are_the_suites(tmp_path):
     tests = tmp_path / "tests"
     tests.mkdir()
     (tests / "conftest.py").write_text(CONFTEST)
-    (tests / "test_kernels_cpu.py").write_text(BESIDE_TESTS)       # one of beside.BESIDE_FILES
+    (tests / "test_loader.py").write_text(BESIDE_TESTS)       # one of beside.BESIDE_FILES
     (tests / "test_a_first.py").write_text("def test_here():\n    import os\n"
                                            "    assert 'FLEET_TESTS_BESIDE_REPORT' not in os.environ\n")
     env = {k: v for k, v in os.environ.items() if k not in ("FLEET_TESTS_BESIDE_REPORT", "NUMBA_ENABLE_CUDASIM")}
@@ -68,5 +68,5 @@ def test_outcomes_of_the_process_beside_are_the_suites(tmp_path):
     assert order[0] == "tests/test_a_first.py::test_here", out            # its own tests first
     assert "[call in the process beside the suite]" in out and "arithmetic is off" in out
     assert "[setup in the process beside the suite]" in out and "setup broke" in out
-    assert "test_kernels_cpu.py:12: nothing to see" in out
+    assert "test_loader.py:12: nothing to see" in out
     assert "PASSED" in textwrap.dedent(out.split("test_passes_beside", 1)[1].splitlines()[0])

@@ -7,12 +7,11 @@ import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
-from numba.typed import List
 
 from engine import LLM, SamplingParams
 from engine.block_linear import BlockWeight
 from engine.config import EngineConfig
-from engine.fused_decode import FusedDecode, fused_decode_support
+from engine.fused_decode import FusedDecode, fused_decode_support, typed_list
 from engine.loader.gguf_blocks import unpack
 from gpu_kernels.cpu import decode_step as kernel
 from gpu_kernels.cpu.sync import STRIDE
@@ -83,8 +82,9 @@ def test_block_linears_compute_with_the_checkpoint_weights(qtype, tokens):
     x = rng.standard_normal((tokens, in_features)).astype(np.float32)
     results = []
     for half in (False, True):  # GGUF's float16 scales and offsets kept as they are (bits in uint16): exact
-        params = [List([np.ascontiguousarray(a, np.float16).view(np.uint16) if half else a]) for a in (scales, offsets)]
-        lists = (np.array([fmt]), List([f2]), List([codes]), List([nibbles]), *params)
+        params = [typed_list([np.ascontiguousarray(a, np.float16).view(np.uint16) if half else a])
+                  for a in (scales, offsets)]
+        lists = (np.array([fmt]), typed_list([f2]), typed_list([codes]), typed_list([nibbles]), *params)
         for threads in (1, 2):  # the rows shared by a team of threads through the phase's counters
             out = np.full((tokens, out_features), np.nan, np.float32)
             counters, marks = np.zeros(STRIDE, np.int64), np.zeros((1, out_features), np.int64)
@@ -105,8 +105,8 @@ def _one_q8_linear(rng):
     raw = gguf.quants.quantize(rng.standard_normal((64, 96)).astype(np.float32), QT.Q8_0)
     blocks = unpack(raw, QT.Q8_0, (64, 96))
     codes = np.ascontiguousarray(blocks.codes).reshape(64, -1)
-    lists = (np.array([kernel.INT8]), List([np.zeros((1, 1), np.float32)]), List([codes]),
-             List([np.zeros((1, 1), np.uint8)]), List([blocks.scales]), List([blocks.offsets]))
+    lists = (np.array([kernel.INT8]), typed_list([np.zeros((1, 1), np.float32)]), typed_list([codes]),
+             typed_list([np.zeros((1, 1), np.uint8)]), typed_list([blocks.scales]), typed_list([blocks.offsets]))
     return blocks, lists
 
 

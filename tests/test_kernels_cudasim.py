@@ -39,6 +39,7 @@ if not IN_SIMULATOR:
 else:
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
+    from numba import cuda  # a module global: the simulator rebinds it in a kernel's globals
 
     import gpu_kernels
     from gpu_kernels.cuda import backend as cuda_backend
@@ -250,3 +251,46 @@ else:
             assert primitives.cuda.syncthreads == fake.syncthreads     # B, still inside
             b.__exit__(None, None, None)
         assert primitives.cuda is cuda
+
+    def test_the_waiting_block_scheduler_keeps_the_simulators_rules():
+        """conftest.py installs ``cudasim_blocks`` (a block scheduler that waits for its threads
+        instead of polling them) in this process: a barrier opens when every thread still running
+        reaches it (two threads of each block return before it), what a block writes to shared
+        memory before a barrier it reads after it, and a thread's exception is raised at the launch
+        with its thread index while the threads waiting at the barrier are aborted."""
+        from numba.cuda.simulator import kernel as sim
+
+        import cudasim_blocks
+
+        assert sim.BlockManager.run is cudasim_blocks._run_block
+
+        @cuda.jit
+        def reverse_six(x, out):
+            buf = cuda.shared.array(8, dtype=np.float32)
+            i = cuda.threadIdx.x
+            if i >= 6:
+                return
+            buf[i] = x[cuda.blockIdx.x * 8 + i]
+            cuda.syncthreads()
+            out[cuda.blockIdx.x * 8 + i] = buf[5 - i]
+            cuda.syncthreads()
+            buf[i] = 0
+            cuda.syncthreads()
+            out[cuda.blockIdx.x * 8 + i] += buf[5 - i] + 1
+
+        x, out = np.arange(16, dtype=np.float32), np.zeros(16, np.float32)
+        reverse_six[2, 8](x, out)
+        assert out.tolist() == [6, 5, 4, 3, 2, 1, 0, 0, 14, 13, 12, 11, 10, 9, 0, 0]
+
+        @cuda.jit
+        def third_fails(out):
+            i = cuda.threadIdx.x
+            if i == 3:
+                raise ValueError("thread three")
+            cuda.syncthreads()
+            out[i] = 1
+
+        marks = np.zeros(4, np.float32)
+        with pytest.raises(ValueError, match=r"tid=\[3, 0, 0\] ctaid=\[0, 0, 0\]: thread three"):
+            third_fails[1, 4](marks)
+        assert not marks.any()      # the others never passed the barrier
