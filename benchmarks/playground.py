@@ -67,17 +67,19 @@ def cpu_s(pid: int | None = None) -> float | None:
         return None
 
 
+ENGINE_SIDE = "engine loop, chat streams, native"
+
+
 def thread_group(name: str) -> str:
-    """Which part of the server a thread of this process belongs to (by its Python name)."""
-    for prefix, group in (("engine-loop", "engine loop"), ("fused-decode", "decode team"), ("stream-", "chat streams"),
-                          ("playground-monitor", "monitor"), ("AnyIO worker", "gradio workers"),
-                          ("ThreadPoolExecutor", "gradio workers")):
+    """Which part of the server a thread of this process belongs to (by its Python name). The
+    engine's loop and each chat's stream come and go (the loop ends when the engine idles), and
+    threads Python did not start (Paddle's, BLAS's) have no name: one group, ``ENGINE_SIDE``."""
+    for prefix, group in (("fused-decode", "decode team"), ("playground-monitor", "monitor"),
+                          ("AnyIO worker", "gradio workers"), ("ThreadPoolExecutor", "gradio workers"),
+                          ("engine-loop", ENGINE_SIDE), ("stream-", ENGINE_SIDE), ("(native)", ENGINE_SIDE)):
         if name.startswith(prefix):
             return group
-    return "uvicorn and other" if name != "(native)" else "native (paddle, numba, blas)"
-
-
-ENDED = "threads that ended (engine loop, chat streams)"
+    return "uvicorn and other"
 
 
 def thread_cpu_s() -> tuple[float, dict[int, tuple[str, float]]]:
@@ -99,13 +101,13 @@ def thread_cpu_s() -> tuple[float, dict[int, tuple[str, float]]]:
 def cpu_delta(before: tuple, after: tuple) -> dict[str, float]:
     """CPU seconds by thread group between two ``thread_cpu_s`` readings. A thread that ended in
     between (the engine's loop stops when idle; each chat's stream has its own) took its time with
-    it: what the process spent beyond the live threads' sum is put under ``ENDED``."""
+    it: what the process spent beyond the live threads' sum is put under ``ENGINE_SIDE``."""
     total = after[0] - before[0]
     out: dict[str, float] = {}
     for tid, (group, used) in after[1].items():
         old = before[1].get(tid)
         out[group] = out.get(group, 0.0) + used - (old[1] if old and old[0] == group else 0.0)
-    out[ENDED] = total - sum(out.values())
+    out[ENGINE_SIDE] = out.get(ENGINE_SIDE, 0.0) + total - sum(out.values())
     return {g: round(v, 3) for g, v in out.items()}
 
 
@@ -261,6 +263,10 @@ def cold_start(port: int, engine_argv: list[str]) -> dict:
             "first_chat_engine_ttft_ms": first["engine_ms"], "start_log": lines}
 
 
+def _ui_cpu(by_thread: dict[str, float]) -> float:
+    return sum(v for g, v in by_thread.items() if g in ("uvicorn and other", "gradio workers", "monitor"))
+
+
 def _by_thread(runs: list[dict[str, float]]) -> dict[str, float]:
     groups = sorted({g for r in runs for g in r})
     return {g: round(statistics.median(r.get(g, 0.0) for r in runs), 2) for g in groups}
@@ -365,6 +371,10 @@ def main(argv: list[str] | None = None) -> dict:
         # server side is made of, beside the engine's own threads.
         "server_cpu_s_by_thread_engine_alone": _by_thread([c["by_thread"] for c in alone_cores]),
         "server_cpu_s_by_thread_app": _by_thread([a["by_thread"] for a in app]),
+        # The UI's own threads (Gradio's event loop and workers, the monitor), app minus engine alone:
+        # unlike the totals above, without the engine's extra steps when the tabs' chats arrive apart.
+        "ui_threads_cpu_s_app_minus_alone": round(statistics.median(
+            _ui_cpu(a["by_thread"]) - _ui_cpu(c["by_thread"]) for a, c in zip(app, alone_cores)), 2),
         # The open tabs' timers with the engine idle: this process's CPU use without and with them.
         "server_cores_idle_no_tabs": round(idle_alone, 3),
         "server_cores_idle_tabs_refreshing": round(idle_tabs["server_cores"], 3),
