@@ -31,8 +31,8 @@ def sweep_decode(torch, timer, decode_case, scale):
     defaults = (cuda_backend.DECODE_THREADS, cuda_backend.DECODE_STAGES,
                 cuda_backend.DECODE_STAGE_BYTES, cuda_backend.DECODE_MAX_REGISTERS,
                 cuda_backend.DECODE_BLOCKS_PER_SM)
-    few = cuda_backend.DECODE_FEW_SEQS_STAGES
-    cuda_backend.DECODE_FEW_SEQS_STAGES = 0         # each variant's stages at every batch
+    few = cuda_backend.DECODE_FEW_PAIRS_SHAPE
+    cuda_backend.DECODE_FEW_PAIRS_SHAPE = None      # each variant's shape at every batch
     times = {v: [] for v in DECODE_VARIANTS}
     res = {}
     for seqs, ctx in DECODE_SHAPES:
@@ -47,7 +47,7 @@ def sweep_decode(torch, timer, decode_case, scale):
         del q, kc, vc, bt, out
         torch.cuda.empty_cache()
     _set_decode(*defaults)
-    cuda_backend.DECODE_FEW_SEQS_STAGES = few
+    cuda_backend.DECODE_FEW_PAIRS_SHAPE = few
     print("decode variants: µs at " + ", ".join(f"{s}x{c}" for s, c in DECODE_SHAPES))
     for v in DECODE_VARIANTS:
         kv = [2 * s * c * 8 * 128 * 2 for s, c in DECODE_SHAPES]
@@ -143,12 +143,14 @@ def sweep_split_rule(torch, timer, decode_case, scale):
     print()
 
 
-#: decode stage on tensor cores vs CUDA cores: (decode_mma_mode, register cap, blocks per SM
-#: aimed at, ring stages, ring stages with few sequences (0: the same))
-DECODE_MMA_VARIANTS = [("off", 128, 4, 2, 0), ("auto", 128, 4, 2, 0), ("auto", 128, 4, 2, 3),
-                       ("auto", 128, 4, 2, 4), ("auto", 128, 4, 3, 3), ("auto", 128, 6, 2, 3)]
-DECODE_MMA_SHAPES = [(1, 2048), (1, 8192), (1, 16384), (1, 32768), (16, 2048), (16, 8192),
-                     (64, 2048), (64, 8192)]
+#: decode stage on tensor cores vs CUDA cores: (decode_mma_mode, blocks per SM aimed at, ring
+#: stages, shape with few (sequence, head block) pairs (None: the same), evict_first up to
+#: this many times the L2 size (0: never))
+DECODE_MMA_VARIANTS = [("off", 4, 2, None, 0), ("auto", 4, 2, None, 0),
+                       ("auto", 4, 2, (256, 3, 1), 0), ("auto", 4, 2, (256, 3, 1), 4),
+                       ("auto", 4, 2, (256, 4, 1), 4)]
+DECODE_MMA_SHAPES = [(1, 2048), (1, 8192), (1, 16384), (1, 32768), (4, 8192), (16, 512),
+                     (16, 2048), (16, 8192), (64, 512), (64, 2048), (64, 8192)]
 
 
 def sweep_decode_mma(torch, timer, decode_case, scale):
@@ -156,11 +158,11 @@ def sweep_decode_mma(torch, timer, decode_case, scale):
     stages with few sequences),
     SDPA beside and each variant's max error vs SDPA, same run."""
     import torch.nn.functional as F
-    names = ("decode_mma_mode", "DECODE_MAX_REGISTERS", "DECODE_BLOCKS_PER_SM", "DECODE_STAGES",
-             "DECODE_FEW_SEQS_STAGES")
+    names = ("decode_mma_mode", "DECODE_BLOCKS_PER_SM", "DECODE_STAGES",
+             "DECODE_FEW_PAIRS_SHAPE", "DECODE_EVICT_FIRST_L2")
     defaults = [getattr(cuda_backend, n) for n in names]
-    print("decode stage variants (mode, register cap, blocks/SM aimed at, stages, stages with few "
-          "sequences): µs per call "
+    print("decode stage variants (mode, blocks/SM aimed at, stages, (threads, stages, blocks/SM) "
+          "with few (sequence, head block) pairs, evict_first up to x L2): µs per call "
           "(x SDPA), max error vs SDPA")
     res = {}
     try:
@@ -189,7 +191,7 @@ def sweep_decode_mma(torch, timer, decode_case, scale):
                 cells.append(f"{v}: {t:.1f} ({peer / t:.2f}x) err {err:.1e}")
                 if v not in res:
                     res[v] = resources(cuda_backend.last_kernels["decode"],
-                                       cuda_backend.DECODE_THREADS)
+                                       cuda_backend.last_kernels["decode_threads"])
             print(f"  {seqs}x{ctx}: SDPA {peer:.1f} | " + " | ".join(cells), flush=True)
             del q, kc, vc, bt, out, k4, v4
             torch.cuda.empty_cache()
@@ -198,4 +200,78 @@ def sweep_decode_mma(torch, timer, decode_case, scale):
             setattr(cuda_backend, n, x)
     for v in DECODE_MMA_VARIANTS:
         print(f"  {v}: {res.get(v)}")
+    print()
+
+
+#: decode at large KV: each variant a dict of ``cuda_backend`` tunables (L2 qualifiers of
+#: the K/V copies, split-K aim, block shape) over the defaults
+DECODE_LARGE_VARIANTS = [
+    {},
+    {"DECODE_FEW_PAIRS_SHAPE": None},
+    {"DECODE_FEW_PAIRS_SHAPE": (256, 4, 1)},
+    {"DECODE_EVICT_FIRST_L2": 4},
+    {"DECODE_L2_HINT": ("L2::128B",)},
+]
+DECODE_LARGE_SHAPES = [(16, 8192), (64, 2048), (64, 8192), (16, 2048), (1, 8192), (1, 32768),
+                       (64, 512), (16, 512)]
+
+
+def _label(variant):
+    return ", ".join(f"{k.replace('DECODE_', '').lower()}={v}" for k, v in variant.items()) \
+        or "defaults"
+
+
+def sweep_decode_large(torch, timer, decode_case, scale, rounds=2,
+                       variants=DECODE_LARGE_VARIANTS, shapes=DECODE_LARGE_SHAPES):
+    """Decode µs per variant at large KV, SDPA timed before and after them (same run), each
+    variant's max error vs SDPA; ``rounds`` passes over the variants per shape (drift)."""
+    import torch.nn.functional as F
+    DECODE_LARGE_VARIANTS, DECODE_LARGE_SHAPES = variants, shapes  # noqa: N806
+    names = sorted({k for v in DECODE_LARGE_VARIANTS for k in v})
+    defaults = {n: getattr(cuda_backend, n) for n in names}
+    print("decode variants at large KV: µs per call (x SDPA) per round, max error vs SDPA")
+    res = {}
+    try:
+        for seqs, ctx in DECODE_LARGE_SHAPES:
+            q, kc, vc, bt, lens = decode_case(torch, seqs, ctx)
+            out = torch.empty_like(q)
+            k4, v4 = contiguous(torch, kc, bt), contiguous(torch, vc, bt)
+            q4 = q.unsqueeze(2)
+            sdpa = lambda: F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True)  # noqa
+            peer = [min(timer(sdpa), timer(sdpa))]
+            ref = sdpa().squeeze(2).float()
+            call = lambda: gpu_kernels.paged_decode(q, kc, vc, bt, lens, scale, out=out)  # noqa
+            cells = {i: [] for i in range(len(DECODE_LARGE_VARIANTS))}
+            errs = {}
+            for _ in range(rounds):
+                for i, v in enumerate(DECODE_LARGE_VARIANTS):
+                    for n in names:
+                        setattr(cuda_backend, n, v.get(n, defaults[n]))
+                    try:
+                        if i not in errs:
+                            out.fill_(float("nan"))
+                            call()
+                            torch.cuda.synchronize()
+                            errs[i] = (out.float() - ref).abs().max().item()
+                            res.setdefault(i, resources(
+                                cuda_backend.last_kernels["decode"],
+                                cuda_backend.last_kernels["decode_threads"]))
+                        cells[i].append(min(timer(call), timer(call)))
+                    except Exception as exc:                # noqa: BLE001 - report, go on
+                        errs[i] = f"FAILED {type(exc).__name__}: {str(exc)[:200]}"
+            peer.append(min(timer(sdpa), timer(sdpa)))
+            p = min(peer)
+            print(f"  {seqs}x{ctx}: SDPA {peer[0]:.1f} / {peer[1]:.1f}", flush=True)
+            for i, v in enumerate(DECODE_LARGE_VARIANTS):
+                ts = " / ".join(f"{t:.1f} ({p / t:.3f}x)" for t in cells[i])
+                e = errs.get(i)
+                print(f"    {_label(v)}: {ts} err {e if isinstance(e, str) else f'{e:.1e}'}",
+                      flush=True)
+            del q, kc, vc, bt, out, k4, v4
+            torch.cuda.empty_cache()
+    finally:
+        for n in names:
+            setattr(cuda_backend, n, defaults[n])
+    for i, v in enumerate(DECODE_LARGE_VARIANTS):
+        print(f"  {_label(v)}: {res.get(i)}")
     print()

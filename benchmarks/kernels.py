@@ -151,10 +151,15 @@ def bench_cpu_prefill():
 
 
 class GpuTimer:
-    """Cold-L2 GPU time of one call, host overhead hidden behind a sleep kernel."""
+    """Cold-L2 GPU time of one call, host overhead hidden behind a sleep kernel.
 
-    def __init__(self, torch):
+    The L2 is made cold by rewriting a 256 MB buffer before each call (L2 then holds dirty
+    lines of it); ``by_reading=True`` reads the buffer instead (L2 holds clean lines): a
+    diagnostic of how much of a call's time is writing back what an earlier kernel left."""
+
+    def __init__(self, torch, by_reading=False):
         self.torch = torch
+        self.by_reading = by_reading
         self.flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
         self.start = torch.cuda.Event(enable_timing=True)
         self.end = torch.cuda.Event(enable_timing=True)
@@ -165,7 +170,10 @@ class GpuTimer:
         torch.cuda.synchronize()
         times = []
         for _ in range(reps):
-            self.flush.zero_()
+            if self.by_reading:
+                self.flush.max()
+            else:
+                self.flush.zero_()
             torch.cuda._sleep(1_000_000)          # ~0.5 ms: the host queues fn meanwhile
             self.start.record()
             fn()
@@ -182,12 +190,16 @@ def copy_bandwidth(torch, timer):
     return 2 * src.numel() / us / 1e6
 
 
-def decode_case(torch, seqs, ctx, kv_heads=8, heads=32, head_dim=128, block_size=16):
-    """Random fp16 paged cache with shuffled blocks, and a contiguous copy for the SDPA peer."""
+def decode_case(torch, seqs, ctx, kv_heads=8, heads=32, head_dim=128, block_size=16,
+                shuffled=True):
+    """Random fp16 paged cache with shuffled blocks (``shuffled=False``: each sequence's blocks
+    in order, a diagnostic), and a contiguous copy for the SDPA peer."""
     nb = seqs * ctx // block_size
     kc = torch.randn(nb, kv_heads, block_size, head_dim, dtype=torch.float16, device="cuda")
     vc = torch.randn_like(kc)
-    tables = torch.randperm(nb, device="cuda", dtype=torch.int32).reshape(seqs, ctx // block_size)
+    order = torch.randperm(nb, device="cuda", dtype=torch.int32) if shuffled else \
+        torch.arange(nb, device="cuda", dtype=torch.int32)
+    tables = order.reshape(seqs, ctx // block_size)
     lens = torch.full((seqs,), ctx, dtype=torch.int32, device="cuda")
     q = torch.randn(seqs, heads, head_dim, dtype=torch.float16, device="cuda")
     return q, kc, vc, tables, lens
@@ -250,7 +262,7 @@ def bench_gpu_decode(torch, F, timer, bw, scale):
             del q, kc, vc, bt, out
             torch.cuda.empty_cache()
 
-    used = resources(cuda_backend.last_kernels["decode"], cuda_backend.DECODE_THREADS)
+    used = resources(cuda_backend.last_kernels["decode"], cuda_backend.last_kernels["decode_threads"])
     print(f"\ndecode kernel: {used}")
     from gpu_kernels.cuda.launch import Launcher
     print("launches: " + ("packed parameters, cuLaunchKernel" if Launcher.fast else
@@ -312,7 +324,7 @@ def bench_gpu_prefill(torch, F, timer, scale, fp32_peak):
     print(f"\nprefill kernel (tensor cores, bf16): {tile}: {used}")
 
 
-def bench_gpu(sweep, only=None, split_rule=False, decode_mma=False):
+def bench_gpu(sweep, only=None, split_rule=False, decode_mma=False, decode_large=False):
     import torch
     import torch.nn.functional as F
     from numba import cuda
@@ -330,6 +342,17 @@ def bench_gpu(sweep, only=None, split_rule=False, decode_mma=False):
     if decode_mma:
         from .kernel_sweep import sweep_decode_mma
         sweep_decode_mma(torch, timer, decode_case, scale)
+    if decode_large:
+        from .kernel_sweep import sweep_decode_large
+        sweep_decode_large(torch, timer, decode_case, scale)
+        import functools
+        print("the same with each sequence's blocks in order (block tables not shuffled)")
+        sweep_decode_large(torch, timer, functools.partial(decode_case, shuffled=False), scale,
+                           1, [{}], [(16, 8192), (64, 2048), (64, 8192)])
+        print("the same, L2 made cold by reading 256 MB (clean lines) instead of writing them")
+        sweep_decode_large(torch, GpuTimer(torch, by_reading=True), decode_case, scale, 1,
+                           [{}, {"DECODE_EVICT_FIRST_L2": 4}],
+                           [(16, 2048), (1, 32768), (64, 512), (16, 8192)])
     if split_rule:
         from .kernel_sweep import sweep_split_rule
         sweep_split_rule(torch, timer, decode_case, scale)
@@ -354,6 +377,8 @@ def main(argv=None):
                         help="GPU: also time decode split rules at long contexts")
     parser.add_argument("--decode-mma", action="store_true",
                         help="GPU: also time the decode stage on tensor cores vs CUDA cores")
+    parser.add_argument("--decode-large", action="store_true",
+                        help="GPU: also time decode variants at large KV (L2 hints, split-K)")
     args = parser.parse_args(argv)
     try:
         from numba import cuda
@@ -363,7 +388,7 @@ def main(argv=None):
     except ImportError:
         gpu = False
     if gpu:
-        bench_gpu(args.sweep, args.only, args.split_rule, args.decode_mma)
+        bench_gpu(args.sweep, args.only, args.split_rule, args.decode_mma, args.decode_large)
     else:
         bench_cpu()
         bench_cpu_prefill()

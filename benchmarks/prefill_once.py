@@ -8,7 +8,8 @@ tables), the README's figures::
         python -m benchmarks.prefill_once
 
 ``decode SEQS CONTEXT``: one fp16 decode step of the benchmark's decode table instead
-(``-k regex:decode``).
+(``-k regex:decode``); ``decode SEQS CONTEXT sdpa``: the peer's call on the same data in a
+contiguous cache (torch SDPA), for a side-by-side profile.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import sys
 
 import gpu_kernels
 
-from .kernels import decode_case, prefill_case
+from .kernels import contiguous, decode_case, prefill_case
 
 
 def main(argv=None):
@@ -27,6 +28,10 @@ def main(argv=None):
         q, kc, vc, bt, lens = decode_case(torch, seqs, ctx)
         out = torch.empty_like(q)
         call = lambda: gpu_kernels.paged_decode(q, kc, vc, bt, lens, 128 ** -0.5, out=out)  # noqa
+        if argv[3:] == ["sdpa"]:
+            import torch.nn.functional as F
+            k4, v4, q4 = contiguous(torch, kc, bt), contiguous(torch, vc, bt), q.unsqueeze(2)
+            call = lambda: F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True)  # noqa
     else:
         q, kc, vc, bt, qsl, lens = prefill_case(torch, 1, 4096, torch.float16)
         out = torch.empty_like(q)

@@ -63,6 +63,7 @@ class Outbox:
 
     def __init__(self):
         self.listeners: list = []
+        self._failed: set[int] = set()  # ids of listeners whose failure has been logged with its traceback
         self._items: deque = deque()
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -77,6 +78,15 @@ class Outbox:
 
     def put_delta(self, q, delta) -> None:
         self._items.append((q, delta))
+
+    def _log_failure(self, callback) -> None:
+        """A listener's first failure is logged with its traceback; later ones at debug level, so a
+        view that breaks on every event does not bury the log under a traceback per token."""
+        if id(callback) in self._failed:
+            logger.debug("event listener %r failed again", callback, exc_info=True)
+            return
+        self._failed.add(id(callback))
+        logger.exception("event listener %r failed (its later failures are logged at debug level)", callback)
 
     def take_deltas(self) -> list:
         """Empty the outbox, returning its ``(queue, delta)`` pairs and dropping its events."""
@@ -101,6 +111,6 @@ class Outbox:
                         try:
                             callback(item)
                         except Exception:  # a broken view must not break serving
-                            logger.exception("event listener failed")
+                            self._log_failure(callback)
             finally:
                 self._local.delivering = False

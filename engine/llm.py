@@ -143,7 +143,7 @@ class LLM:
     def subscribe(self, callback):
         """Call ``callback(EngineEvent)`` for every engine event, in order, outside the engine lock
         (usually from the engine thread). Returns a function that unsubscribes it. A callback that
-        raises an ``Exception`` is logged and skipped; it may call ``abort``/``snapshot`` but not
+        raises an ``Exception`` is skipped and logged (traceback once); it may call ``abort``/``snapshot`` but not
         wait for generation."""
         if not callable(callback):
             raise ValueError(f"subscribe() needs a callable; got {type(callback).__name__}")
@@ -167,6 +167,7 @@ class LLM:
     # -- internals ---------------------------------------------------------------------
     def _encode(self, prompt) -> tuple[str | None, list[int]]:
         tok = self.engine.tokenizer
+        _check_text(prompt)
         if isinstance(prompt, str):
             return prompt, tok.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -316,6 +317,26 @@ class LLM:
                     q.put(delta)
                 for q in live:
                     q.put(_Died(reason))
+
+
+def _check_text(prompt) -> None:
+    """A ValueError for text that cannot be encoded as UTF-8 (a lone surrogate, as ``json.loads`` of
+    ``"\\udcff"`` makes), which the tokenizer would refuse with a bare ``TypeError``."""
+    if isinstance(prompt, str):
+        texts = [("prompt", prompt)]
+    elif isinstance(prompt, dict):
+        texts = [("prompt", prompt.get("prompt"))]
+    elif isinstance(prompt, (list, tuple)):
+        texts = [(f"message {i} content", m.get("content")) for i, m in enumerate(prompt) if isinstance(m, dict)]
+    else:
+        return
+    for what, text in texts:
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"{what} is not valid Unicode text: {text[exc.start:exc.end]!r} at index "
+                                 f"{exc.start} is a lone surrogate; send UTF-8 text") from None
 
 
 def _is_conversation(value) -> bool:

@@ -234,29 +234,54 @@ def _reference_decode(prob, window):
     return ref
 
 
-@pytest.mark.parametrize("few", [3, 4])
-def test_decode_with_few_sequences_takes_a_deeper_ring(monkeypatch, few):
-    """Few sequences (the tensor-core stage, a three- or four-slot ring per warp) give bit for
-    bit the outputs of the two-slot ring: the same keys meet the same lanes, only the copies land
-    earlier. One split per sequence (the ring turns many times) and the default splits, a
-    window."""
+def _few_pairs_problem():
     prob = make_problem(np.random.default_rng(9), context_lens=[2900, 1, 17, 1000],
                         query_lens=[1] * 4, num_kv_heads=2, group=4, head_dim=128,
                         block_size=16, dtype="float16", query_dtype="float16")
     prob.query = prob.query[:4]
     args = {k: to_torch(getattr(prob, k)) for k in
             ("query", "k_cache", "v_cache", "block_tables", "context_lens")}
+    return prob, args
+
+
+@pytest.mark.parametrize("shape", [(256, 3, 1), (256, 4, 1)])
+def test_decode_with_few_pairs_takes_larger_blocks(monkeypatch, shape):
+    """Few (sequence, head block) pairs (4 x 2 here) take blocks of ``shape[0]`` threads with
+    deeper rings: the same function as the default blocks up to float32 summation order (the
+    keys meet other warps), and the reference's outputs. One split per sequence (the ring
+    turns many times) and the default splits, a window."""
+    prob, args = _few_pairs_problem()
     monkeypatch.setattr(cuda_backend, "decode_mma_mode", "auto")
     for target, window in ((1, None), (None, 700)):
         monkeypatch.setattr(cuda_backend, "decode_target_blocks", target)
-        outs, kernels = {}, {}
-        for n in (0, few):
-            monkeypatch.setattr(cuda_backend, "DECODE_FEW_SEQS_STAGES", n)
-            outs[n] = _decode_to_float32(args, prob, window)
-            kernels[n] = cuda_backend.last_kernels["decode"]
-        assert kernels[few] is not kernels[0]           # 4 sequences x 2 head blocks: few
-        np.testing.assert_array_equal(outs[few], outs[0])
-        assert_close(outs[few], _reference_decode(prob, window), "float16")
+        outs, threads = {}, {}
+        for few in (None, shape):
+            monkeypatch.setattr(cuda_backend, "DECODE_FEW_PAIRS_SHAPE", few)
+            outs[few] = _decode_to_float32(args, prob, window)
+            threads[few] = cuda_backend.last_kernels["decode_threads"]
+        assert threads == {None: cuda_backend.DECODE_THREADS, shape: shape[0]}
+        assert np.isfinite(outs[shape]).all()
+        np.testing.assert_allclose(outs[shape], outs[None], rtol=0, atol=5e-4)
+        assert_close(outs[shape], _reference_decode(prob, window), "float16")
+
+
+def test_decode_l2_hints_change_no_output(monkeypatch):
+    """The K/V copies with L2 qualifiers (an evict_first policy, prefetch sizes) give bit for
+    bit the outputs of plain copies; an unknown qualifier is refused by name."""
+    from gpu_kernels.cuda.shared_memory import cp_async16_hinted
+    prob, args = _few_pairs_problem()
+    monkeypatch.setattr(cuda_backend, "decode_mma_mode", "auto")
+    plain = _decode_to_float32(args, prob, 700)
+    plain_kernel = cuda_backend.last_kernels["decode"]
+    for hint in (("evict_first",), ("L2::128B", "evict_first")):
+        monkeypatch.setattr(cuda_backend, "DECODE_L2_HINT", hint)
+        np.testing.assert_array_equal(_decode_to_float32(args, prob, 700), plain)
+    monkeypatch.setattr(cuda_backend, "DECODE_L2_HINT", ())
+    monkeypatch.setattr(cuda_backend, "DECODE_EVICT_FIRST_L2", 4)   # a few MB: under 4x L2
+    np.testing.assert_array_equal(_decode_to_float32(args, prob, 700), plain)
+    assert cuda_backend.last_kernels["decode"] is not plain_kernel   # the evict_first build
+    with pytest.raises(ValueError, match="L2::512B"):
+        cp_async16_hinted(("L2::512B",))
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

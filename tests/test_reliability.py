@@ -317,3 +317,35 @@ def test_a_callback_raising_on_the_callers_thread_leaves_no_request(llm, referen
         unsubscribe()
     assert not llm.snapshot().requests
     assert ids(llm.generate(PROMPT, GREEDY)[0]) == reference["prompt"]
+
+
+@pytest.mark.parametrize("prompt", ["caf\udce9", {"prompt": "\ud800 hi"}, [{"role": "user", "content": "x\udcff"}]],
+                         ids=["text", "prompt dict", "chat message"])
+def test_text_with_a_lone_surrogate_is_refused_by_name(llm, reference, prompt):
+    """A lone surrogate (what ``json.loads('"\\\\udce9"')`` gives) cannot be UTF-8: the tokenizer
+    refused it with a bare ``TypeError: TextInputSequence must be str``; now a ValueError says what."""
+    call = llm.chat if isinstance(prompt, list) else llm.generate
+    with pytest.raises(ValueError, match="lone surrogate; send UTF-8 text"):
+        call(prompt, GREEDY)
+    assert ids(llm.generate(PROMPT, GREEDY)[0]) == reference["prompt"]
+
+
+def test_a_listener_failing_on_every_event_logs_one_traceback(llm, reference, caplog):
+    """A broken view used to log a traceback per event (several per token); now its first failure
+    is logged with the traceback, later ones at debug level, and the other listeners still run."""
+    seen = []
+
+    def broken(event):
+        raise RuntimeError("broken view")
+
+    unsubscribe = [llm.subscribe(broken), llm.subscribe(seen.append)]
+    try:
+        with caplog.at_level("DEBUG", logger="engine"):
+            assert ids(llm.generate(PROMPT, GREEDY)[0]) == reference["prompt"]
+    finally:
+        for u in unsubscribe:
+            u()
+    failures = [r for r in caplog.records if "event listener" in r.getMessage()]
+    assert len(failures) >= len(seen) > 8                 # it failed on every event of the request
+    assert [r.levelname for r in failures if r.exc_info and r.levelname == "ERROR"] == ["ERROR"]
+    assert all(r.levelname == "DEBUG" for r in failures[1:])

@@ -89,8 +89,11 @@ def tiled_rows(xt, codes, scales, offsets, yt, out, lo, hi):
             else:
                 tile_1x8(codes, scales, offsets, o, xt, yt, o - lo, col)
         o += rows
-    for o in range(lo, hi):
-        for t in range(out.shape[0]):
+    # row by row: out's rows lie a multiple of 4 KB apart for a gate/up (3072 floats) or an LM head
+    # (49152), so a column's T stores all map to one L1 set (8 ways) and a column at a time they evicted
+    # each other; a row at a time writes whole cache lines
+    for t in range(out.shape[0]):
+        for o in range(lo, hi):
             out[t, o] = yt[o - lo, t]
 
 
@@ -100,10 +103,7 @@ def blas_rows(xt, codes, scales, offsets, w, out, lo, hi):
     scratch ``w`` (>= hi - lo rows), multiplied through BLAS."""
     for o in range(lo, hi):
         block_dequant(codes[o], scales[o], offsets[o], w[o - lo])
-    y = np.dot(w[:hi - lo], xt)  # [hi - lo, T]
-    for o in range(lo, hi):
-        for t in range(xt.shape[1]):
-            out[t, o] = y[o - lo, t]
+    out[:, lo:hi] = np.dot(xt.T, w[:hi - lo].T)  # [T, hi - lo]: written row by row, as `tiled_rows` does
 
 
 def _matvec(x, codes, scales, offsets, out):

@@ -33,10 +33,11 @@ from .primitives import F32, SIMULATED, from_f32, kind_of, to_f32
 THREADS = 64 if SIMULATED else 128    # threads per block (write_kv)
 DECODE_THREADS = 64 if SIMULATED else 128
 DECODE_STAGES = 2                      # decode: ring slots per warp (cp.async pipeline depth)
-#: decode on the tensor-core stage with few sequences (sequences x head blocks <= a quarter of
-#: the multiprocessors: split-K's short splits wait on memory latency): ring slots per warp;
-#: 0 = DECODE_STAGES (the simulator, which has no multiprocessor count, keeps DECODE_STAGES)
-DECODE_FEW_SEQS_STAGES = 3
+#: decode on the tensor-core stage with few (sequence, head block) pairs (at most one per
+#: multiprocessor): (threads, ring slots per warp, blocks per SM aimed at) -- larger blocks
+#: with deeper rings and fewer, longer splits keep more bytes in flight per pair; None: the
+#: shape above. Not in the simulator (it has no multiprocessor count)
+DECODE_FEW_PAIRS_SHAPE: tuple | None = (256, 3, 1)
 DECODE_STAGE_BYTES = 512 if SIMULATED else 4096   # decode: K + V bytes per warp stage
 DECODE_TABLE = 8 if SIMULATED else 512  # decode: block-table entries a block keeps (chunk limit)
 DECODE_BLOCKS_PER_SM = 4               # decode: split-K aims at this many blocks per SM
@@ -46,6 +47,11 @@ DECODE_BLOCKS_PER_SM = 4               # decode: split-K aims at this many block
 DECODE_MERGE_SPLITS = 16
 DECODE_MIN_CHUNK = 0 if SIMULATED else 256
 DECODE_LONG_SHARE = 0.5
+#: decode: L2 qualifiers of the K/V copies (``shared_memory.cp_async16_hinted``): the
+#: stream is read once. ``("evict_first",)`` is added while the K/V bytes a launch can read
+#: are at most DECODE_EVICT_FIRST_L2 times the L2 size (0: never; past ~4x it costs)
+DECODE_L2_HINT: tuple = ()
+DECODE_EVICT_FIRST_L2 = 0
 DECODE_MAX_REGISTERS = 128             # decode, <= 4 heads per block: 4 blocks of 128 per SM
 PREFILL_MAX_REGISTERS = None           # prefill: no cap (shared memory allows 1-2 blocks per SM)
 #: prefill tile (threads, query rows, keys) by head_dim; absent: prefill.default_tile
@@ -80,6 +86,11 @@ last_kernels: dict = {}
 @functools.lru_cache(maxsize=None)
 def _num_sms():
     return cuda.get_current_device().MULTIPROCESSOR_COUNT
+
+
+@functools.lru_cache(maxsize=None)
+def _l2_bytes():
+    return cuda.get_current_device().L2_CACHE_SIZE
 
 
 _word_views: dict = {}
@@ -193,12 +204,14 @@ def paged_decode(query, k_cache, v_cache, block_tables, context_lens, scale, win
     key = ("decode", query.shape, query.dtype, k_cache.shape, k_cache.dtype, out.dtype,
            block_tables.shape[1], window, decode_target_blocks, DECODE_THREADS, DECODE_STAGES,
            DECODE_STAGE_BYTES, DECODE_MAX_REGISTERS, DECODE_BLOCKS_PER_SM, DECODE_MIN_CHUNK,
-           DECODE_MERGE_SPLITS, DECODE_LONG_SHARE, decode_mma_mode, DECODE_FEW_SEQS_STAGES)
+           DECODE_MERGE_SPLITS, DECODE_LONG_SHARE, decode_mma_mode, DECODE_FEW_PAIRS_SHAPE,
+           DECODE_L2_HINT, DECODE_EVICT_FIRST_L2)
     plan = _plans.get(key) or _remember_plan(key, _decode_plan(
         query, k_cache, block_tables, window, out))
-    launch, kernel, grid, scratch, tail = plan
+    launch, kernel, grid, threads, scratch, tail = plan
     last_kernels["decode"] = kernel
-    launch(grid, DECODE_THREADS, stream, query, _words(k_cache), _words(v_cache), block_tables,
+    last_kernels["decode_threads"] = threads
+    launch(grid, threads, stream, query, _words(k_cache), _words(v_cache), block_tables,
            context_lens, out, *scratch, np.float32(scale * LOG2E), np.int32(window), *tail)
 
 
@@ -212,15 +225,10 @@ def _decode_plan(query, k_cache, block_tables, window, out):
     tensor_cores = _decode_tensor_cores(kind_q, kind_kv, head_dim, heads_per_block(group))
     hpb = heads_per_block(group) if tensor_cores else decode_heads_per_block(group)
     head_blocks = num_kv_heads * (group // hpb)
-    stages = DECODE_STAGES
-    if tensor_cores and DECODE_FEW_SEQS_STAGES and not SIMULATED \
-            and 4 * num_seqs * head_blocks <= _num_sms():
-        stages = DECODE_FEW_SEQS_STAGES
-    kernel = build_decode_kernel(DECODE_THREADS, group, hpb, head_dim, kind_q,
-                                 kind_kv, kind_of(out.dtype), block_size, DECODE_TABLE,
-                                 stages, DECODE_STAGE_BYTES,
-                                 DECODE_MAX_REGISTERS if hpb <= 4 or tensor_cores else None,
-                                 tensor_cores)
+    threads, stages, per_sm = DECODE_THREADS, DECODE_STAGES, DECODE_BLOCKS_PER_SM
+    if tensor_cores and DECODE_FEW_PAIRS_SHAPE and not SIMULATED \
+            and num_seqs * head_blocks <= _num_sms():
+        threads, stages, per_sm = DECODE_FEW_PAIRS_SHAPE
     _, keys_per_pass, passes = stage_shape(head_dim, k_cache.dtype.itemsize, DECODE_STAGE_BYTES)
     kpw = keys_per_pass * passes                      # keys per warp stage; chunks align to it
     if tensor_cores:
@@ -228,8 +236,18 @@ def _decode_plan(query, k_cache, block_tables, window, out):
     max_keys = block_tables.shape[1] * block_size
     if window:                                        # the window's start is rounded down
         max_keys = min(max_keys, window + kpw - 1)
+    hint = tuple(DECODE_L2_HINT)
+    kv_bytes = 2 * num_seqs * max_keys * num_kv_heads * head_dim * k_cache.dtype.itemsize
+    if DECODE_EVICT_FIRST_L2 and not SIMULATED and "evict_first" not in hint \
+            and kv_bytes <= DECODE_EVICT_FIRST_L2 * _l2_bytes():
+        hint += ("evict_first",)
+    kernel = build_decode_kernel(threads, group, hpb, head_dim, kind_q,
+                                 kind_kv, kind_of(out.dtype), block_size, DECODE_TABLE,
+                                 stages, DECODE_STAGE_BYTES,
+                                 DECODE_MAX_REGISTERS if hpb <= 4 or tensor_cores else None,
+                                 tensor_cores, tuple(sorted(hint)))
     grain = SPLIT_GRAIN * kpw // math.gcd(SPLIT_GRAIN, kpw)
-    target = decode_target_blocks or DECODE_BLOCKS_PER_SM * _num_sms()
+    target = decode_target_blocks or per_sm * _num_sms()
     # whole waves: at most `target` blocks (rounding up would leave a second, thin wave)
     most = MAX_SPLITS
     if DECODE_MIN_CHUNK:
@@ -246,7 +264,7 @@ def _decode_plan(query, k_cache, block_tables, window, out):
         raise NotImplementedError(f"cuda decode: {max_keys} keys need {splits} splits of at most "
                                   f"{chunk} keys (> {MAX_SPLITS}); raise DECODE_TABLE")
     scratch = _split_scratch(num_seqs, head_blocks, splits, hpb, head_dim)
-    return (launcher(kernel), kernel, (splits, head_blocks, num_seqs), scratch,
+    return (launcher(kernel), kernel, (splits, head_blocks, num_seqs), threads, scratch,
             (np.int32(num_kv_heads), np.int32(splits), np.int32(chunk)))
 
 

@@ -51,13 +51,13 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from numba import cuda, float32, int32, uint32
+from numba import cuda, float32, int32, uint32, uint64
 
 from .primitives import (F32, exp2, fmax32, from_f32, ld4, pack2, register_cap, shfl_idx,
                          shfl_xor, to_f32, vmax, vmin, word_elem)
 from . import decode_mma
-from .shared_memory import (cp_async16, cp_async_commit, cp_async_wait, lds4f, shared_vectors,
-                          syncwarp)
+from .shared_memory import (cp_async16_hinted, cp_async_commit, cp_async_wait, l2_evict_first,
+                            lds4f, shared_vectors, syncwarp)
 
 NEG = np.float32(-1e30)
 MAX_SPLITS = 256     # split-K: at most this many splits (their weights live in shared memory)
@@ -103,8 +103,11 @@ def _scatter_level(half, offset):
 
 @functools.lru_cache(maxsize=None)
 def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, block_size,
-                        table_len, stages, stage_bytes, max_registers=None, tensor_cores=0):
+                        table_len, stages, stage_bytes, max_registers=None, tensor_cores=0,
+                        l2_hint=()):
     """Compile-time specialization of the decode kernel (all arguments are constants).
+
+    ``l2_hint``: L2 qualifiers of the K/V copies (``shared_memory.cp_async16_hinted``).
 
     ``tensor_cores``: 0 the CUDA-core stage below; 1 the tensor-core stage of
     ``decode_mma`` in plain Numba (simulator, GPUs without ``mma.sync``); 2 with ``mma.sync``.
@@ -142,6 +145,8 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
     STAGES = stages
     wait_ring = cp_async_wait[stages - 2]
     wait_all = cp_async_wait[0]
+    copy = cp_async16_hinted(l2_hint)
+    EVICT = "evict_first" in l2_hint
     noop = _scatter_level(0, 1)
     L0, L1, L2, L3, L4 = [_scatter_level(NV >> (k + 1), TG >> (k + 1)) if k < SCAT else noop
                           for k in range(5)]
@@ -160,7 +165,7 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
 
     @cuda.jit(device=True, inline="always")
     def issue(ring, kw, vw, tbl_sh, n, n_stages, start, end, b_first, blk_stride, head_off,
-              warp, lane):
+              warp, lane, pol):
         """Start the copies of stage n of this warp into its ring slot; commit a group."""
         if n < n_stages and FAST:
             # the stage's keys share one page: one table lookup, then fixed strides
@@ -178,8 +183,8 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
                 if SWZ:                                      # row r, chunk ch ^ (r & SWZ)
                     r = lane // ROW_VECS + c * KSTEP
                     d = dst - lane * 4 + r * ROW_WORDS + 4 * ((lane % ROW_VECS) ^ (r & SWZ))
-                cp_async16(ring, d, kw, src + c * KSTEP * ROW_WORDS, nbytes)
-                cp_async16(ring, d + KPW * ROW_WORDS, vw, src + c * KSTEP * ROW_WORDS, nbytes)
+                copy(ring, d, kw, src + c * KSTEP * ROW_WORDS, nbytes, pol)
+                copy(ring, d + KPW * ROW_WORDS, vw, src + c * KSTEP * ROW_WORDS, nbytes, pol)
         elif n < n_stages:
             dst = ((n % STAGES) * NW + warp) * SLOT
             key0 = start + (n * NW + warp) * KPW
@@ -197,8 +202,8 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
                 d = dst + idx * 4
                 if SWZ:
                     d = dst + kk * ROW_WORDS + 4 * ((idx - kk * ROW_VECS) ^ (kk & SWZ))
-                cp_async16(ring, d, kw, src, nbytes)
-                cp_async16(ring, d + KPW * ROW_WORDS, vw, src, nbytes)
+                copy(ring, d, kw, src, nbytes, pol)
+                copy(ring, d + KPW * ROW_WORDS, vw, src, nbytes, pol)
         cp_async_commit()
 
     @cuda.jit(device=True, inline="always")
@@ -346,14 +351,15 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
         sw = warp * KPW * HP2
         cuda.syncthreads()
 
+        pol = l2_evict_first() if EVICT else uint64(0)
         for n in range(STAGES - 1):
             issue(ring, kw, vw, tbl_sh, n, n_stages, start, end, b_first, blk_stride, head_off,
-                  warp, lane)
+                  warp, lane, pol)
         for n in range(n_stages):
             wait_ring()                                      # stage n has landed (own copies)
             syncwarp()                                       # ... all lanes' copies; slot free
             issue(ring, kw, vw, tbl_sh, n + STAGES - 1, n_stages, start, end, b_first,
-                  blk_stride, head_off, warp, lane)
+                  blk_stride, head_off, warp, lane, pol)
             base = ((n % STAGES) * NW + warp) * SLOT
             key0 = start + (n * NW + warp) * KPW
             # ---- scores: partial dots, then reduce-scatter over the TG lanes of a key
@@ -520,14 +526,15 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
         cuda.syncthreads()
         load_q(qf, q_sh, lane)
 
+        pol = l2_evict_first() if EVICT else uint64(0)
         for n in range(STAGES - 1):
             issue(ring, kw, vw, tbl_sh, n, n_stages, start, end, b_first, blk_stride, head_off,
-                  warp, lane)
+                  warp, lane, pol)
         for n in range(n_stages):
             wait_ring()
             syncwarp()
             issue(ring, kw, vw, tbl_sh, n + STAGES - 1, n_stages, start, end, b_first,
-                  blk_stride, head_off, warp, lane)
+                  blk_stride, head_off, warp, lane, pol)
             base = ((n % STAGES) * NW + warp) * SLOT
             key0 = start + (n * NW + warp) * KPW + 2 * t
             qk(s, qf, q_sh, ring, base, lane, scratch)

@@ -9,6 +9,15 @@ little register cost.
     copy the 16 bytes at 32-bit word ``si`` of the global array ``src`` to word
     ``di`` of the shared array ``dst`` (both 16-byte aligned); ``nbytes`` 16
     copies, 0 writes zeros and reads nothing (the padding of a partial stage).
+``cp_async16_hinted(hint)``
+    ``copy(dst, di, src, si, nbytes, policy)``: ``cp_async16`` with L2 qualifiers for a
+    stream read once. ``hint`` is a tuple of ``"evict_first"`` (the copies carry
+    ``policy``, made once per kernel by ``l2_evict_first()``: their lines are the first
+    that L2 replaces, so the stream does not push out what other kernels keep there) and
+    ``"L2::64B"`` / ``"L2::128B"`` / ``"L2::256B"`` (the L2 prefetch size); without
+    ``"evict_first"`` ``policy`` is ignored. The simulator ignores the hint.
+``l2_evict_first()``
+    an ``L2::evict_first`` cache policy (64-bit, opaque; 0 in the simulator).
 ``cp_async_commit()``
     closes the group of copies this thread issued since the last commit.
 ``cp_async_wait[n]()``
@@ -75,6 +84,16 @@ if SIMULATED:
     def cp_async_commit():
         pass
 
+    def cp_async16_hinted(hint=()):
+        @cuda.jit(device=True)
+        def copy(dst, di, src, si, nbytes, policy):
+            cp_async16(dst, di, src, si, nbytes)
+        return copy
+
+    @cuda.jit(device=True)
+    def l2_evict_first():
+        return np.uint64(0)
+
     def _wait():
         pass
 
@@ -108,26 +127,60 @@ else:
         ary = context.make_array(arrty)(context, builder, arr)
         return builder.ptrtoint(builder.gep(builder.bitcast(ary.data, _I32P), [idx]), _I64)
 
-    @intrinsic
-    def _cp_async16(typingctx, dst, di, src, si, nbytes):
-        sig = types.void(dst, di, src, si, nbytes)
+    _PREFETCH = ("L2::64B", "L2::128B", "L2::256B")
 
+    def _copy_intrinsic(hint):
+        """The ``cp.async`` of ``cp_async16`` with the qualifiers of ``hint``."""
+        unknown = set(hint) - {"evict_first", *_PREFETCH}
+        if unknown:
+            raise ValueError(f"cp_async16_hinted: unknown hint {sorted(unknown)}; accepted: "
+                             f"'evict_first', {', '.join(map(repr, _PREFETCH))}")
+        policy = "evict_first" in hint
+        quals = (".L2::cache_hint" if policy else "") + "".join(
+            "." + h for h in _PREFETCH if h in hint)
+
+        @intrinsic
+        def _copy(typingctx, dst, di, src, si, nbytes, pol):
+            sig = types.void(dst, di, src, si, nbytes, types.uint64)
+
+            def codegen(context, builder, signature, args):
+                d = _word_ptr(context, builder, signature.args[0], args[0], args[1])
+                s = _word_ptr(context, builder, signature.args[2], args[2], args[3])
+                n = args[4]
+                if n.type.width != 32:
+                    n = builder.trunc(n, ir.IntType(32)) if n.type.width > 32 else \
+                        builder.zext(n, ir.IntType(32))
+                ops, types_in, cons = [d, s, n], [_I64, _I64, ir.IntType(32)], "l,l,r"
+                if policy:
+                    ops.append(context.cast(builder, args[5], signature.args[5], types.uint64))
+                    types_in.append(_I64)
+                    cons += ",l"
+                asm = ir.InlineAsm(
+                    ir.FunctionType(ir.VoidType(), types_in),
+                    "{\n\t.reg .u64 sa, ga;\n\t.reg .u32 s32;\n\tcvta.to.shared.u64 sa, $0;\n"
+                    "\tcvt.u32.u64 s32, sa;\n\tcvta.to.global.u64 ga, $1;\n"
+                    f"\tcp.async.cg.shared.global{quals} [s32], [ga], 16, $2"
+                    + (", $3" if policy else "") + ";\n}",
+                    cons + ",~{memory}", side_effect=True)
+                builder.call(asm, ops)
+                return context.get_dummy_value()
+            return sig, codegen
+        return _copy
+
+    _plain_copy = _copy_intrinsic(())
+
+    @intrinsic
+    def _evict_first(typingctx):
         def codegen(context, builder, signature, args):
-            d = _word_ptr(context, builder, signature.args[0], args[0], args[1])
-            s = _word_ptr(context, builder, signature.args[2], args[2], args[3])
-            n = args[4]
-            if n.type.width != 32:
-                n = builder.trunc(n, ir.IntType(32)) if n.type.width > 32 else \
-                    builder.zext(n, ir.IntType(32))
-            asm = ir.InlineAsm(
-                ir.FunctionType(ir.VoidType(), [_I64, _I64, ir.IntType(32)]),
-                "{\n\t.reg .u64 sa, ga;\n\t.reg .u32 s32;\n\tcvta.to.shared.u64 sa, $0;\n"
-                "\tcvt.u32.u64 s32, sa;\n\tcvta.to.global.u64 ga, $1;\n"
-                "\tcp.async.cg.shared.global [s32], [ga], 16, $2;\n}",
-                "l,l,r,~{memory}", side_effect=True)
-            builder.call(asm, [d, s, n])
-            return context.get_dummy_value()
-        return sig, codegen
+            asm = ir.InlineAsm(ir.FunctionType(_I64, []),
+                               "createpolicy.fractional.L2::evict_first.b64 $0, 1.0;", "=l")
+            return builder.call(asm, [])
+        return types.uint64(), codegen
+
+    @cuda.jit(device=True)
+    def l2_evict_first():
+        """See the module docstring."""
+        return _evict_first()
 
     def _asm_statement(text):
         @intrinsic
@@ -144,7 +197,21 @@ else:
 
     @cuda.jit(device=True)
     def cp_async16(dst, di, src, si, nbytes):
-        _cp_async16(dst, di, src, si, nbytes)
+        _plain_copy(dst, di, src, si, nbytes, np.uint64(0))
+
+    _hinted: dict = {}
+
+    def cp_async16_hinted(hint=()):
+        """See the module docstring."""
+        hint = tuple(sorted(hint))
+        if hint not in _hinted:
+            copy = _copy_intrinsic(hint)
+
+            @cuda.jit(device=True)
+            def hinted(dst, di, src, si, nbytes, policy):
+                copy(dst, di, src, si, nbytes, policy)
+            _hinted[hint] = hinted
+        return _hinted[hint]
 
     @cuda.jit(device=True)
     def cp_async_commit():
