@@ -67,6 +67,50 @@ def cpu_s(pid: int | None = None) -> float | None:
         return None
 
 
+ENGINE_SIDE = "engine loop, chat streams, native"
+
+
+def thread_group(name: str) -> str:
+    """Which part of the server a thread of this process belongs to (by its Python name). The
+    engine's loop and each chat's stream come and go (the loop ends when the engine idles), and
+    threads Python did not start (Paddle's, BLAS's) have no name: one group, ``ENGINE_SIDE``."""
+    for prefix, group in (("fused-decode", "decode team"), ("playground-monitor", "monitor"),
+                          ("AnyIO worker", "gradio workers"), ("ThreadPoolExecutor", "gradio workers"),
+                          ("engine-loop", ENGINE_SIDE), ("stream-", ENGINE_SIDE), ("(native)", ENGINE_SIDE)):
+        if name.startswith(prefix):
+            return group
+    return "uvicorn and other"
+
+
+def thread_cpu_s() -> tuple[float, dict[int, tuple[str, float]]]:
+    """This process's CPU seconds so far, and each live thread's: ``{tid: (group, seconds)}``
+    (``thread_group`` of its Python name; threads Python did not start are "native")."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    threads = {}
+    for tid in map(int, os.listdir("/proc/self/task")):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue                                       # ended meanwhile
+        threads[tid] = (thread_group(names.get(tid, "(native)")),
+                        (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+    return cpu_s(), threads
+
+
+def cpu_delta(before: tuple, after: tuple) -> dict[str, float]:
+    """CPU seconds by thread group between two ``thread_cpu_s`` readings. A thread that ended in
+    between (the engine's loop stops when idle; each chat's stream has its own) took its time with
+    it: what the process spent beyond the live threads' sum is put under ``ENGINE_SIDE``."""
+    total = after[0] - before[0]
+    out: dict[str, float] = {}
+    for tid, (group, used) in after[1].items():
+        old = before[1].get(tid)
+        out[group] = out.get(group, 0.0) + used - (old[1] if old and old[0] == group else 0.0)
+    out[ENGINE_SIDE] = out.get(ENGINE_SIDE, 0.0) + total - sum(out.values())
+    return {g: round(v, 3) for g, v in out.items()}
+
+
 class DecodeMeter:
     """Decode tokens/s from the engine's step events: steps where ``n`` requests decode together."""
 
@@ -101,20 +145,21 @@ def engine_alone(llm, prompts: list[str], max_tokens: int, cores: list | None = 
     """The chats straight through ``LLM.stream`` (the app idles); decode tok/s."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=0, logprobs=LOGPROBS)
     meter = DecodeMeter(llm, len(prompts))
-    cpu0, t0 = cpu_s(), time.perf_counter()
+    threads0, cpu0, t0 = thread_cpu_s(), cpu_s(), time.perf_counter()
 
     def one(prompt: str) -> None:
         for _ in llm.stream([{"role": "system", "content": DEFAULT_SYSTEM_PROMPT},
                              {"role": "user", "content": prompt}], params):
             pass
 
-    threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
+    threads = [threading.Thread(target=one, args=(p,), name=f"stream-alone-{i}") for i, p in enumerate(prompts)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     if cores is not None:
-        cores.append({"cores": (cpu_s() - cpu0) / (time.perf_counter() - t0), "cpu_s": cpu_s() - cpu0})
+        cores.append({"cores": (cpu_s() - cpu0) / (time.perf_counter() - t0), "cpu_s": cpu_s() - cpu0,
+                      "by_thread": cpu_delta(threads0, thread_cpu_s())})
     return meter.stop()
 
 
@@ -142,13 +187,14 @@ class Tabs:
         """Every tab sends its chat through the app (and refreshes, with ``ticks``); decode tok/s
         from the engine's steps meanwhile."""
         meter = DecodeMeter(llm, n)
-        cpu0, tabs0, t0 = cpu_s(), cpu_s(self.proc.pid), time.perf_counter()
+        threads0, cpu0, tabs0, t0 = thread_cpu_s(), cpu_s(), cpu_s(self.proc.pid), time.perf_counter()
         self._send(f"round {max_tokens}" + ("" if ticks else " chats"))
         result = self._read()
         wall = time.perf_counter() - t0
         tabs1 = cpu_s(self.proc.pid)
         return {**result, "tps": meter.stop(), "steps_per_s": meter.steps_per_s,
                 "server_cores": (cpu_s() - cpu0) / wall, "server_cpu_s": cpu_s() - cpu0,
+                "by_thread": cpu_delta(threads0, thread_cpu_s()),
                 "tabs_cores": None if tabs0 is None or tabs1 is None else (tabs1 - tabs0) / wall}
 
     def ticking(self, llm, prompts: list[str], max_tokens: int) -> dict:
@@ -215,6 +261,15 @@ def cold_start(port: int, engine_argv: list[str]) -> dict:
         proc.wait(timeout=60)
     return {"command_to_ready_s": round(ready, 1), "first_chat_first_token_s": round(first["client_s"], 3),
             "first_chat_engine_ttft_ms": first["engine_ms"], "start_log": lines}
+
+
+def _ui_cpu(by_thread: dict[str, float]) -> float:
+    return sum(v for g, v in by_thread.items() if g in ("uvicorn and other", "gradio workers", "monitor"))
+
+
+def _by_thread(runs: list[dict[str, float]]) -> dict[str, float]:
+    groups = sorted({g for r in runs for g in r})
+    return {g: round(statistics.median(r.get(g, 0.0) for r in runs), 2) for g in groups}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -312,6 +367,14 @@ def main(argv: list[str] | None = None) -> dict:
         # server side costs (load-independent, unlike tok/s on a shared machine).
         "server_cpu_s_engine_alone": round(statistics.median(c["cpu_s"] for c in alone_cores), 2),
         "server_cpu_s_app": round(statistics.median(a["server_cpu_s"] for a in app), 2),
+        # The same CPU seconds by the threads that spent them (medians over the runs): what the app's
+        # server side is made of, beside the engine's own threads.
+        "server_cpu_s_by_thread_engine_alone": _by_thread([c["by_thread"] for c in alone_cores]),
+        "server_cpu_s_by_thread_app": _by_thread([a["by_thread"] for a in app]),
+        # The UI's own threads (Gradio's event loop and workers, the monitor), app minus engine alone:
+        # unlike the totals above, without the engine's extra steps when the tabs' chats arrive apart.
+        "ui_threads_cpu_s_app_minus_alone": round(statistics.median(
+            _ui_cpu(a["by_thread"]) - _ui_cpu(c["by_thread"]) for a, c in zip(app, alone_cores)), 2),
         # The open tabs' timers with the engine idle: this process's CPU use without and with them.
         "server_cores_idle_no_tabs": round(idle_alone, 3),
         "server_cores_idle_tabs_refreshing": round(idle_tabs["server_cores"], 3),

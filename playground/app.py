@@ -9,6 +9,8 @@ engine's ``max_num_seqs``.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 from html import escape
 from typing import Any
@@ -87,6 +89,38 @@ def _header(snapshot: dict, limits: Limits, base_model: bool = False) -> str:
 def _html(value: str, elem_id: str, js: str | None = None) -> gr.HTML:
     """An HTML panel styled only by the renderers' own CSS."""
     return gr.HTML(value, js_on_load=js, apply_default_css=False, elem_id=elem_id)
+
+
+def _serialized_chat(fn: Any, chatbot: gr.Chatbot) -> Any:
+    """``fn`` (a handler returning or yielding the chat outputs) with the Chatbot's value already in
+    the form the page takes, for events with ``postprocess=False``.
+
+    Gradio 6.31 postprocesses each output of each update in a worker thread of its own
+    (``Blocks.postprocess_data``: ``anyio.to_thread.run_sync(block.postprocess, ...)``), a thread
+    hand-off per output and streamed update, on the cores the engine decodes with. The HTML panels'
+    postprocess returns the string as it is; only the Chatbot's value needs converting, done here in
+    the handler's own thread. Skips and component updates pass through (Gradio handles them alike).
+    """
+    def convert(values: Any) -> Any:
+        if isinstance(values, tuple) and values and isinstance(values[0], list):
+            return (chatbot.postprocess(values[0]).model_dump(), *values[1:])
+        return values
+
+    if inspect.isgeneratorfunction(fn):
+        @functools.wraps(fn)
+        def stream(*args):
+            updates = fn(*args)
+            try:
+                for values in updates:
+                    yield convert(values)
+            finally:
+                updates.close()        # a cancelled event (Stop, closed tab) ends the reply at once
+        return stream
+
+    @functools.wraps(fn)
+    def plain(*args):
+        return convert(fn(*args))
+    return plain
 
 
 def build_app(
@@ -212,36 +246,40 @@ def build_app(
         panel_timer = gr.Timer(max(1.0, refresh_every))
 
         T = h.tabs.wrap
+        # The chat events' values reach the page without Gradio's per-output postprocessing (see
+        # _serialized_chat): C(h.send) is h.send with the Chatbot's value already serialized.
+        C = functools.partial(_serialized_chat, chatbot=chatbot)
         sampling = [temperature, top_p, top_k, max_tokens, seed, n_logprobs]
         chat_out = [chatbot, msg, lp_view, prefix, token_index, alternative]
         # preprocess=False: handlers check the raw values themselves (playground.inputs), so a bad
         # value from the HTTP API is a readable error, not a failure inside a component.
         engine_q = dict(concurrency_limit=concurrency, concurrency_id="engine", show_progress="hidden",
                         preprocess=False)
+        posted = dict(postprocess=False)
         # A refused input is a toast; Gradio would also cover the event's outputs (the whole chat)
         # with an "Error" badge, so the event's status goes to the hidden bridge component instead.
-        chat_q = dict(engine_q, show_progress_on=[nav])
+        chat_q = dict(engine_q, show_progress_on=[nav], **posted)
         chat_events = [
             # trigger_mode="multiple": a message sent while a reply streams is queued by the handler
             # (Gradio's default, "once", would silently drop the second submission).
-            send.click(T(h.send), [msg, session, system, *sampling, mode], chat_out, api_name="chat",
+            send.click(T(C(h.send)), [msg, session, system, *sampling, mode], chat_out, api_name="chat",
                        trigger_mode="multiple", **chat_q),
-            msg.submit(T(h.send), [msg, session, system, *sampling, mode], chat_out, api_visibility="private",
+            msg.submit(T(C(h.send)), [msg, session, system, *sampling, mode], chat_out, api_visibility="private",
                        trigger_mode="multiple", **chat_q),
-            regen.click(T(h.regenerate), [session, system, *sampling, mode], chat_out, api_name="regenerate",
+            regen.click(T(C(h.regenerate)), [session, system, *sampling, mode], chat_out, api_name="regenerate",
                         **chat_q),
-            branch.click(T(h.branch), [token_index, alternative, session, *sampling], chat_out, api_name="branch",
+            branch.click(T(C(h.branch)), [token_index, alternative, session, *sampling], chat_out, api_name="branch",
                          **chat_q),
             fire.click(T(h.batch_demo), [n_batch, session, system, *sampling], [batch_view], api_name="batch_demo",
                        concurrency_limit=1, concurrency_id="batch", preprocess=False),
         ]
         # Stop skips the queue, so it works even when the queue is full.
-        stop.click(T(h.stop), [session], chat_out, cancels=chat_events, api_name="stop", queue=False)
-        clear.click(T(h.clear), [session], chat_out, cancels=chat_events, api_name="clear")
+        stop.click(T(C(h.stop)), [session], chat_out, cancels=chat_events, api_name="stop", queue=False, **posted)
+        clear.click(T(C(h.clear)), [session], chat_out, cancels=chat_events, api_name="clear", **posted)
         # The Chatbot's own trash icon clears the same way (not just the display).
-        chatbot.clear(T(h.clear), [session], chat_out, cancels=chat_events, api_visibility="private")
+        chatbot.clear(T(C(h.clear)), [session], chat_out, cancels=chat_events, api_visibility="private", **posted)
         lp_view.click(T(h.pick_token, event_data=True), [session], [token_index, alternative, lp_view], api_visibility="private")
-        nav.click(T(h.navigate, event_data=True), [session], chat_out, api_visibility="private")
+        nav.click(T(C(h.navigate), event_data=True), [session], chat_out, api_visibility="private", **posted)
         block_map.click(T(h.inspect_block, event_data=True), [session], [inspector], api_visibility="private")
         compare_btn.click(T(h.compare), [session], [compare_view], api_name="compare")
         prompt_btn.click(T(h.prompt_view), [session], [prompt_view], api_name="prompt_view", **engine_q)
@@ -257,9 +295,11 @@ def build_app(
         # polled by the page's script from its own route (live_map: no Gradio event per tab and
         # refresh); the other panels refresh through a timer about once a second.
         # Ticks skip the queue (queue=False): a tick is a plain request, not a queued SSE event.
-        live = dict(show_progress="hidden", concurrency_limit=None, api_visibility="private", queue=False)
-        panel_views = dict(fn=T(h.refresh_panels), inputs=[session], outputs=[prefix, engine, timeline, inspector],
-                           **live)
+        # Their outputs are HTML strings, sent as they are (postprocess=False: no worker thread per
+        # output); the panels' tick runs on Gradio's event loop (on_loop: no hand-off per tick either).
+        live = dict(show_progress="hidden", concurrency_limit=None, api_visibility="private", queue=False, **posted)
+        panel_views = dict(fn=T(h.refresh_panels, on_loop=True), inputs=[session],
+                           outputs=[prefix, engine, timeline, inspector], **live)
         panel_timer.tick(**panel_views)
         demo.load(T(h.map_panel), [session], [block_map], **live)
         demo.load(**panel_views)

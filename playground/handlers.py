@@ -104,6 +104,7 @@ class Handlers:
         self._streaming = 0                      # replies streaming now, over every tab
         self._streaming_lock = threading.Lock()
         self._timeline_cache: tuple[int, str] | None = None
+        self._colors_cache: tuple[list, dict] | None = None
 
     def _tab_closed(self, session: ChatSession) -> None:
         self.live_map.forget(session)
@@ -426,11 +427,8 @@ class Handlers:
 
     # -- panels ------------------------------------------------------------------------------
     def labels(self, session: ChatSession, snap: dict) -> dict[str, str]:
-        ids = {r["request_id"] for r in snap.get("requests") or []}
-        for b in snap.get("blocks") or []:
-            ids.update(b.get("owners") or [])
-        names = {rid: self.colors.name(rid, session.session_id) for rid in ids}
-        names.update({rid: name for rid, name in session.labels.items() if rid in ids and name != "this chat"})
+        names = {rid: self.colors.name(rid, session.session_id) for rid in render.owner_order(snap)}
+        names.update({rid: name for rid, name in session.labels.items() if rid in names and name != "this chat"})
         return names
 
     def block_map(self, session: ChatSession, *, css: bool = True) -> tuple[str, str]:
@@ -442,8 +440,15 @@ class Handlers:
         """
         key = self.map_key(session)             # before the snapshot: a newer one only redraws again
         snap = self.monitor.snapshot()
-        colors = self.colors.colors(self._owner_ids(snap))
-        return render.block_map_html(snap, labels=self.labels(session, snap), colors=colors, css=css), key
+        return render.block_map_html(snap, labels=self.labels(session, snap), colors=self._colors(snap), css=css), key
+
+    def _colors(self, snap: dict) -> dict[str, str]:
+        """The owners' colours in ``snap``, assigned once per snapshot for every tab's map."""
+        order = render.owner_order(snap)
+        cached = self._colors_cache
+        if cached is None or cached[0] is not order:
+            cached = self._colors_cache = (order, self.colors.colors(order))
+        return cached[1]
 
     def map_key(self, session: ChatSession) -> str:
         """What the tab's block map is drawn from: the monitor's snapshot and the tab's conversation
@@ -483,13 +488,6 @@ class Handlers:
         if cached is None or cached[0] != second:
             cached = self._timeline_cache = (second, timeline_html(self.monitor.timeline.series()))
         return cached[1]
-
-    @staticmethod
-    def _owner_ids(snap: dict) -> list[str]:
-        ids = [r["request_id"] for r in snap.get("requests") or []]
-        for b in snap.get("blocks") or []:
-            ids.extend(b.get("owners") or [])
-        return ids
 
     def inspect_block(self, session: ChatSession, evt: gr.EventData) -> str:
         """A click on the block map: what that block holds."""

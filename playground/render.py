@@ -31,7 +31,7 @@ from .styles import PALETTE, STATE_STYLE
 from .svgchart import bar_chart_svg
 
 __all__ = [
-    "PALETTE", "STATE_STYLE", "owner_colors", "block_map_html", "prefix_cache_html",
+    "PALETTE", "STATE_STYLE", "owner_colors", "owner_order", "block_map_html", "prefix_cache_html",
     "engine_badges", "logprob_html", "prob_color", "engine_panel_html", "batch_table_html", "alignment_html",
 ]
 
@@ -132,12 +132,10 @@ def block_map_html(
     """
     all_blocks = snapshot.get("blocks") or []
     labels = labels or {}
-    request_order = [r["request_id"] for r in snapshot.get("requests") or []]
-    for b in all_blocks:
-        request_order.extend(b.get("owners") or [])
+    request_order = owner_order(snapshot)
     if colors is None or any(rid not in colors for rid in request_order):
         colors = {**owner_colors(request_order), **(colors or {})}
-    colors = {rid: colors[rid] for rid in dict.fromkeys(request_order)}
+    colors = {rid: colors[rid] for rid in request_order}
     cells, counts, per_owner = _grid(all_blocks, colors)
     n = len(all_blocks)
     cols = columns or (32 if n <= 512 else 48 if n <= 2048 else 64)
@@ -169,6 +167,29 @@ def block_map_html(
         f'<div class="kv-grid" style="grid-template-columns:repeat({cols},minmax(0,1fr))">'
         f'{cells}</div><div class="kv-legend">{"".join(legend)}</div></div>'
     )
+
+
+_last_order: tuple = ()     # (requests, blocks, order) of the last snapshot read
+
+
+def owner_order(snapshot: Mapping[str, Any]) -> list[str]:
+    """The snapshot's request ids, each once: its requests first, then the blocks' owners, in order.
+
+    Every open tab's map reads the same snapshot several times a second (its colours, legend
+    names and cells), so the last result is kept while the snapshot's blocks stay the same object.
+    """
+    global _last_order
+    requests, blocks = snapshot.get("requests") or (), snapshot.get("blocks") or ()
+    last = _last_order
+    if last and last[0] is requests and last[1] is blocks:
+        return last[2]
+    ids = [r["request_id"] for r in requests]
+    for b in blocks:
+        ids.extend(b.get("owners") or ())
+    order = list(dict.fromkeys(ids))
+    if isinstance(blocks, tuple) and isinstance(requests, tuple):   # an immutable snapshot's
+        _last_order = (requests, blocks, order)
+    return order
 
 
 _last_grid: tuple = ()      # (blocks, colours, grid): every tab draws the same snapshot's grid once

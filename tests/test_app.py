@@ -758,3 +758,35 @@ def test_a_map_poll_that_finds_no_change_draws_nothing():
     changed = client.get("/playground/map", params={"tab": tab.map_token, "since": "1"})
     assert changed.status_code == 200 and changed.headers["X-Map-Key"] == "2" and "v2" in changed.text
     assert drawn == [True, False]
+
+
+def test_chat_updates_and_panels_reach_the_page_without_a_thread_per_output(app, client, monkeypatch):
+    """Gradio 6.31 postprocesses each output of each update in a worker thread of its own
+    (``Blocks.postprocess_data``: ``anyio.to_thread.run_sync(block.postprocess, ...)``): six
+    hand-offs per streamed chat update and four per panels tick, on the cores the engine decodes
+    with. The chat events and the panels' timer now send values the page takes as they are
+    (``postprocess=False``; the Chatbot's value is serialized in the handler's own thread)."""
+    import anyio.to_thread
+    import httpx
+
+    demo, url = app
+    hand_offs = []
+    run_sync = anyio.to_thread.run_sync
+
+    async def counting(fn, *args, **kwargs):
+        if getattr(fn, "__name__", "") == "postprocess":
+            hand_offs.append(type(getattr(fn, "__self__", None)).__name__)
+        return await run_sync(fn, *args, **kwargs)
+
+    monkeypatch.setattr(anyio.to_thread, "run_sync", counting)
+    job = client.submit("Count from one to ten.", SYSTEM, *greedy(16), api_name="/chat")
+    updates = list(job)
+    chat, *_ = job.result()
+    assert len(updates) >= 2 and reply_text(chat)                     # it streamed, and the page got the reply
+    deps = client.config["dependencies"]
+    tick = next(i for i, d in enumerate(deps) if any(t[1] == "tick" for t in d.get("targets", [])))
+    body = {"data": [None], "fn_index": tick, "session_hash": client.session_hash, "event_data": None,
+            "trigger_id": None}
+    panels = httpx.post(f"{url.rstrip('/')}/gradio_api/run/predict", json=body, timeout=60).json()["data"]
+    assert len(panels) == 4 and all(isinstance(p, str) and p for p in panels)
+    assert hand_offs == []

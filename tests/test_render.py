@@ -487,3 +487,27 @@ def test_the_monitor_slows_down_while_no_view_reads_it(paced_engine):
         assert len([t for t in llm.calls if t >= start]) > watched / 0.5 + 2, watched
     finally:
         monitor.close()
+
+
+def test_every_tabs_map_of_one_snapshot_reads_its_blocks_owners_once(snapshot):
+    """Every open tab draws the same snapshot's map several times a second (only its legend names
+    differ). Each drawing listed the owners of every block again to order the colours, on top of
+    the grid of cells (drawn once per snapshot): four tabs read each block's owners five times.
+    The owners' order is now kept for the last snapshot, like the grid."""
+    reads = []
+
+    class Block(dict):
+        def get(self, key, default=None):
+            if key == "owners":
+                reads.append(self["block_id"])
+            return super().get(key, default)
+
+    snap = {**snapshot, "blocks": tuple(Block(b) for b in snapshot["blocks"]),
+            "requests": tuple(snapshot["requests"])}
+    names = ("this chat", "chat 2", "chat 3", "chat 4")
+    maps = [render.block_map_html(snap, labels={"req-a": names[0]}, css=False)]
+    first = len(reads)
+    assert first > 0
+    maps += [render.block_map_html(snap, labels={"req-a": name}, css=False) for name in names[1:]]
+    assert all(f"{name} (3)" in m for m, name in zip(maps, names))
+    assert len(reads) == first          # the other tabs' drawings reuse the order and the grid
