@@ -226,13 +226,12 @@ def sweep_decode_large(torch, timer, decode_case, scale, rounds=2,
     """Decode µs per variant at large KV, SDPA timed before and after them (same run), each
     variant's max error vs SDPA; ``rounds`` passes over the variants per shape (drift)."""
     import torch.nn.functional as F
-    DECODE_LARGE_VARIANTS, DECODE_LARGE_SHAPES = variants, shapes  # noqa: N806
-    names = sorted({k for v in DECODE_LARGE_VARIANTS for k in v})
+    names = sorted({k for v in variants for k in v})
     defaults = {n: getattr(cuda_backend, n) for n in names}
     print("decode variants at large KV: µs per call (x SDPA) per round, max error vs SDPA")
     res = {}
     try:
-        for seqs, ctx in DECODE_LARGE_SHAPES:
+        for seqs, ctx in shapes:
             q, kc, vc, bt, lens = decode_case(torch, seqs, ctx)
             out = torch.empty_like(q)
             k4, v4 = contiguous(torch, kc, bt), contiguous(torch, vc, bt)
@@ -241,10 +240,10 @@ def sweep_decode_large(torch, timer, decode_case, scale, rounds=2,
             peer = [min(timer(sdpa), timer(sdpa))]
             ref = sdpa().squeeze(2).float()
             call = lambda: gpu_kernels.paged_decode(q, kc, vc, bt, lens, scale, out=out)  # noqa
-            cells = {i: [] for i in range(len(DECODE_LARGE_VARIANTS))}
+            cells = {i: [] for i in range(len(variants))}
             errs = {}
             for _ in range(rounds):
-                for i, v in enumerate(DECODE_LARGE_VARIANTS):
+                for i, v in enumerate(variants):
                     for n in names:
                         setattr(cuda_backend, n, v.get(n, defaults[n]))
                     try:
@@ -262,7 +261,7 @@ def sweep_decode_large(torch, timer, decode_case, scale, rounds=2,
             peer.append(min(timer(sdpa), timer(sdpa)))
             p = min(peer)
             print(f"  {seqs}x{ctx}: SDPA {peer[0]:.1f} / {peer[1]:.1f}", flush=True)
-            for i, v in enumerate(DECODE_LARGE_VARIANTS):
+            for i, v in enumerate(variants):
                 ts = " / ".join(f"{t:.1f} ({p / t:.3f}x)" for t in cells[i])
                 e = errs.get(i)
                 print(f"    {_label(v)}: {ts} err {e if isinstance(e, str) else f'{e:.1e}'}",
@@ -272,6 +271,6 @@ def sweep_decode_large(torch, timer, decode_case, scale, rounds=2,
     finally:
         for n in names:
             setattr(cuda_backend, n, defaults[n])
-    for i, v in enumerate(DECODE_LARGE_VARIANTS):
+    for i, v in enumerate(variants):
         print(f"  {_label(v)}: {res.get(i)}")
     print()
