@@ -63,7 +63,7 @@ class Outbox:
 
     def __init__(self):
         self.listeners: list = []
-        self._failed: set[int] = set()  # ids of listeners whose failure has been logged with its traceback
+        self._failed: set[int] = set()  # ids of subscribed listeners whose failure has been logged
         self._items: deque = deque()
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -78,6 +78,12 @@ class Outbox:
 
     def put_delta(self, q, delta) -> None:
         self._items.append((q, delta))
+
+    def remove_listener(self, callback) -> None:
+        """Unsubscribe ``callback``; its failures are forgotten with it (a later listener may reuse its id)."""
+        if callback in self.listeners:
+            self.listeners.remove(callback)
+            self._failed.discard(id(callback))
 
     def _log_failure(self, callback) -> None:
         """A listener's first failure is logged with its traceback; later ones at debug level, so a

@@ -152,8 +152,7 @@ class LLM:
 
         def unsubscribe():
             with self._lock:
-                if callback in self._outbox.listeners:
-                    self._outbox.listeners.remove(callback)
+                self._outbox.remove_listener(callback)
 
         return unsubscribe
 

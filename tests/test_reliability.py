@@ -349,3 +349,20 @@ def test_a_listener_failing_on_every_event_logs_one_traceback(llm, reference, ca
     assert len(failures) >= len(seen) > 8                 # it failed on every event of the request
     assert [r.levelname for r in failures if r.exc_info and r.levelname == "ERROR"] == ["ERROR"]
     assert all(r.levelname == "DEBUG" for r in failures[1:])
+
+
+def test_a_listener_subscribed_again_gets_its_first_traceback_again(llm, caplog):
+    """Failures are remembered per subscription: once unsubscribed, a listener (or a new one that
+    happens to get its id) that fails again is logged with its traceback again."""
+    def broken(event):
+        raise RuntimeError("broken view")
+
+    for _ in range(2):
+        unsubscribe = llm.subscribe(broken)
+        try:
+            with caplog.at_level("DEBUG", logger="engine"):
+                llm.generate(PROMPT, GREEDY)
+        finally:
+            unsubscribe()
+    tracebacks = [r for r in caplog.records if "event listener" in r.getMessage() and r.levelname == "ERROR"]
+    assert len(tracebacks) == 2
