@@ -40,8 +40,7 @@ import pytest
 #    against the reference (they compile the float16 / bfloat16 kernels), then the notebooks
 #    (each in its own Jupyter kernel, on the Numba cache the suite's first engine and those
 #    tests have filled by then: the kernel lab runs the half-precision kernels too), then the
-#    simulated engine (it compiles the CPU kernels too). The first queue is the longer one
-#    (transformers' reading of Gemma 3 alone is a minute and a half of CPU).
+#    simulated engine (it compiles the CPU kernels too).
 SIMULATOR_FILES = ("test_kernels_cudasim.py", "test_kernels_mma.py")
 BESIDE_FILES = ("test_loader.py", "test_fallback_gemma3.py", "test_environment.py",
                 "test_engine_consistency.py", "test_fuzz_engine.py")
