@@ -55,16 +55,21 @@ PROMPTS = ["Tell me about the ocean.", "Describe a forest at night.", "Explain h
 LOGPROBS = 5
 
 
-def cpu_s(pid: int | None = None) -> float | None:
-    """CPU seconds (user + system, all threads) of this process or of ``pid`` (Linux /proc)."""
-    if pid is None:
-        return time.process_time()
+def _stat_cpu_s(path: str) -> float | None:
+    """User + system CPU seconds from a Linux ``/proc/.../stat`` file; None if it cannot be read."""
     try:
-        with open(f"/proc/{pid}/stat") as fh:
+        with open(path) as fh:
             fields = fh.read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return None
+
+
+def cpu_s(pid: int | None = None) -> float | None:
+    """CPU seconds (user + system, all threads) of this process or of ``pid`` (Linux /proc)."""
+    if pid is None:
+        return time.process_time()
+    return _stat_cpu_s(f"/proc/{pid}/stat")
 
 
 ENGINE_SIDE = "engine loop, chat streams, native"
@@ -88,13 +93,9 @@ def thread_cpu_s() -> tuple[float, dict[int, tuple[str, float]]]:
     names = {t.native_id: t.name for t in threading.enumerate()}
     threads = {}
     for tid in map(int, os.listdir("/proc/self/task")):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue                                       # ended meanwhile
-        threads[tid] = (thread_group(names.get(tid, "(native)")),
-                        (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+        used = _stat_cpu_s(f"/proc/self/task/{tid}/stat")
+        if used is not None:                               # else it ended meanwhile
+            threads[tid] = (thread_group(names.get(tid, "(native)")), used)
     return cpu_s(), threads
 
 
