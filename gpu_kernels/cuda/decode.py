@@ -10,8 +10,8 @@ a split's keys start at ``split * chunk`` whatever the context length, so a bloc
 issues the loads of the length, of its block-table entries, of the query and of
 the pages of each warp's first stages together, and the warps start their first
 K/V copies from those pages before the table is in shared memory: one round trip
-to memory before the first copy instead of several in a row (at 16 x 8192 a
-block reads 512 entries, two per thread, after the length and before the query).
+to memory before the first copy instead of several in a row (the length, then the
+entries, two per thread at 16 x 8192, then the query, then a barrier).
 
 Every warp streams its own *stages* of ``KPW`` keys (stage ``n`` of warp ``w``
 holds keys ``start + (n * NW + w) * KPW + [0, KPW)``) through a private ring
