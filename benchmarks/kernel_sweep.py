@@ -274,3 +274,60 @@ def sweep_decode_large(torch, timer, decode_case, scale, rounds=2,
     for i, v in enumerate(variants):
         print(f"  {_label(v)}: {res.get(i)}")
     print()
+
+
+#: decode shapes of ``sweep_decode_versions``: large K/V first, then short calls
+DECODE_VERSION_SHAPES = [(16, 8192), (64, 2048), (64, 8192), (16, 2048), (1, 8192), (64, 512),
+                         (1, 32768), (16, 512), (1, 2048)]
+
+
+def sweep_decode_versions(torch, timer, decode_case, scale, packages, rounds=3,
+                          shapes=DECODE_VERSION_SHAPES):
+    """Decode µs of several versions of the kernels on the same data, SDPA before and after.
+
+    ``packages``: importable names of copies of ``gpu_kernels`` (e.g. another commit's
+    ``gpu_kernels`` copied to ``gk_main/``); ``rounds`` passes over them per shape, the order
+    reversed every other pass (drift). Prints each version's max error vs SDPA and whether
+    its output is bit-equal to the first version's."""
+    import importlib
+
+    import torch.nn.functional as F
+    mods = [importlib.import_module(p) for p in packages]
+    backends = [importlib.import_module(p + ".cuda.backend") for p in packages]
+    print("decode versions: µs per call per round, best (x SDPA), max error vs SDPA, "
+          f"bit-equal to {packages[0]}")
+    res = {}
+    for seqs, ctx in shapes:
+        q, kc, vc, bt, lens = decode_case(torch, seqs, ctx)
+        k4, v4 = contiguous(torch, kc, bt), contiguous(torch, vc, bt)
+        q4 = q.unsqueeze(2)
+        sdpa = lambda: F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True)  # noqa
+        peer = [min(timer(sdpa), timer(sdpa))]
+        ref = sdpa().squeeze(2).float()
+        outs = [torch.full_like(q, float("nan")) for _ in packages]
+        calls = [lambda m=m, o=o: m.paged_decode(q, kc, vc, bt, lens, scale, out=o)
+                 for m, o in zip(mods, outs)]
+        for k, call in enumerate(calls):
+            call()
+            torch.cuda.synchronize()
+            threads = backends[k].last_kernels["decode_threads"]
+            res.setdefault((k, threads), resources(backends[k].last_kernels["decode"], threads))
+        times = [[] for _ in packages]
+        for r in range(rounds):
+            order = range(len(packages)) if r % 2 == 0 else reversed(range(len(packages)))
+            for k in order:
+                times[k].append(min(timer(calls[k]), timer(calls[k])))
+        peer.append(min(timer(sdpa), timer(sdpa)))
+        p = min(peer)
+        print(f"  {seqs}x{ctx}: SDPA {peer[0]:.1f} / {peer[1]:.1f}", flush=True)
+        for k, name in enumerate(packages):
+            err = (outs[k].float() - ref).abs().max().item()
+            ts = " / ".join(f"{t:.1f}" for t in times[k])
+            best = min(times[k])
+            print(f"    {name}: {ts} | best {best:.1f} ({p / best:.3f}x) | err {err:.1e} | "
+                  f"{torch.equal(outs[k], outs[0])}", flush=True)
+        del q, kc, vc, bt, k4, v4, outs, calls
+        torch.cuda.empty_cache()
+    for (k, threads), used in sorted(res.items()):
+        print(f"  {packages[k]}, {threads} threads: {used}")
+    print()

@@ -324,7 +324,8 @@ def bench_gpu_prefill(torch, F, timer, scale, fp32_peak):
     print(f"\nprefill kernel (tensor cores, bf16): {tile}: {used}")
 
 
-def bench_gpu(sweep, only=None, split_rule=False, decode_mma=False, decode_large=False):
+def bench_gpu(sweep, only=None, split_rule=False, decode_mma=False, decode_large=False,
+              decode_versions=None):
     import torch
     import torch.nn.functional as F
     from numba import cuda
@@ -339,6 +340,9 @@ def bench_gpu(sweep, only=None, split_rule=False, decode_mma=False, decode_large
     print(f"measured device copy bandwidth: {bw:.2f} TB/s (read + write)\n")
     scale = 128 ** -0.5
 
+    if decode_versions:
+        from .kernel_sweep import sweep_decode_versions
+        sweep_decode_versions(torch, timer, decode_case, scale, decode_versions.split(","))
     if decode_mma:
         from .kernel_sweep import sweep_decode_mma
         sweep_decode_mma(torch, timer, decode_case, scale)
@@ -379,6 +383,9 @@ def main(argv=None):
                         help="GPU: also time the decode stage on tensor cores vs CUDA cores")
     parser.add_argument("--decode-large", action="store_true",
                         help="GPU: also time decode variants at large KV (L2 hints, split-K)")
+    parser.add_argument("--decode-versions", metavar="PKG,PKG",
+                        help="GPU: also time the decode of several copies of gpu_kernels "
+                             "(importable package names) on the same data")
     args = parser.parse_args(argv)
     try:
         from numba import cuda
@@ -388,7 +395,8 @@ def main(argv=None):
     except ImportError:
         gpu = False
     if gpu:
-        bench_gpu(args.sweep, args.only, args.split_rule, args.decode_mma, args.decode_large)
+        bench_gpu(args.sweep, args.only, args.split_rule, args.decode_mma, args.decode_large,
+                  args.decode_versions)
     else:
         bench_cpu()
         bench_cpu_prefill()

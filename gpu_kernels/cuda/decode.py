@@ -5,7 +5,13 @@ A block owns one sequence, one KV head (and ``HPB`` of the query heads
 reading it: the whole group unless it is larger than 8) and one *split*:
 ``chunk`` consecutive keys. Long contexts are split over many blocks so that
 one sequence fills the GPU (split-K / flash-decoding). The block-table
-entries of the chunk are read into shared memory once.
+entries of the chunk are read into shared memory once. Without a sliding window
+a split's keys start at ``split * chunk`` whatever the context length, so a block
+issues the loads of the length, of its block-table entries, of the query and of
+the pages of each warp's first stages together, and the warps start their first
+K/V copies from those pages before the table is in shared memory: one round trip
+to memory before the first copy instead of several in a row (the length, then the
+entries, two per thread at 16 x 8192, then the query, then a barrier).
 
 Every warp streams its own *stages* of ``KPW`` keys (stage ``n`` of warp ``w``
 holds keys ``start + (n * NW + w) * KPW + [0, KPW)``) through a private ring
@@ -138,11 +144,13 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
     BS = block_size
     PAGE_WORDS = BS * ROW_WORDS
     TBL = table_len + 1
+    TPT = -(-TBL // threads)                    # block-table entries per thread (prologue)
     SWN = -(-NW * KPW * HP2 // 4) * 4          # per-warp scores / probabilities, 16-byte rounded
     MWN = NW * HP2
     alloc_smem = shared_vectors(RING + 2 * SWN)
     ACCN = DL * hpb
     STAGES = stages
+    NFIRST = stages - 1                         # stages in flight before the loop
     wait_ring = cp_async_wait[stages - 2]
     wait_all = cp_async_wait[0]
     copy = cp_async16_hinted(l2_hint)
@@ -164,27 +172,72 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
                 dst[g] = buf[i + g]
 
     @cuda.jit(device=True, inline="always")
+    def load_table(block_tables, i, split, chunk, window, tid, warp, tb, first):
+        """Load the chunk's block-table entries into ``tb`` (registers, ``TPT`` per thread)
+        and, when a stage lies in one page (``FAST``), the pages of this warp's first
+        ``NFIRST`` stages into ``first``, before the context length is known, all loads at
+        once; returns how many entries the block loaded into ``tb`` (0 with a window: its
+        chunk starts relative to the length, and nothing is loaded).
+
+        Without a window a split's keys start at ``split * chunk`` whatever the length, so the
+        loads of the length, these entries and the query are in flight together, and the
+        first copies (``issue_first``) wait for one round trip instead of several in a row.
+        Entries past the sequence's end are loaded (within the table) but never used."""
+        n = 0
+        if window <= 0:
+            start = split * chunk
+            b_first = start // BS
+            n = vmin((start + chunk - 1) // BS - b_first + 1, block_tables.shape[1] - b_first)
+            for u in range(TPT):
+                e = tid + u * threads
+                if e < n:
+                    tb[u] = block_tables[i, b_first + e]
+            if FAST:
+                for s in range(NFIRST):
+                    jb = (start + (s * NW + warp) * KPW) // BS
+                    first[s] = block_tables[i, jb] if jb < block_tables.shape[1] else 0
+        return n
+
+    @cuda.jit(device=True, inline="always")
+    def store_table(block_tables, i, tb, n_loaded, tbl_sh, tid, n_keys, b_first, end):
+        """``tbl_sh[e]`` = the chunk's ``e``-th block-table entry: from ``tb`` (``load_table``)
+        or, with a window, read now."""
+        if n_loaded > 0:
+            for u in range(TPT):
+                e = tid + u * threads
+                if e < n_loaded:
+                    tbl_sh[e] = tb[u]
+        elif n_keys > 0:
+            for e in range(tid, (end - 1) // BS - b_first + 1, threads):
+                tbl_sh[e] = block_tables[i, b_first + e]
+
+    @cuda.jit(device=True, inline="always")
+    def issue_page(ring, kw, vw, page, n, key0, end, blk_stride, head_off, warp, lane, pol):
+        """The copies of stage n of this warp, whose keys (from ``key0``) lie in block ``page``
+        (``FAST``: one table lookup, then fixed strides)."""
+        dst = ((n % STAGES) * NW + warp) * SLOT + lane * 4
+        j = key0 + lane // ROW_VECS
+        src = page * blk_stride + head_off + (j - (key0 // BS) * BS) * ROW_WORDS \
+            + (lane % ROW_VECS) * 4
+        for c in range(CPL):
+            nbytes = 16 if j + c * KSTEP < end else 0
+            d = dst + 128 * c
+            if SWZ:                                      # row r, chunk ch ^ (r & SWZ)
+                r = lane // ROW_VECS + c * KSTEP
+                d = dst - lane * 4 + r * ROW_WORDS + 4 * ((lane % ROW_VECS) ^ (r & SWZ))
+            copy(ring, d, kw, src + c * KSTEP * ROW_WORDS, nbytes, pol)
+            copy(ring, d + KPW * ROW_WORDS, vw, src + c * KSTEP * ROW_WORDS, nbytes, pol)
+
+    @cuda.jit(device=True, inline="always")
     def issue(ring, kw, vw, tbl_sh, n, n_stages, start, end, b_first, blk_stride, head_off,
               warp, lane, pol):
         """Start the copies of stage n of this warp into its ring slot; commit a group."""
         if n < n_stages and FAST:
-            # the stage's keys share one page: one table lookup, then fixed strides
-            dst = ((n % STAGES) * NW + warp) * SLOT + lane * 4
             key0 = start + (n * NW + warp) * KPW
-            j = key0 + lane // ROW_VECS
-            src = 0
+            page = 0
             if key0 < end:
-                jb = key0 // BS
-                src = tbl_sh[jb - b_first] * blk_stride + head_off \
-                    + (j - jb * BS) * ROW_WORDS + (lane % ROW_VECS) * 4
-            for c in range(CPL):
-                nbytes = 16 if j + c * KSTEP < end else 0
-                d = dst + 128 * c
-                if SWZ:                                      # row r, chunk ch ^ (r & SWZ)
-                    r = lane // ROW_VECS + c * KSTEP
-                    d = dst - lane * 4 + r * ROW_WORDS + 4 * ((lane % ROW_VECS) ^ (r & SWZ))
-                copy(ring, d, kw, src + c * KSTEP * ROW_WORDS, nbytes, pol)
-                copy(ring, d + KPW * ROW_WORDS, vw, src + c * KSTEP * ROW_WORDS, nbytes, pol)
+                page = tbl_sh[key0 // BS - b_first]
+            issue_page(ring, kw, vw, page, n, key0, end, blk_stride, head_off, warp, lane, pol)
         elif n < n_stages:
             dst = ((n % STAGES) * NW + warp) * SLOT
             key0 = start + (n * NW + warp) * KPW
@@ -205,6 +258,19 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
                 copy(ring, d, kw, src, nbytes, pol)
                 copy(ring, d + KPW * ROW_WORDS, vw, src, nbytes, pol)
         cp_async_commit()
+
+    @cuda.jit(device=True, inline="always")
+    def issue_first(ring, kw, vw, first, n_stages, start, end, blk_stride, head_off, warp,
+                    lane, pol):
+        """``issue`` of stages ``0 .. NFIRST - 1`` with the pages ``load_table`` put in
+        ``first``: before the block's table is in shared memory."""
+        for n in range(NFIRST):
+            if n < n_stages:
+                key0 = start + (n * NW + warp) * KPW
+                page = first[n] if key0 < end else 0
+                issue_page(ring, kw, vw, page, n, key0, end, blk_stride, head_off, warp, lane,
+                           pol)
+            cp_async_commit()
 
     @cuda.jit(device=True, inline="always")
     def finish(tid, i, hb, split, head0, splits, ring, w_ml, f_ml, flag_sh, out, part_ml,
@@ -312,6 +378,10 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
         scratch = cuda.shared.array(threads, float32)
         flag_sh = cuda.shared.array(1, int32)
 
+        tb = cuda.local.array(TPT, int32)
+        first = cuda.local.array(NFIRST, int32)
+        n_loaded = load_table(block_tables, i, split, chunk, window, tid, warp, tb, first)
+        early = FAST and window <= 0                         # first copies from `first`
         length = context_lens[i]
         lo = 0
         if window > 0:
@@ -320,9 +390,14 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
         end = vmin(length, start + chunk)
         n_keys = vmax(0, end - start)
         b_first = start // BS
-        if n_keys > 0:
-            for e in range(tid, (end - 1) // BS - b_first + 1, threads):
-                tbl_sh[e] = block_tables[i, b_first + e]
+        blk_stride = num_kv_heads * PAGE_WORDS
+        head_off = kvh * PAGE_WORDS
+        n_stages = (n_keys + NW * KPW - 1) // (NW * KPW)
+        pol = l2_evict_first() if EVICT else uint64(0)
+        if early:
+            issue_first(ring, kw, vw, first, n_stages, start, end, blk_stride, head_off, warp,
+                        lane, pol)
+        store_table(block_tables, i, tb, n_loaded, tbl_sh, tid, n_keys, b_first, end)
         kl = lane % TG                                       # lane within its key's group
         kslot = lane // TG                                   # which key of a pass
         qr = cuda.local.array(ACCN, float32)
@@ -344,17 +419,14 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
         for g in range(hpb):
             m_run[g] = NEG
             l_run[g] = 0.0
-        blk_stride = num_kv_heads * PAGE_WORDS
-        head_off = kvh * PAGE_WORDS
-        n_stages = (n_keys + NW * KPW - 1) // (NW * KPW)
         ibase = (kl >> (LEVELS - SCAT)) * NF                 # first score index this lane keeps
         sw = warp * KPW * HP2
         cuda.syncthreads()
 
-        pol = l2_evict_first() if EVICT else uint64(0)
-        for n in range(STAGES - 1):
-            issue(ring, kw, vw, tbl_sh, n, n_stages, start, end, b_first, blk_stride, head_off,
-                  warp, lane, pol)
+        if not early:
+            for n in range(STAGES - 1):
+                issue(ring, kw, vw, tbl_sh, n, n_stages, start, end, b_first, blk_stride,
+                      head_off, warp, lane, pol)
         for n in range(n_stages):
             wait_ring()                                      # stage n has landed (own copies)
             syncwarp()                                       # ... all lanes' copies; slot free
@@ -462,6 +534,7 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
 
     HW = head_dim // 2                          # words of a query row
     QW = 8 * HW                                 # q_sh: 8 rows (an mma tile's rows g)
+    QPT = -(-QW // threads)                     # q_sh words per thread
     MT = head_dim // 16
     ACC2 = 4 * MT                               # accumulators per lane (decode_mma.pv)
     QF = head_dim // 8                          # query fragment words per lane
@@ -492,7 +565,21 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
         scratch = cuda.shared.array(threads, float32)
         flag_sh = cuda.shared.array(1, int32)
 
+        tb = cuda.local.array(TPT, int32)
+        first = cuda.local.array(NFIRST, int32)
+        n_loaded = load_table(block_tables, i, split, chunk, window, tid, warp, tb, first)
+        early = FAST and window <= 0
         length = context_lens[i]
+        qv = cuda.local.array(QPT, uint32)                   # query words, stored below
+        for u in range(QPT):
+            e = tid + u * threads
+            g = e // HW
+            d = 2 * (e - g * HW)
+            word = uint32(0)
+            if g < hpb:
+                word = pack2(to_f32(q[i, head0 + g, d], kind_q),
+                             to_f32(q[i, head0 + g, d + 1], kind_q), kind_kv)
+            qv[u] = word
         lo = 0
         if window > 0:
             lo = vmax(0, length - window)
@@ -500,20 +587,18 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
         end = vmin(length, start + chunk)
         n_keys = vmax(0, end - start)
         b_first = start // BS
-        if n_keys > 0:
-            for e in range(tid, (end - 1) // BS - b_first + 1, threads):
-                tbl_sh[e] = block_tables[i, b_first + e]
-        for e in range(tid, QW, threads):
-            g = e // HW
-            d = 2 * (e - g * HW)
-            word = uint32(0)
-            if g < hpb:
-                word = pack2(to_f32(q[i, head0 + g, d], kind_q),
-                             to_f32(q[i, head0 + g, d + 1], kind_q), kind_kv)
-            q_sh[e] = word
         blk_stride = num_kv_heads * PAGE_WORDS
         head_off = kvh * PAGE_WORDS
         n_stages = (n_keys + NW * KPW - 1) // (NW * KPW)
+        pol = l2_evict_first() if EVICT else uint64(0)
+        if early:
+            issue_first(ring, kw, vw, first, n_stages, start, end, blk_stride, head_off, warp,
+                        lane, pol)
+        store_table(block_tables, i, tb, n_loaded, tbl_sh, tid, n_keys, b_first, end)
+        for u in range(QPT):
+            e = tid + u * threads
+            if e < QW:
+                q_sh[e] = qv[u]
         g = lane // 4
         t = lane % 4
         acc = cuda.local.array(ACC2, float32)
@@ -526,10 +611,10 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
         cuda.syncthreads()
         load_q(qf, q_sh, lane)
 
-        pol = l2_evict_first() if EVICT else uint64(0)
-        for n in range(STAGES - 1):
-            issue(ring, kw, vw, tbl_sh, n, n_stages, start, end, b_first, blk_stride, head_off,
-                  warp, lane, pol)
+        if not early:
+            for n in range(STAGES - 1):
+                issue(ring, kw, vw, tbl_sh, n, n_stages, start, end, b_first, blk_stride,
+                      head_off, warp, lane, pol)
         for n in range(n_stages):
             wait_ring()
             syncwarp()
