@@ -57,13 +57,21 @@ def _stop_on_sigterm() -> None:
 
 
 def _warm_up(llm) -> None:
-    """Pay the first request's one-time costs now (the engine's own warm-up at load covers the
-    model's forward pass): the engine thread, sampling and detokenizing, and matplotlib, which
-    Gradio imports for every request when it is installed and which builds its font cache on
-    first import. The prompt is shorter than a KV block, so nothing enters the prefix cache."""
+    """Pay the first requests' one-time costs now, before the URL is printed (the engine's own
+    warm-up at load covers a short prefill and a decode step): the engine thread, sampling and
+    detokenizing; a prompt longer than ``block_matmul.SMALL_T`` tokens, whose prefill takes the
+    BLAS path of the quantized matmuls (in a fresh install compiling it took seconds, which the
+    first long chat would otherwise wait through); and matplotlib, which Gradio imports for every
+    request when it is installed and which builds its font cache on first import. The prefix
+    cache is emptied afterwards: the page starts with every block free."""
     from engine import SamplingParams
+    from gpu_kernels.cpu.block_matmul import SMALL_T
 
-    llm.generate("Hi", SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    llm.generate("Hi", params, use_tqdm=False)
+    hi = llm.get_tokenizer().encode("Hi", add_special_tokens=False)
+    llm.generate({"prompt_token_ids": hi * (SMALL_T // len(hi) + 2)}, params, use_tqdm=False)
+    llm.reset_prefix_cache()
     try:
         import matplotlib.pyplot  # noqa: F401
     except ImportError:
@@ -92,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         llm = LLM(**vars(config))
         _say(f"Loaded {llm.model_name} with model_impl={llm.model_impl} in {time.perf_counter() - t0:.1f} s")
-        _say("Warming up: one short request through the engine, and the libraries the first chat loads ...")
+        _say("Warming up: a short and a long request through the engine, and the libraries the first chat loads ...")
         t0 = time.perf_counter()
         _warm_up(llm)
         _say(f"Warmed up in {time.perf_counter() - t0:.1f} s")

@@ -91,3 +91,20 @@ def test_start_up_is_announced_and_ctrl_c_or_sigterm_stops_it_cleanly(tiny):
                 ("Starting", "Loading", "Warming up", "Warmed up", "* Running on local URL", "Ready",
                  "Stopped")]
         assert said == sorted(said), text
+
+
+def test_warm_up_prefills_past_the_small_matmul_path_and_leaves_no_cached_block(smollm2_llm):
+    """The CLI's warm-up runs a prefill longer than ``block_matmul.SMALL_T`` tokens (the quantized
+    matmuls' BLAS path, which a fresh install would otherwise compile during the first long chat)
+    and leaves every block free, as the page shows it at start."""
+    from gpu_kernels.cpu.block_matmul import SMALL_T
+    from playground.__main__ import _warm_up
+
+    steps = []
+    unsubscribe = smollm2_llm.subscribe(lambda e: steps.append(e.data) if e.kind == "step" else None)
+    try:
+        _warm_up(smollm2_llm)
+    finally:
+        unsubscribe()
+    assert max(s["num_tokens"] for s in steps) > SMALL_T
+    assert {b.state for b in smollm2_llm.snapshot().blocks} == {"free"}
