@@ -240,3 +240,27 @@ def test_vectorized_softmax_weights_match_exp():
     expected = np.exp(s.astype(np.float64) - 3.5)
     np.testing.assert_allclose(out[:16], expected[:16], rtol=1e-6, atol=1e-37)
     np.testing.assert_array_equal(out[16:], s[16:])
+
+
+def test_no_two_cached_kernels_share_a_cache_file():
+    """Numba files a cached function by module, qualified name and first line, not by its compile
+    flags: two ``njit``s of one Python function (threaded and one-thread) would overwrite each
+    other's machine code on disk, and a later process would load the same code for both."""
+    import importlib
+    import pkgutil
+
+    import gpu_kernels.cpu
+    from numba.core.caching import NullCache
+    from numba.core.registry import CPUDispatcher
+
+    seen: dict[tuple, str] = {}
+    for info in pkgutil.iter_modules(gpu_kernels.cpu.__path__, "gpu_kernels.cpu."):
+        module = importlib.import_module(info.name)
+        for name, obj in vars(module).items():
+            if isinstance(obj, CPUDispatcher) and obj.__module__ == module.__name__ \
+                    and not isinstance(obj._cache, NullCache):
+                fn = obj.py_func
+                key = (fn.__module__, fn.__qualname__, fn.__code__.co_firstlineno)
+                assert key not in seen, f"{info.name}.{name} and {seen[key]} share the cache file of {key}"
+                seen[key] = f"{info.name}.{name}"
+    assert len(seen) > 10

@@ -27,6 +27,8 @@ items.
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 from numba import njit, prange
 
@@ -133,7 +135,17 @@ def _blas(x, codes, scales, offsets, out):
         blas_rows(xt, codes, scales, offsets, w, out, item * TILE, min(num_out, item * TILE + TILE))
 
 
-_matvec_par, _matvec_seq = njit(**_PAR)(_matvec), njit(**_SEQ)(_matvec)
+def _renamed(fn, name: str):
+    """``fn`` under another name. Numba's on-disk cache files a function by its qualified name and
+    first line, not by its compile flags: two ``njit``s of one function (threaded and not) would
+    overwrite each other's cached machine code, and the next process would load the same code for
+    both."""
+    copy = types.FunctionType(fn.__code__, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+    copy.__qualname__ = name
+    return copy
+
+
+_matvec_par, _matvec_seq = njit(**_PAR)(_matvec), njit(**_SEQ)(_renamed(_matvec, "_matvec_one_thread"))
 _tiled_par, _blas_par = njit(**_PAR)(_tiled), njit(**_PAR)(_blas)
 
 # Threads pay off only for large weights: a parallel launch has a fixed cost, far larger when
