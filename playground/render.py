@@ -193,13 +193,37 @@ def owner_order(snapshot: Mapping[str, Any]) -> list[str]:
 
 
 _last_grid: tuple = ()      # (blocks, colours, grid): every tab draws the same snapshot's grid once
+_cells: dict[tuple, tuple[str, str]] = {}   # what a cell is drawn from -> (kind, its HTML)
+
+
+def _cell(block: Mapping[str, Any], owners: tuple[str, ...], colors: Mapping[str, str]) -> tuple[str, str]:
+    """A block's kind and cell HTML. Between two snapshots only the blocks that requests wrote
+    to or freed change, so each cell is kept under what it is drawn from (id, ref count, state,
+    hash, owners and their colours, token span) and drawn again only when one of those changes."""
+    key = (block.get("block_id"), block.get("ref_cnt", 0), block.get("state"), bool(block.get("hashed")),
+           owners, tuple(colors.get(o) for o in owners), tuple(block.get("token_range") or ()))
+    hit = _cells.get(key)
+    if hit is None:
+        kind = block_kind(block)
+        extra = f' data-ref="{_e(block.get("ref_cnt", 0))}" data-owners="{_e(",".join(owners))}"' if owners else ""
+        cls, style = _cell_look(kind, owners, colors)
+        hit = (kind, f'<div class="kv-cell kv-{kind}{cls}" data-block="{_e(block.get("block_id"))}"{extra}{style} '
+                     f'title="{_e(_cell_title(block, kind))}"></div>')
+        if len(_cells) >= _MAX_CELLS:      # cells of blocks long since rewritten: start afresh
+            _cells.clear()
+        _cells[key] = hit
+    return hit
+
+
+_MAX_CELLS = 1 << 16
 
 
 def _grid(blocks: Sequence[Mapping[str, Any]], colors: Mapping[str, str]) -> tuple[str, dict, dict]:
     """The map's cells (HTML), the block counts by kind and the blocks per owner.
 
     The cells depend only on the blocks and their owners' colours, not on the tab (its legend
-    names differ), so the last result is kept for the next tab that draws the same snapshot.
+    names differ), so the last result is kept for the next tab that draws the same snapshot,
+    and each cell is drawn again only when its block changed (`_cell`).
     """
     global _last_grid
     key = tuple(colors.items())
@@ -210,17 +234,12 @@ def _grid(blocks: Sequence[Mapping[str, Any]], colors: Mapping[str, str]) -> tup
     per_owner: dict[str, int] = {}
     cells = []
     for b in sorted(blocks, key=lambda b: b.get("block_id", 0)):
-        kind = block_kind(b)
-        counts[kind] += 1
-        owners = [str(o) for o in b.get("owners") or []]
+        owners = tuple(str(o) for o in b.get("owners") or ())
         for o in owners:
             per_owner[o] = per_owner.get(o, 0) + 1
-        extra = f' data-ref="{_e(b.get("ref_cnt", 0))}" data-owners="{_e(",".join(owners))}"' if owners else ""
-        cls, style = _cell_look(kind, owners, colors)
-        cells.append(
-            f'<div class="kv-cell kv-{kind}{cls}" data-block="{_e(b.get("block_id"))}"{extra}{style} '
-            f'title="{_e(_cell_title(b, kind))}"></div>'
-        )
+        kind, cell = _cell(b, owners, colors)
+        counts[kind] += 1
+        cells.append(cell)
     result = ("".join(cells), counts, per_owner)
     if isinstance(blocks, tuple):       # an immutable snapshot's blocks (a list could change in place)
         _last_grid = (blocks, key, result)

@@ -401,6 +401,7 @@ def test_block_hash_in_the_snapshot_is_the_stored_event_hash_and_the_inspector_s
 def test_every_tab_draws_a_snapshots_cells_once(snapshot, monkeypatch):
     """Four tabs refreshing the same snapshot drew all its cells four times; the cells (not the
     legend, whose names differ per tab) are drawn once and shared."""
+    monkeypatch.setattr(render, "_cells", {})
     drawn = []
     title = render._cell_title
     monkeypatch.setattr(render, "_cell_title", lambda b, kind: drawn.append(b["block_id"]) or title(b, kind))
@@ -411,7 +412,27 @@ def test_every_tab_draws_a_snapshots_cells_once(snapshot, monkeypatch):
     assert mine != theirs and mine.split('class="kv-legend"')[0] == theirs.split('class="kv-legend"')[0]
     assert "this chat (2)" in theirs and "chat 1 (3)" in theirs
     render.block_map_html(dict(snap, blocks=tuple(dict(b) for b in snap["blocks"])))    # a new snapshot
-    assert len(drawn) == 20
+    assert len(drawn) == 10                     # ... of the same blocks: every cell as drawn before
+
+
+def test_a_new_snapshot_draws_only_the_cells_of_blocks_that_changed(snapshot, monkeypatch):
+    """Between two snapshots of a decoding engine only the blocks requests wrote to change: the map
+    draws those cells again and takes the others as drawn before, with the same HTML as a map drawn
+    from scratch."""
+    monkeypatch.setattr(render, "_cells", {})
+    drawn = []
+    title = render._cell_title
+    monkeypatch.setattr(render, "_cell_title", lambda b, kind: drawn.append(b["block_id"]) or title(b, kind))
+    render.block_map_html(dict(snapshot, blocks=tuple(snapshot["blocks"])))
+    assert sorted(drawn) == list(range(10))
+    changed = [dict(b) for b in snapshot["blocks"]]
+    changed[3] = dict(changed[3], ref_cnt=changed[3]["ref_cnt"] + 1, owners=[*changed[3]["owners"], "req-c"])
+    drawn.clear()
+    html = render.block_map_html(dict(snapshot, blocks=tuple(changed)))
+    assert drawn == [3]
+    monkeypatch.setattr(render, "_cells", {})
+    monkeypatch.setattr(render, "_last_grid", ())
+    assert html == render.block_map_html(dict(snapshot, blocks=tuple(changed)))
 
 
 def test_the_monitors_snapshot_dict_is_the_snapshots_to_dict(smollm2_llm):
