@@ -91,6 +91,10 @@ class Tab:
             stop.wait(max(0.0, interval - (time.perf_counter() - t0)))
 
     def chat(self, max_tokens: int) -> None:
+        """A new conversation (Clear, then the chat), as the engine-alone runs have: the same prompt
+        and so the same tokens every round, rather than a history that grows round by round (a
+        longer context to decode and a longer chat to send with every update)."""
+        self.client.predict(api_name="/clear")
         self.client.predict(*chat_args(self.prompt, max_tokens), api_name="/chat")
 
 
