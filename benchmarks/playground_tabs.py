@@ -90,11 +90,13 @@ class Tab:
                 self._tick(i)
             stop.wait(max(0.0, interval - (time.perf_counter() - t0)))
 
-    def chat(self, max_tokens: int) -> None:
-        """A new conversation (Clear, then the chat), as the engine-alone runs have: the same prompt
-        and so the same tokens every round, rather than a history that grows round by round (a
+    def new_conversation(self) -> None:
+        """Clear: each round's chat starts a new conversation, as the engine-alone runs do (the same
+        prompt and so the same tokens every round, not a history that grows round by round: a
         longer context to decode and a longer chat to send with every update)."""
         self.client.predict(api_name="/clear")
+
+    def chat(self, max_tokens: int) -> None:
         self.client.predict(*chat_args(self.prompt, max_tokens), api_name="/chat")
 
 
@@ -103,6 +105,9 @@ def run_round(tabs: list[Tab], max_tokens: int | None, interval: float, ticks: b
     stop = threading.Event()
     maps0 = [t.maps for t in tabs]
     ticks0 = [len(t.tick_s) for t in tabs]
+    if max_tokens is not None:
+        for t in tabs:                  # before the round, so that its chats are sent together
+            t.new_conversation()
     timers = [threading.Thread(target=t.refresh_every, args=(interval, stop)) for t in tabs if ticks]
     for t in timers:
         t.start()
