@@ -273,6 +273,30 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
             cp_async_commit()
 
     @cuda.jit(device=True, inline="always")
+    def open_chunk(ring, kw, vw, block_tables, i, length, split, chunk, window, kvh, num_kv_heads,
+                   tb, n_loaded, first, early, tbl_sh, tid, warp, lane):
+        """The window's first key ``lo``, the split's keys ``[start, end)`` (stages at multiples
+        of ``KPW`` from ``lo``), their count and first block, this KV head's stride and offset in the pages,
+        the warp-stage count and the copies' L2 policy; with ``early`` the first stages' copies
+        are issued from ``first``, then the block table goes to shared memory (``store_table``)."""
+        lo = 0
+        if window > 0:
+            lo = vmax(0, length - window)
+        start = lo - lo % KPW + split * chunk
+        end = vmin(length, start + chunk)
+        n_keys = vmax(0, end - start)
+        b_first = start // BS
+        blk_stride = num_kv_heads * PAGE_WORDS
+        head_off = kvh * PAGE_WORDS
+        n_stages = (n_keys + NW * KPW - 1) // (NW * KPW)
+        pol = l2_evict_first() if EVICT else uint64(0)
+        if early:
+            issue_first(ring, kw, vw, first, n_stages, start, end, blk_stride, head_off, warp,
+                        lane, pol)
+        store_table(block_tables, i, tb, n_loaded, tbl_sh, tid, n_keys, b_first, end)
+        return lo, start, end, n_keys, b_first, blk_stride, head_off, n_stages, pol
+
+    @cuda.jit(device=True, inline="always")
     def finish(tid, i, hb, split, head0, splits, ring, w_ml, f_ml, flag_sh, out, part_ml,
                part_acc, counters):
         """Merge the warps' (max, sum, acc) rows (``w_ml``, ``ring``) and write the output or
@@ -383,21 +407,9 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
         n_loaded = load_table(block_tables, i, split, chunk, window, tid, warp, tb, first)
         early = FAST and window <= 0                         # first copies from `first`
         length = context_lens[i]
-        lo = 0
-        if window > 0:
-            lo = vmax(0, length - window)
-        start = lo - lo % KPW + split * chunk                # stages start at multiples of KPW
-        end = vmin(length, start + chunk)
-        n_keys = vmax(0, end - start)
-        b_first = start // BS
-        blk_stride = num_kv_heads * PAGE_WORDS
-        head_off = kvh * PAGE_WORDS
-        n_stages = (n_keys + NW * KPW - 1) // (NW * KPW)
-        pol = l2_evict_first() if EVICT else uint64(0)
-        if early:
-            issue_first(ring, kw, vw, first, n_stages, start, end, blk_stride, head_off, warp,
-                        lane, pol)
-        store_table(block_tables, i, tb, n_loaded, tbl_sh, tid, n_keys, b_first, end)
+        lo, start, end, n_keys, b_first, blk_stride, head_off, n_stages, pol = open_chunk(
+            ring, kw, vw, block_tables, i, length, split, chunk, window, kvh, num_kv_heads, tb,
+            n_loaded, first, early, tbl_sh, tid, warp, lane)
         kl = lane % TG                                       # lane within its key's group
         kslot = lane // TG                                   # which key of a pass
         qr = cuda.local.array(ACCN, float32)
@@ -580,21 +592,9 @@ def build_decode_kernel(threads, group, hpb, head_dim, kind_q, kind_kv, kind_o, 
                 word = pack2(to_f32(q[i, head0 + g, d], kind_q),
                              to_f32(q[i, head0 + g, d + 1], kind_q), kind_kv)
             qv[u] = word
-        lo = 0
-        if window > 0:
-            lo = vmax(0, length - window)
-        start = lo - lo % KPW + split * chunk
-        end = vmin(length, start + chunk)
-        n_keys = vmax(0, end - start)
-        b_first = start // BS
-        blk_stride = num_kv_heads * PAGE_WORDS
-        head_off = kvh * PAGE_WORDS
-        n_stages = (n_keys + NW * KPW - 1) // (NW * KPW)
-        pol = l2_evict_first() if EVICT else uint64(0)
-        if early:
-            issue_first(ring, kw, vw, first, n_stages, start, end, blk_stride, head_off, warp,
-                        lane, pol)
-        store_table(block_tables, i, tb, n_loaded, tbl_sh, tid, n_keys, b_first, end)
+        lo, start, end, n_keys, b_first, blk_stride, head_off, n_stages, pol = open_chunk(
+            ring, kw, vw, block_tables, i, length, split, chunk, window, kvh, num_kv_heads, tb,
+            n_loaded, first, early, tbl_sh, tid, warp, lane)
         for u in range(QPT):
             e = tid + u * threads
             if e < QW:
