@@ -194,6 +194,7 @@ def owner_order(snapshot: Mapping[str, Any]) -> list[str]:
 
 _last_grid: tuple = ()      # (blocks, colours, grid): every tab draws the same snapshot's grid once
 _cells: dict[tuple, tuple[str, str]] = {}   # what a cell is drawn from -> (kind, its HTML)
+_MAX_CELLS = 1 << 16                        # then start afresh: cells of blocks long since rewritten
 
 
 def _cell(block: Mapping[str, Any], owners: tuple[str, ...], colors: Mapping[str, str]) -> tuple[str, str]:
@@ -209,13 +210,10 @@ def _cell(block: Mapping[str, Any], owners: tuple[str, ...], colors: Mapping[str
         cls, style = _cell_look(kind, owners, colors)
         hit = (kind, f'<div class="kv-cell kv-{kind}{cls}" data-block="{_e(block.get("block_id"))}"{extra}{style} '
                      f'title="{_e(_cell_title(block, kind))}"></div>')
-        if len(_cells) >= _MAX_CELLS:      # cells of blocks long since rewritten: start afresh
+        if len(_cells) >= _MAX_CELLS:
             _cells.clear()
         _cells[key] = hit
     return hit
-
-
-_MAX_CELLS = 1 << 16
 
 
 def _grid(blocks: Sequence[Mapping[str, Any]], colors: Mapping[str, str]) -> tuple[str, dict, dict]:
