@@ -27,7 +27,7 @@ from .request import Request, RequestStatus
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .snapshot import EngineEvent, StepInfo, take_snapshot
+from .snapshot import BlockInfos, EngineEvent, StepInfo, take_snapshot
 
 logger = logging.getLogger("engine")
 
@@ -87,6 +87,7 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(config.seed)
         self.step_count = 0
         self.last_step: StepInfo | None = None
+        self._block_infos = BlockInfos()   # snapshots share the BlockInfo of unchanged blocks
 
     # -- requests -------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
@@ -277,7 +278,7 @@ class LLMEngine:
         return take_snapshot(step=self.step_count, model=self.model_name, model_impl=self.model_impl,
                              device=self.device, attention_backend=self.attention_backend,
                              kv_cache_manager=self.kv_cache_manager, requests=live, last_step=self.last_step,
-                             decode_path=self.runner.decode_path)
+                             decode_path=self.runner.decode_path, block_infos=self._block_infos)
 
     def drain_events(self) -> list[EngineEvent]:
         """Events since the last drain, in order. The engine never calls listeners itself:

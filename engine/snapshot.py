@@ -84,9 +84,41 @@ class EngineEvent:
         return asdict(self)
 
 
+class BlockInfos:
+    """Every block's ``BlockInfo``, kept from one snapshot to the next.
+
+    A block whose fields did not change since the last snapshot keeps its ``BlockInfo``
+    object, so a view can tell the blocks that changed by identity instead of comparing
+    every field of every block (the map of a few hundred blocks is redrawn several times a
+    second while requests run, and only the blocks they write to change between two
+    snapshots). One per engine; used under the engine's lock, like the blocks it reads.
+    """
+
+    def __init__(self) -> None:
+        self._keys: list[tuple] = []
+        self._infos: list[BlockInfo] = []
+
+    def build(self, blocks, owners: dict[int, list[str]], ranges: dict[int, tuple[int, int]]) -> tuple[BlockInfo, ...]:
+        keys, infos = self._keys, self._infos
+        if len(keys) != len(blocks):
+            keys[:], infos[:] = [None] * len(blocks), [None] * len(blocks)
+        for i, b in enumerate(blocks):
+            own = tuple(owners.get(b.block_id, ()))
+            key = (b.ref_cnt, own, ranges.get(b.block_id), b.block_hash)
+            if keys[i] != key:
+                hashed = b.block_hash is not None
+                state = "used" if b.ref_cnt > 0 else ("cached" if hashed else "free")
+                keys[i] = key
+                infos[i] = BlockInfo(b.block_id, state, b.ref_cnt, own, hashed, key[2],
+                                     b.block_hash.hex()[:16] if hashed else None)
+        return tuple(infos)
+
+
 def take_snapshot(*, step, model, model_impl, device, kv_cache_manager, requests, last_step,
-                  attention_backend="cpu", decode_path="paddle") -> EngineSnapshot:
-    """Build a snapshot from the KV cache manager and the live requests (cheap: O(blocks))."""
+                  attention_backend="cpu", decode_path="paddle", block_infos: BlockInfos | None = None
+                  ) -> EngineSnapshot:
+    """Build a snapshot from the KV cache manager and the live requests (O(blocks)); with
+    ``block_infos`` (the engine's), unchanged blocks keep the ``BlockInfo`` of the last one."""
     bs = kv_cache_manager.block_size
     owners: dict[int, list[str]] = {}
     ranges: dict[int, tuple[int, int]] = {}
@@ -106,16 +138,11 @@ def take_snapshot(*, step, model, model_impl, device, kv_cache_manager, requests
             num_cached_tokens=max(req.num_cached_tokens, 0),
             num_output_tokens=req.num_output_tokens,
         ))
-    blocks = []
-    for b in kv_cache_manager.blocks:
-        hashed = b.block_hash is not None
-        state = "used" if b.ref_cnt > 0 else ("cached" if hashed else "free")
-        blocks.append(BlockInfo(b.block_id, state, b.ref_cnt, tuple(owners.get(b.block_id, ())), hashed,
-                                ranges.get(b.block_id), b.block_hash.hex()[:16] if hashed else None))
+    blocks = (block_infos or BlockInfos()).build(kv_cache_manager.blocks, owners, ranges)
     s = kv_cache_manager.stats
     return EngineSnapshot(
         step=step, model=model, model_impl=model_impl, device=device, block_size=bs,
-        num_blocks=kv_cache_manager.num_blocks, kv_usage=kv_cache_manager.usage, blocks=tuple(blocks),
+        num_blocks=kv_cache_manager.num_blocks, kv_usage=kv_cache_manager.usage, blocks=blocks,
         requests=tuple(infos),
         prefix_cache=PrefixCacheInfo(s.queries, s.hits, s.hit_rate, s.reset_count),
         last_step=last_step, attention_backend=attention_backend, decode_path=decode_path,

@@ -32,14 +32,24 @@ from .timeline import Timeline
 __all__ = ["EngineMonitor", "snapshot_dict"]
 
 
-def snapshot_dict(snapshot: EngineSnapshot) -> dict:
+def snapshot_dict(snapshot: EngineSnapshot, last: tuple[EngineSnapshot, dict] | None = None) -> dict:
     """``snapshot.to_dict()``, built without copying what cannot change.
 
     ``EngineSnapshot`` is frozen and its fields are tuples, strings and numbers
     (``StepInfo.prefill``, a dict, is copied), so the nested dataclasses become
     dicts and everything else is shared; ``asdict`` deep-copies every value.
+    With ``last`` (the previous snapshot and its dict), a block whose ``BlockInfo``
+    is the same object as in the previous snapshot (the engine keeps those of
+    unchanged blocks, ``engine.snapshot.BlockInfos``) keeps its dict too: views
+    then find the changed blocks by identity (``playground.render``).
     """
-    return _plain(snapshot)
+    out = {k: _plain(v) for k, v in vars(snapshot).items() if k != "blocks"}
+    before, before_dicts = (last[0].blocks, last[1]["blocks"]) if last else ((), ())
+    if len(before) != len(snapshot.blocks):
+        before = ()
+    out["blocks"] = tuple(before_dicts[i] if before and before[i] is b else _plain(b)
+                          for i, b in enumerate(snapshot.blocks))
+    return out
 
 
 def _plain(value: Any) -> Any:
@@ -79,7 +89,8 @@ class EngineMonitor:
         self.num_steps = 0
         self.version = 0            # bumps with every new snapshot: a view's cheap "did anything change"
         self.timeline = Timeline()
-        self._snapshot = snapshot_dict(llm.snapshot())
+        self._last = None           # (snapshot, its dict): unchanged blocks keep their dicts
+        self._snapshot = self._dict(llm.snapshot())
         self.timeline.on_snapshot(time.time(), self._snapshot)
         self._unsubscribe = llm.subscribe(self._on_event)
         self._thread = threading.Thread(target=self._poll, name="playground-monitor", daemon=True)
@@ -124,11 +135,16 @@ class EngineMonitor:
 
     def refresh(self) -> dict:
         """Take a fresh snapshot now (blocks until the engine lets us) and return it."""
-        snap = snapshot_dict(self.llm.snapshot())
+        snap = self._dict(self.llm.snapshot())
         with self._lock:
             self._snapshot = snap
             self.version += 1
         self.timeline.on_snapshot(time.time(), snap)
+        return snap
+
+    def _dict(self, snapshot: EngineSnapshot) -> dict:
+        snap = snapshot_dict(snapshot, self._last)
+        self._last = (snapshot, snap)
         return snap
 
     # -- readers (any thread) -------------------------------------------------------

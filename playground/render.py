@@ -216,12 +216,18 @@ def _cell(block: Mapping[str, Any], owners: tuple[str, ...], colors: Mapping[str
     return hit
 
 
+_drawn: dict = {}   # block id -> (its dict, owners, their colours, kind, cell) as drawn last
+
+
 def _grid(blocks: Sequence[Mapping[str, Any]], colors: Mapping[str, str]) -> tuple[str, dict, dict]:
     """The map's cells (HTML), the block counts by kind and the blocks per owner.
 
     The cells depend only on the blocks and their owners' colours, not on the tab (its legend
-    names differ), so the last result is kept for the next tab that draws the same snapshot,
-    and each cell is drawn again only when its block changed (`_cell`).
+    names differ), so the last result is kept for the next tab that draws the same snapshot.
+    Between two snapshots the monitor keeps the dict of every block that did not change
+    (``monitor.snapshot_dict``), so in a snapshot's tuple of blocks a block drawn last time from
+    the same dict object, whose owners kept their colours, keeps its cell; the others are drawn
+    again (`_cell`).
     """
     global _last_grid
     key = tuple(colors.items())
@@ -231,17 +237,29 @@ def _grid(blocks: Sequence[Mapping[str, Any]], colors: Mapping[str, str]) -> tup
     counts = {"used": 0, "shared": 0, "cached": 0, "free": 0}
     per_owner: dict[str, int] = {}
     cells = []
-    for b in sorted(blocks, key=lambda b: b.get("block_id", 0)):
-        owners = tuple(str(o) for o in b.get("owners") or ())
+    frozen = isinstance(blocks, tuple)  # a snapshot's dicts, never changed in place (a list's could be)
+    for b in sorted(blocks, key=_block_id):
+        bid = b.get("block_id", 0)
+        drawn = _drawn.get(bid)
+        if not frozen or drawn is None or drawn[0] is not b or (drawn[1] and drawn[2] != tuple(colors.get(o) for o in drawn[1])):
+            owners = tuple(str(o) for o in b.get("owners") or ())
+            kind, cell = _cell(b, owners, colors)
+            drawn = _drawn[bid] = (b, owners, tuple(colors.get(o) for o in owners), kind, cell)
+        owners, kind = drawn[1], drawn[3]
         for o in owners:
             per_owner[o] = per_owner.get(o, 0) + 1
-        kind, cell = _cell(b, owners, colors)
         counts[kind] += 1
-        cells.append(cell)
+        cells.append(drawn[4])
+    if len(_drawn) > _MAX_CELLS:
+        _drawn.clear()
     result = ("".join(cells), counts, per_owner)
-    if isinstance(blocks, tuple):       # an immutable snapshot's blocks (a list could change in place)
+    if frozen:
         _last_grid = (blocks, key, result)
     return result
+
+
+def _block_id(block: Mapping[str, Any]) -> int:
+    return block.get("block_id", 0)
 
 
 # --------------------------------------------------------------------------- #

@@ -143,3 +143,36 @@ def test_snapshot_is_json_and_consistent(smollm2_llm):
     kinds = {e.kind for e in events}
     assert {"request_added", "request_started", "step", "request_finished"} <= kinds
     assert d["last_step"]["batch_size"] == 1
+
+
+def test_snapshots_share_the_blockinfo_of_unchanged_blocks(smollm2_llm):
+    """The map is redrawn several times a second while requests run, and between two snapshots
+    only the blocks they wrote to change: a snapshot keeps the ``BlockInfo`` object of every block
+    that did not change (views find the changed ones by identity), and is equal to a snapshot
+    built from scratch."""
+    from engine.snapshot import take_snapshot
+
+    engine = smollm2_llm.engine
+    stream = smollm2_llm.stream("Tell me about owls and the night.",
+                                SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    pairs = []
+    for _ in stream:
+        with smollm2_llm._lock:
+            snap = engine.snapshot()
+            fresh = take_snapshot(step=engine.step_count, model=engine.model_name, model_impl=engine.model_impl,
+                                  device=engine.device, attention_backend=engine.attention_backend,
+                                  kv_cache_manager=engine.kv_cache_manager,
+                                  requests=list(engine.scheduler.running) + list(engine.scheduler.waiting),
+                                  last_step=engine.last_step, decode_path=engine.runner.decode_path)
+        assert snap == fresh
+        pairs.append(snap)
+    kept = changed = 0
+    for before, after in zip(pairs, pairs[1:]):
+        for a, b in zip(before.blocks, after.blocks):
+            if a is b:
+                kept += 1
+            elif a != b:
+                changed += 1
+            else:
+                raise AssertionError(f"block {a.block_id} did not change but got a new BlockInfo")
+    assert changed >= len(pairs) - 1 and kept > 10 * changed     # each step writes one block of hundreds

@@ -455,6 +455,14 @@ def test_the_monitors_snapshot_dict_is_the_snapshots_to_dict(smollm2_llm):
     for s in snaps[::5] + snaps[-1:]:
         d = snapshot_dict(s)
         assert d == s.to_dict() and isinstance(d["blocks"], tuple)
+    last = None                     # the monitor's way: each dict built on the previous one
+    for s in snaps:
+        d = snapshot_dict(s, last)
+        assert d == s.to_dict()
+        if last is not None:        # a block the engine kept (same BlockInfo) keeps its dict
+            for i, (a, b) in enumerate(zip(last[0].blocks, s.blocks)):
+                assert (last[1]["blocks"][i] is d["blocks"][i]) == (a is b)
+        last = (s, d)
 
 
 def test_the_monitor_slows_down_while_no_view_reads_it(paced_engine):
