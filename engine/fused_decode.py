@@ -27,7 +27,7 @@ from numba.typed import List
 
 from gpu_kernels.cpu import decode_step as kernel
 from gpu_kernels.cpu.blas import single_threaded_blas
-from gpu_kernels.cpu.sync import STRIDE
+from gpu_kernels.cpu.sync import CONTROL_SIZE, OPEN, STRIDE, close_step, open_step
 from gpu_kernels.interop import host_view
 
 from .attention import AttentionMetadata
@@ -258,46 +258,49 @@ def _empty_vectors():
 class _Team:
     """Threads 1 .. size - 1 of the decode step (the caller is thread 0), each parked until a step.
 
-    The kernel releases the GIL, so the members compute while the caller does;
-    they share the step's work through its counters (`gpu_kernels.cpu.sync`).
+    The kernel releases the GIL, so the members compute while the caller does; they share the
+    step's work through its counters (`gpu_kernels.cpu.sync`). A member needs the interpreter
+    lock to wake and to return, which the app's threads hold at times: the caller waits for
+    neither. It opens the step, wakes the members and runs its part; then it closes the step
+    and waits only for members still inside the step's Numba code (``sync.close_step``). A
+    member that wakes after the close leaves without touching the step (``member_step``).
     """
 
     def __init__(self, size: int):
         self.size = size
         self._args = None
+        self._control = np.zeros(CONTROL_SIZE, np.int64)
+        self._control[OPEN] = -1
         self._go = [threading.Event() for _ in range(size - 1)]
-        self._done = [threading.Event() for _ in range(size - 1)]
+        self._closed = False
         for tid in range(1, size):
             threading.Thread(target=self._member, args=(tid,), name=f"fused-decode-{tid}", daemon=True).start()
 
     def _member(self, tid: int) -> None:
-        go, done = self._go[tid - 1], self._done[tid - 1]
+        go = self._go[tid - 1]
         while True:
             go.wait()
             go.clear()
             args = self._args
-            if args is None:
+            if self._closed:
                 return
-            try:
-                kernel.decode_step(tid, self.size, *args)
-            finally:
-                done.set()
+            if args is not None:
+                kernel.member_step(self._control, tid, self.size, *args)
 
     def run(self, args) -> None:
-        """One step on the whole team; returns when every member is finished with ``args``."""
+        """One step on the whole team; returns when no member is inside the step any more."""
         self._args = args
+        open_step(self._control, args[2])
         for go in self._go:
             go.set()
         try:
             kernel.decode_step(0, self.size, *args)
         finally:
-            for done in self._done:
-                done.wait()
-                done.clear()
+            close_step(self._control)
             self._args = None
 
     def close(self) -> None:
         """Let the members exit."""
-        self._args = None
+        self._closed = True
         for go in self._go:
             go.set()

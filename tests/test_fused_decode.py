@@ -181,6 +181,69 @@ def test_fused_decode_team_gives_the_single_threads_numbers(tmp_path):
             assert {t: lp.logprob for t, lp in a.items()} == {t: lp.logprob for t, lp in b.items()}
 
 
+def test_a_member_joins_only_the_open_step_and_the_close_waits_for_it():
+    """A member comes in only while its step is open; closing waits for the members inside (they
+    need no interpreter lock to finish), not for those that never came."""
+    from gpu_kernels.cpu import sync
+
+    control = np.zeros(sync.CONTROL_SIZE, np.int64)
+    sync.open_step(control, 7)
+    assert not sync.join_step(control, 6)             # an earlier step's member: turned away
+    assert control[sync.ACTIVE] == 0
+    assert sync.join_step(control, 7)
+    closed = threading.Event()
+    closer = threading.Thread(target=lambda: (sync.close_step(control), closed.set()))
+    closer.start()
+    assert not closed.wait(0.2)                        # a member is inside: the close waits
+    assert not sync.join_step(control, 7)              # closed: no one else comes in
+    sync.leave_step(control)
+    assert closed.wait(10)
+    closer.join()
+    sync.close_step(control)                            # nobody inside: returns at once
+
+
+def test_a_team_step_does_not_wait_for_a_member_that_wakes_late(tmp_path, monkeypatch):
+    """A member needs the interpreter lock to wake, which the app's threads hold at times; the
+    step used to wait for every member to wake, run and return to Python. A member that wakes
+    after the caller finished the step now leaves it untouched, and the numbers are the single
+    thread's."""
+    import time
+
+    import engine.fused_decode as fd
+
+    llm = LLM(model=make_tiny_model(str(tmp_path), seed=3), cpu_decode="fused", block_size=4,
+              enable_prefix_caching=False)
+    fused = llm.engine.runner.fused_decode
+    fused.threads = 1
+    alone = llm.generate(tiny_prompts(2), GREEDY)
+    late = threading.Event()
+    wait = threading.Event.wait
+
+    def slow_wait(event, timeout=None):      # a member's wake-up, 0.3 s late (the GIL held elsewhere)
+        woke = wait(event, timeout)
+        if threading.current_thread().name.startswith("fused-decode-"):
+            late.set()
+            time.sleep(0.3)
+        return woke
+
+    monkeypatch.setattr(threading.Event, "wait", slow_wait)
+    fused.threads = 2
+    steps = []
+    run = fd._Team.run
+    monkeypatch.setattr(fd._Team, "run", lambda team, args: (steps.append(time.perf_counter()), run(team, args),
+                                                              steps.append(time.perf_counter())))
+    together = llm.generate(tiny_prompts(2), GREEDY)
+    monkeypatch.setattr(threading.Event, "wait", wait)
+    llm.shutdown()
+    assert late.is_set() and len(steps) >= 8
+    durations = [b - a for a, b in zip(steps[::2], steps[1::2])]
+    assert max(durations) < 0.15, durations            # no step waited for the late member
+    for one, two in zip(alone, together):
+        assert one.outputs[0].token_ids == two.outputs[0].token_ids
+        for a, b in zip(one.outputs[0].logprobs, two.outputs[0].logprobs):
+            assert {t: lp.logprob for t, lp in a.items()} == {t: lp.logprob for t, lp in b.items()}
+
+
 def test_fused_decode_falls_back_and_says_why(tmp_path):
     llm = LLM(model=make_tiny_model(str(tmp_path)), attention_backend="reference")
     assert llm.snapshot().decode_path == ("paddle (attention_backend is reference; the fused decode step has the "

@@ -49,7 +49,7 @@ from numba import njit
 from .activations import silu_mul
 from .attention import decode_item, store_rows
 from .block_matmul import BLOCK, MATVEC_T, SMALL_T, blas_rows, block_sums, matvec_rows, padded_transpose, tiled_rows
-from .sync import claim, finish, finished
+from .sync import claim, finish, finished, join_step, leave_step
 
 FLOAT, INT8, NIBBLE = 0, 1, 2
 QKV, O_PROJ, GATE_UP, DOWN = 0, 1, 2, 3
@@ -302,3 +302,14 @@ def decode_step(tid, team_size, counters, marks, epoch, token_ids, positions, sl
             rows[i] = h[logit_rows[i]]
         _linear_phase(4 * num_layers, rows, formats, float_w, codes, nibbles, scales, offsets, logits,
                       counters, marks, epoch, PHASES_PER_LAYER * num_layers, team_size)
+
+
+@njit(**_SEQ)
+def member_step(control, tid, team_size, *args):
+    """A team member's ``decode_step(tid, team_size, *args)`` if it joins the step in time
+    (``sync.join_step``; ``args[2]`` is the step's epoch), else nothing: joining, the step and
+    leaving are one call, so a member never holds the step open while it waits for the
+    interpreter lock."""
+    if join_step(control, args[2]):
+        decode_step(tid, team_size, *args)
+        leave_step(control)

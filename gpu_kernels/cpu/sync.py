@@ -18,6 +18,8 @@ written, so the marks need no clearing between steps.
 """
 from __future__ import annotations
 
+import ctypes
+
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
@@ -86,3 +88,77 @@ def finish(marks, phase, item, epoch):
 def finished(marks, phase, item, epoch):
     """Whether ``item`` of ``phase`` is finished in step ``epoch`` (its results then visible)."""
     return atomic_load2(marks, phase, item) == epoch
+
+
+# -- joining a step ---------------------------------------------------------------------------
+# A team member is a Python thread, woken for each step: it needs the interpreter lock to wake
+# and to return, and the app's threads (Gradio's, the monitor's) hold that lock at times. So the
+# caller neither waits for members to come nor for them to return to Python: it opens a step
+# (``open_step``), runs its own part, and closes it (``close_step``), waiting only for members
+# inside the step's Numba code, which need no lock to finish. A member that comes after the close
+# leaves at once (``join_step``): the caller has done its part.
+OPEN, ACTIVE = 0, STRIDE       # control slots: the epoch members may join (-1: none), members inside
+CONTROL_SIZE = 2 * STRIDE
+
+_libc = ctypes.CDLL(None)
+_sched_yield = _libc.sched_yield
+_sched_yield.restype = ctypes.c_int
+_sched_yield.argtypes = []
+
+
+@intrinsic
+def atomic_load(typingctx, arr, index):
+    """``arr[index]`` read atomically (sequentially consistent)."""
+    _check(arr, 1)
+
+    def codegen(context, builder, sig, args):
+        ptr = _pointer(context, builder, sig.args[0], args[0], [sig.args[1]], [args[1]])
+        return builder.load_atomic(ptr, "seq_cst", 8)
+    return types.int64(arr, index), codegen
+
+
+@intrinsic
+def atomic_store(typingctx, arr, index, value):
+    """``arr[index] = value`` atomically (sequentially consistent)."""
+    _check(arr, 1)
+
+    def codegen(context, builder, sig, args):
+        ptr = _pointer(context, builder, sig.args[0], args[0], [sig.args[1]], [args[1]])
+        builder.store_atomic(context.cast(builder, args[2], sig.args[2], types.int64), ptr, "seq_cst", 8)
+        return context.get_dummy_value()
+    return types.void(arr, index, value), codegen
+
+
+@njit(nogil=True, cache=True)
+def open_step(control, epoch):
+    """Let members join step ``epoch`` (call before waking them)."""
+    atomic_store(control, OPEN, epoch)
+
+
+@njit(nogil=True, cache=True)
+def join_step(control, epoch):
+    """A member entering step ``epoch``: True if it may run its part (then call ``leave_step``
+    after it), False if the step is closed (it must not touch the step's buffers)."""
+    atomic_add(control, ACTIVE, 1)
+    if atomic_load(control, OPEN) == epoch:
+        return True
+    atomic_add(control, ACTIVE, -1)
+    return False
+
+
+@njit(nogil=True, cache=True)
+def leave_step(control):
+    atomic_add(control, ACTIVE, -1)
+
+
+@njit(nogil=True)   # not cached: Numba does not cache a function that calls a ctypes pointer
+def close_step(control):
+    """No member joins from now on; returns once every member inside has left (a member that
+    joined is running Numba code: it needs no interpreter lock to finish). Yields the CPU
+    while waiting, for a member the OS has descheduled."""
+    atomic_store(control, OPEN, -1)
+    spins = 0
+    while atomic_load(control, ACTIVE) != 0:
+        spins += 1
+        if spins > 64:
+            _sched_yield()
