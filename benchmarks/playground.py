@@ -223,6 +223,49 @@ class Tabs:
         self.proc.wait(timeout=30)
 
 
+def ui_cpu_by_kind(llm, tabs: "Tabs", prompts: list[str], max_tokens: int) -> dict[str, float]:
+    """Cores the UI's threads (``_ui_cpu``: Gradio's event loop and workers, the monitor) use for
+    each kind of page work, with the engine decoding the tabs' chats: CPU time is what the open
+    page takes from the decode, and unlike tok/s on a shared machine it hardly moves between runs."""
+    def cores(work) -> float:
+        before, t0 = thread_cpu_s(), time.perf_counter()
+        work()
+        return _ui_cpu(cpu_delta(before, thread_cpu_s())) / (time.perf_counter() - t0)
+
+    stop = threading.Event()
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=LOGPROBS)
+
+    def chat_forever(prompt: str) -> None:
+        while not stop.is_set():
+            for _ in llm.stream([{"role": "system", "content": DEFAULT_SYSTEM_PROMPT},
+                                 {"role": "user", "content": prompt}], params):
+                if stop.is_set():
+                    break
+
+    def timers(seconds: float) -> None:
+        tabs._send("ticks")
+        tabs._read()
+        time.sleep(seconds)
+        tabs._send("stop")
+        tabs._read()
+
+    streams = [threading.Thread(target=chat_forever, args=(p,), name=f"stream-alone-{i}")
+               for i, p in enumerate(prompts)]
+    for t in streams:
+        t.start()
+    time.sleep(1.0)
+    try:
+        result = {"engine decoding, no page": cores(lambda: time.sleep(4.0)),
+                  "engine decoding, the tabs' timers (map + panels)": cores(lambda: timers(8.0))}
+    finally:
+        stop.set()
+        for t in streams:
+            t.join()
+    result["the tabs' chats through the app"] = cores(lambda: tabs.round(llm, len(prompts), max_tokens, ticks=False))
+    result["the tabs' chats and timers"] = cores(lambda: tabs.round(llm, len(prompts), max_tokens))
+    return result
+
+
 LONG_MESSAGE = ("Here is a short story I am writing. A lighthouse keeper on a small northern island keeps a log "
                 "of every ship that passes, the weather, and the birds that rest on the rail of the gallery. One "
                 "winter night the lamp fails and a ship he cannot see answers his signal. What happens next?")
@@ -302,6 +345,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="also measure the refresh timers alone and the chats through the app alone")
     parser.add_argument("--switch-interval", type=float, default=None,
                         help="sys.setswitchinterval for the run, in seconds (default: the app's own setting)")
+    parser.add_argument("--ui-cpu", action="store_true",
+                        help="instead of tok/s, the cores the UI's threads use for each kind of page work "
+                             "(median of --repeats rounds)")
     parser.add_argument("--check", action="store_true", help="exit 1 if the app costs more than 5%%")
     parser.add_argument("--cold-start", type=int, metavar="PORT", default=None,
                         help="only measure the first chat after `python -m playground --port PORT` (run it in "
@@ -331,6 +377,14 @@ def main(argv: list[str] | None = None) -> dict:
         first = first_chat(url)
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.tabs)]
         tabs = Tabs(url, prompts, args.interval, args.tabs_nice, idle=args.tabs_idle)
+        if args.ui_cpu:
+            runs = [ui_cpu_by_kind(llm, tabs, prompts, 2 * args.max_tokens) for _ in range(args.repeats)]
+            tabs.close()
+            result = {k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]}
+            print("UI threads' cores (Gradio's event loop and workers, the monitor), 2-core machine:")
+            for key, value in result.items():
+                print(f"{key:>50}: {value}")
+            return result
         engine_alone(llm, prompts, args.max_tokens)                       # both paths once, unmeasured
         tabs.round(llm, len(prompts), args.max_tokens)
         idle_cpu0 = cpu_s()
