@@ -219,7 +219,8 @@ class Handlers:
                 # Paced (update_period): each update re-sends the chat, and a fast engine would
                 # otherwise have the server send one per token for every streaming tab.
                 period = self.update_period()
-                time.sleep(max(0.0, sent_at + period - time.monotonic()))
+                # the pace's wait ends when the reply does: its last update goes out at once
+                done.wait(max(0.0, sent_at + period - time.monotonic()))
                 changed.clear()
                 self._reply_state(reply)
                 key = (len(reply.token_ids), reply.state, reply.num_prompt_tokens)

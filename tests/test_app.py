@@ -658,6 +658,26 @@ def test_replies_streaming_at_once_share_one_budget_of_updates(paced_engine):
     assert median >= 0.9 * 4 / CHAT_UPDATES_PER_S_ALL               # about 3 a second each, not 5
 
 
+def test_a_replys_last_update_goes_out_when_it_ends_not_a_period_later(paced_engine, monkeypatch):
+    """Between two updates a reply's stream waited out the whole update period (up to 0.67 s with
+    eight replies streaming), even when the reply ended meanwhile: its final state reached the page
+    that much late. The wait now ends with the reply."""
+    from playground.chat import ChatSession
+    from playground.handlers import Handlers
+
+    monkeypatch.setattr(Handlers, "update_period", lambda self: 3.0)
+    finished = []
+    unsubscribe = paced_engine.subscribe(
+        lambda e: e.kind == "request_finished" and finished.append(time.monotonic()))
+    try:
+        with handlers_on(paced_engine) as h:
+            updates = [(time.monotonic(), u) for u in h.send("Say hi.", ChatSession(), SYSTEM, *greedy(4), "chat")]
+    finally:
+        unsubscribe()
+    assert finished and len(updates) >= 2
+    assert updates[-1][0] - finished[-1] < 1.0, updates[-1][0] - finished[-1]   # was ~2.5 s (3 s - the reply)
+
+
 def test_streamed_updates_skip_only_the_message_box(paced_engine):
     """Each gr.skip() in a streamed update made Gradio build a new component on the server (several
     updates a second for every streaming tab); unchanged outputs are sent again instead (Gradio diffs a stream's values, so they cost nothing on the wire). Only the
