@@ -331,3 +331,57 @@ def sweep_decode_versions(torch, timer, decode_case, scale, packages, rounds=3,
     for (k, threads), used in sorted(res.items()):
         print(f"  {packages[k]}, {threads} threads: {used}")
     print()
+
+
+def sweep_table_orders(torch, timer, scale, path, rounds=3):
+    """Decode µs of the same sequences read through three kinds of block table, on one cache of
+    the engine pool's size: shuffled (the benchmark's table), each sequence's blocks in order,
+    and the tables the engine's scheduler and block pool handed out under traffic
+    (``benchmarks.engine_tables``); SDPA on the contiguous copy before and after."""
+    import numpy as np
+    import torch.nn.functional as F
+
+    import gpu_kernels
+
+    saved = np.load(path)
+    print(f"decode by block-table order ({path}): µs per call, best of {rounds} rounds (x SDPA)")
+    print("| batch x context | pool blocks | SDPA | shuffled | in order | engine's tables |")
+    print("|---|---|---|---|---|---|")
+    for key in sorted(k for k in saved.files if k.startswith("tables_")):
+        shape = key.removeprefix("tables_")
+        engine = saved[key]
+        num_blocks = int(saved[f"blocks_{shape}"])
+        seqs, per_seq = engine.shape
+        ctx = per_seq * 16
+        kc = torch.randn(num_blocks, 8, 16, 128, dtype=torch.float16, device="cuda")
+        vc = torch.randn_like(kc)
+        q = torch.randn(seqs, 32, 128, dtype=torch.float16, device="cuda")
+        lens = torch.full((seqs,), ctx, dtype=torch.int32, device="cuda")
+        tables = {
+            "shuffled": torch.randperm(num_blocks, device="cuda", dtype=torch.int32)[:seqs * per_seq],
+            "in order": torch.arange(seqs * per_seq, device="cuda", dtype=torch.int32),
+            "engine's tables": torch.from_numpy(engine.astype(np.int32)).cuda(),
+        }
+        tables = {k: t.reshape(seqs, per_seq).contiguous() for k, t in tables.items()}
+        k4, v4 = contiguous(torch, kc, tables["engine's tables"]), contiguous(torch, vc, tables["engine's tables"])
+        q4 = q.unsqueeze(2)
+        sdpa = lambda: F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True)  # noqa
+        ref = sdpa().squeeze(2).float()
+        peer = [min(timer(sdpa), timer(sdpa))]
+        out = torch.empty_like(q)
+        times = {k: [] for k in tables}
+        for r in range(rounds):
+            for name in (list(tables) if r % 2 == 0 else list(tables)[::-1]):
+                bt = tables[name]
+                call = lambda bt=bt: gpu_kernels.paged_decode(q, kc, vc, bt, lens, scale, out=out)  # noqa
+                times[name].append(min(timer(call), timer(call)))
+        gpu_kernels.paged_decode(q, kc, vc, tables["engine's tables"], lens, scale, out=out)
+        err = (out.float() - ref).abs().max().item()
+        peer.append(min(timer(sdpa), timer(sdpa)))
+        p = min(peer)
+        cells = " | ".join(f"{min(t):.1f} ({p / min(t):.3f}x)" for t in times.values())
+        print(f"| {seqs} x {ctx} | {num_blocks} | {peer[0]:.1f} / {peer[1]:.1f} | {cells} |"
+              f"  (engine's tables vs SDPA: max err {err:.1e})", flush=True)
+        del kc, vc, q, k4, v4, out, tables
+        torch.cuda.empty_cache()
+    print()

@@ -325,7 +325,7 @@ def bench_gpu_prefill(torch, F, timer, scale, fp32_peak):
 
 
 def bench_gpu(sweep, only=None, split_rule=False, decode_mma=False, decode_large=False,
-              decode_versions=None):
+              decode_versions=None, tables=None):
     import torch
     import torch.nn.functional as F
     from numba import cuda
@@ -340,6 +340,9 @@ def bench_gpu(sweep, only=None, split_rule=False, decode_mma=False, decode_large
     print(f"measured device copy bandwidth: {bw:.2f} TB/s (read + write)\n")
     scale = 128 ** -0.5
 
+    if tables:
+        from .kernel_sweep import sweep_table_orders
+        sweep_table_orders(torch, timer, scale, tables)
     if decode_versions:
         from .kernel_sweep import sweep_decode_versions
         sweep_decode_versions(torch, timer, decode_case, scale, decode_versions.split(","))
@@ -386,6 +389,9 @@ def main(argv=None):
     parser.add_argument("--decode-versions", metavar="PKG,PKG",
                         help="GPU: also time the decode of several copies of gpu_kernels "
                              "(importable package names) on the same data")
+    parser.add_argument("--tables", metavar="FILE",
+                        help="GPU: also time decode through shuffled, in-order and the engine's own block "
+                             "tables (FILE from python -m benchmarks.engine_tables)")
     args = parser.parse_args(argv)
     try:
         from numba import cuda
@@ -396,7 +402,7 @@ def main(argv=None):
         gpu = False
     if gpu:
         bench_gpu(args.sweep, args.only, args.split_rule, args.decode_mma, args.decode_large,
-                  args.decode_versions)
+                  args.decode_versions, args.tables)
     else:
         bench_cpu()
         bench_cpu_prefill()
