@@ -9,7 +9,7 @@ from __future__ import annotations
 import gpu_kernels
 from gpu_kernels.cuda import backend as cuda_backend
 
-from .kernels import contiguous, resources
+from .kernels import contiguous, resources, sdpa_decode
 
 #: (threads, ring stages, stage bytes, register cap, blocks per SM aimed at)
 DECODE_VARIANTS = [(128, 2, 4096, 128, 4), (128, 2, 4096, 128, 2), (128, 2, 4096, 128, 8),
@@ -110,7 +110,6 @@ SPLIT_SHAPES = [(1, 512), (1, 2048), (1, 8192), (1, 16384), (1, 32768), (4, 8192
 
 def sweep_split_rule(torch, timer, decode_case, scale):
     """Decode µs per split rule at few sequences and long contexts, SDPA beside (same run)."""
-    import torch.nn.functional as F
     names = ("DECODE_MERGE_SPLITS", "DECODE_MIN_CHUNK", "DECODE_LONG_SHARE")
     defaults = [getattr(cuda_backend, n) for n in names]
     print("decode split rule (merge splits, min chunk, long share): µs per call; SDPA µs; "
@@ -128,14 +127,12 @@ def sweep_split_rule(torch, timer, decode_case, scale):
                 for n, v in zip(names, rule):
                     setattr(cuda_backend, n, v)
                 cells.append(min(timer(call), timer(call)))
-            k4, v4 = contiguous(torch, kc, bt), contiguous(torch, vc, bt)
-            q4 = q.unsqueeze(2)
-            peer = min(timer(lambda: F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True))
-                       for _ in range(2))
+            sdpa = sdpa_decode(torch, q, kc, vc, bt)
+            peer = min(timer(sdpa) for _ in range(2))
             row = " ".join(f"{r}:{t:.1f}" for r, t in zip(SPLIT_RULES, cells))
             print(f"  {seqs}x{ctx}: default {default:.1f} | {row} | SDPA {peer:.1f} | "
                   f"{peer / default:.2f}x, {peer / min(cells):.2f}x", flush=True)
-            del q, kc, vc, bt, out, k4, v4
+            del q, kc, vc, bt, out, sdpa
             torch.cuda.empty_cache()
     finally:
         for n, v in zip(names, defaults):
@@ -157,7 +154,6 @@ def sweep_decode_mma(torch, timer, decode_case, scale):
     """Decode µs per variant (tensor-core stage or not, register cap, blocks per SM, stages,
     stages with few sequences),
     SDPA beside and each variant's max error vs SDPA, same run."""
-    import torch.nn.functional as F
     names = ("decode_mma_mode", "DECODE_BLOCKS_PER_SM", "DECODE_STAGES",
              "DECODE_FEW_PAIRS_SHAPE", "DECODE_EVICT_FIRST_L2")
     defaults = [getattr(cuda_backend, n) for n in names]
@@ -169,9 +165,7 @@ def sweep_decode_mma(torch, timer, decode_case, scale):
         for seqs, ctx in DECODE_MMA_SHAPES:
             q, kc, vc, bt, lens = decode_case(torch, seqs, ctx)
             out = torch.empty_like(q)
-            k4, v4 = contiguous(torch, kc, bt), contiguous(torch, vc, bt)
-            q4 = q.unsqueeze(2)
-            sdpa = lambda: F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True)  # noqa
+            sdpa = sdpa_decode(torch, q, kc, vc, bt)
             peer = min(timer(sdpa), timer(sdpa))
             ref = sdpa().squeeze(2).float()
             cells = []
@@ -193,7 +187,7 @@ def sweep_decode_mma(torch, timer, decode_case, scale):
                     res[v] = resources(cuda_backend.last_kernels["decode"],
                                        cuda_backend.last_kernels["decode_threads"])
             print(f"  {seqs}x{ctx}: SDPA {peer:.1f} | " + " | ".join(cells), flush=True)
-            del q, kc, vc, bt, out, k4, v4
+            del q, kc, vc, bt, out, sdpa
             torch.cuda.empty_cache()
     finally:
         for n, x in zip(names, defaults):
@@ -225,7 +219,6 @@ def sweep_decode_large(torch, timer, decode_case, scale, rounds=2,
                        variants=DECODE_LARGE_VARIANTS, shapes=DECODE_LARGE_SHAPES):
     """Decode µs per variant at large KV, SDPA timed before and after them (same run), each
     variant's max error vs SDPA; ``rounds`` passes over the variants per shape (drift)."""
-    import torch.nn.functional as F
     names = sorted({k for v in variants for k in v})
     defaults = {n: getattr(cuda_backend, n) for n in names}
     print("decode variants at large KV: µs per call (x SDPA) per round, max error vs SDPA")
@@ -234,9 +227,7 @@ def sweep_decode_large(torch, timer, decode_case, scale, rounds=2,
         for seqs, ctx in shapes:
             q, kc, vc, bt, lens = decode_case(torch, seqs, ctx)
             out = torch.empty_like(q)
-            k4, v4 = contiguous(torch, kc, bt), contiguous(torch, vc, bt)
-            q4 = q.unsqueeze(2)
-            sdpa = lambda: F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True)  # noqa
+            sdpa = sdpa_decode(torch, q, kc, vc, bt)
             peer = [min(timer(sdpa), timer(sdpa))]
             ref = sdpa().squeeze(2).float()
             call = lambda: gpu_kernels.paged_decode(q, kc, vc, bt, lens, scale, out=out)  # noqa
@@ -266,7 +257,7 @@ def sweep_decode_large(torch, timer, decode_case, scale, rounds=2,
                 e = errs.get(i)
                 print(f"    {_label(v)}: {ts} err {e if isinstance(e, str) else f'{e:.1e}'}",
                       flush=True)
-            del q, kc, vc, bt, out, k4, v4
+            del q, kc, vc, bt, out, sdpa
             torch.cuda.empty_cache()
     finally:
         for n in names:
@@ -291,7 +282,6 @@ def sweep_decode_versions(torch, timer, decode_case, scale, packages, rounds=3,
     its output is bit-equal to the first version's."""
     import importlib
 
-    import torch.nn.functional as F
     mods = [importlib.import_module(p) for p in packages]
     backends = [importlib.import_module(p + ".cuda.backend") for p in packages]
     print("decode versions: µs per call per round, best (x SDPA), max error vs SDPA, "
@@ -299,9 +289,7 @@ def sweep_decode_versions(torch, timer, decode_case, scale, packages, rounds=3,
     res = {}
     for seqs, ctx in shapes:
         q, kc, vc, bt, lens = decode_case(torch, seqs, ctx)
-        k4, v4 = contiguous(torch, kc, bt), contiguous(torch, vc, bt)
-        q4 = q.unsqueeze(2)
-        sdpa = lambda: F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True)  # noqa
+        sdpa = sdpa_decode(torch, q, kc, vc, bt)
         peer = [min(timer(sdpa), timer(sdpa))]
         ref = sdpa().squeeze(2).float()
         outs = [torch.full_like(q, float("nan")) for _ in packages]
@@ -326,7 +314,7 @@ def sweep_decode_versions(torch, timer, decode_case, scale, packages, rounds=3,
             best = min(times[k])
             print(f"    {name}: {ts} | best {best:.1f} ({p / best:.3f}x) | err {err:.1e} | "
                   f"{torch.equal(outs[k], outs[0])}", flush=True)
-        del q, kc, vc, bt, k4, v4, outs, calls
+        del q, kc, vc, bt, sdpa, outs, calls
         torch.cuda.empty_cache()
     for (k, threads), used in sorted(res.items()):
         print(f"  {packages[k]}, {threads} threads: {used}")
@@ -339,7 +327,6 @@ def sweep_table_orders(torch, timer, scale, path, rounds=3):
     and the tables the engine's scheduler and block pool handed out under traffic
     (``benchmarks.engine_tables``); SDPA on the contiguous copy before and after."""
     import numpy as np
-    import torch.nn.functional as F
 
     import gpu_kernels
 
@@ -363,9 +350,7 @@ def sweep_table_orders(torch, timer, scale, path, rounds=3):
             "engine's tables": torch.from_numpy(engine.astype(np.int32)).cuda(),
         }
         tables = {k: t.reshape(seqs, per_seq).contiguous() for k, t in tables.items()}
-        k4, v4 = contiguous(torch, kc, tables["engine's tables"]), contiguous(torch, vc, tables["engine's tables"])
-        q4 = q.unsqueeze(2)
-        sdpa = lambda: F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True)  # noqa
+        sdpa = sdpa_decode(torch, q, kc, vc, tables["engine's tables"])
         ref = sdpa().squeeze(2).float()
         peer = [min(timer(sdpa), timer(sdpa))]
         out = torch.empty_like(q)
@@ -382,6 +367,6 @@ def sweep_table_orders(torch, timer, scale, path, rounds=3):
         cells = " | ".join(f"{min(t):.1f} ({p / min(t):.3f}x)" for t in times.values())
         print(f"| {seqs} x {ctx} | {num_blocks} | {peer[0]:.1f} / {peer[1]:.1f} | {cells} |"
               f"  (engine's tables vs SDPA: max err {err:.1e})", flush=True)
-        del kc, vc, q, k4, v4, out, tables
+        del kc, vc, q, sdpa, out, tables
         torch.cuda.empty_cache()
     print()

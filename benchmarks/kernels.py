@@ -212,6 +212,15 @@ def contiguous(torch, cache, tables):
     return pages.permute(0, 2, 1, 3, 4).reshape(s, h, nb * bs, d).contiguous()
 
 
+def sdpa_decode(torch, q, k_cache, v_cache, tables):
+    """The SDPA peer of a paged decode: a call of torch's ``scaled_dot_product_attention`` on a
+    contiguous ``[seqs, kv_heads, context, head_dim]`` copy of each sequence's pages (the copy
+    lives as long as the call does)."""
+    import torch.nn.functional as F
+    k4, v4, q4 = contiguous(torch, k_cache, tables), contiguous(torch, v_cache, tables), q.unsqueeze(2)
+    return lambda: F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True)
+
+
 def resources(dispatcher, threads, shared=0):
     """'regs R, local L B, B blocks/SM' of the kernel a dispatcher last compiled."""
     found = list(dispatcher.overloads.values())
@@ -247,14 +256,12 @@ def bench_gpu_decode(torch, F, timer, bw, scale):
             kv_bytes = 2 * seqs * ctx * 8 * 128 * 2
             host = _host_time(call, 200)
             torch.cuda.synchronize()
-            k4, v4 = contiguous(torch, kc, bt), contiguous(torch, vc, bt)
-            q4 = q.unsqueeze(2)                                   # [S, 32, 1, D]
-            sdpa = lambda: F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True)  # noqa
+            sdpa = sdpa_decode(torch, q, kc, vc, bt)
             peer = timer(sdpa)
             peer_host = _host_time(sdpa, 200)
             torch.cuda.synchronize()
             err = (out.float() - sdpa().squeeze(2).float()).abs().max().item()
-            del k4, v4
+            del sdpa
             print(f"| {seqs} | {ctx} | {kv_bytes / 1e6:.0f} | {ours:.1f} | "
                   f"{kv_bytes / ours / 1e6:.2f} | {100 * kv_bytes / ours / 1e6 / bw:.0f}% | "
                   f"{peer:.1f} | {kv_bytes / peer / 1e6:.2f} | {peer / ours:.2f}x | {host:.0f} | "
