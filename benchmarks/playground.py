@@ -143,6 +143,11 @@ def chat_args(prompt: str, max_tokens: int) -> tuple:
     return (prompt, DEFAULT_SYSTEM_PROMPT, 0.0, 1.0, 0, max_tokens, 0, LOGPROBS, "chat")
 
 
+def chat_messages(prompt: str) -> list[dict]:
+    """A chat's first turn as the app sends it to the engine (its default system prompt)."""
+    return [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}, {"role": "user", "content": prompt}]
+
+
 def engine_alone(llm, prompts: list[str], max_tokens: int, cores: list | None = None) -> float:
     """The chats straight through ``LLM.stream`` (the app idles); decode tok/s."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=0, logprobs=LOGPROBS)
@@ -150,8 +155,7 @@ def engine_alone(llm, prompts: list[str], max_tokens: int, cores: list | None = 
     threads0, cpu0, t0 = thread_cpu_s(), cpu_s(), time.perf_counter()
 
     def one(prompt: str) -> None:
-        for _ in llm.stream([{"role": "system", "content": DEFAULT_SYSTEM_PROMPT},
-                             {"role": "user", "content": prompt}], params):
+        for _ in llm.stream(chat_messages(prompt), params):
             pass
 
     threads = [threading.Thread(target=one, args=(p,), name=f"stream-alone-{i}") for i, p in enumerate(prompts)]
@@ -237,17 +241,9 @@ def ui_cpu_by_kind(llm, tabs: "Tabs", prompts: list[str], max_tokens: int) -> di
 
     def chat_forever(prompt: str) -> None:
         while not stop.is_set():
-            for _ in llm.stream([{"role": "system", "content": DEFAULT_SYSTEM_PROMPT},
-                                 {"role": "user", "content": prompt}], params):
+            for _ in llm.stream(chat_messages(prompt), params):
                 if stop.is_set():
                     break
-
-    def timers(seconds: float) -> None:
-        tabs._send("ticks")
-        tabs._read()
-        time.sleep(seconds)
-        tabs._send("stop")
-        tabs._read()
 
     streams = [threading.Thread(target=chat_forever, args=(p,), name=f"stream-alone-{i}")
                for i, p in enumerate(prompts)]
@@ -256,7 +252,7 @@ def ui_cpu_by_kind(llm, tabs: "Tabs", prompts: list[str], max_tokens: int) -> di
     time.sleep(1.0)
     try:
         result = {"engine decoding, no page": cores(lambda: time.sleep(4.0)),
-                  "engine decoding, the tabs' timers (map + panels)": cores(lambda: timers(8.0))}
+                  "engine decoding, the tabs' timers (map + panels)": cores(lambda: tabs.idle(8.0))}
     finally:
         stop.set()
         for t in streams:
