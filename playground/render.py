@@ -202,7 +202,7 @@ def _cell(block: Mapping[str, Any], owners: tuple[str, ...], colors: Mapping[str
     to or freed change, so each cell is kept under what it is drawn from (id, ref count, state,
     hash, owners and their colours, token span) and drawn again only when one of those changes."""
     key = (block.get("block_id"), block.get("ref_cnt", 0), block.get("state"), bool(block.get("hashed")),
-           owners, tuple(colors.get(o) for o in owners), tuple(block.get("token_range") or ()))
+           owners, _owner_colors(owners, colors), tuple(block.get("token_range") or ()))
     hit = _cells.get(key)
     if hit is None:
         kind = block_kind(block)
@@ -240,11 +240,11 @@ def _grid(blocks: Sequence[Mapping[str, Any]], colors: Mapping[str, str]) -> tup
     frozen = isinstance(blocks, tuple)  # a snapshot's dicts, never changed in place (a list's could be)
     for b in sorted(blocks, key=_block_id):
         bid = b.get("block_id", 0)
-        drawn = _drawn.get(bid)
-        if not frozen or drawn is None or drawn[0] is not b or (drawn[1] and drawn[2] != tuple(colors.get(o) for o in drawn[1])):
+        drawn = _drawn.get(bid) if frozen else None
+        if drawn is None or drawn[0] is not b or drawn[2] != _owner_colors(drawn[1], colors):
             owners = tuple(str(o) for o in b.get("owners") or ())
             kind, cell = _cell(b, owners, colors)
-            drawn = _drawn[bid] = (b, owners, tuple(colors.get(o) for o in owners), kind, cell)
+            drawn = _drawn[bid] = (b, owners, _owner_colors(owners, colors), kind, cell)
         owners, kind = drawn[1], drawn[3]
         for o in owners:
             per_owner[o] = per_owner.get(o, 0) + 1
@@ -260,6 +260,10 @@ def _grid(blocks: Sequence[Mapping[str, Any]], colors: Mapping[str, str]) -> tup
 
 def _block_id(block: Mapping[str, Any]) -> int:
     return block.get("block_id", 0)
+
+
+def _owner_colors(owners: tuple[str, ...], colors: Mapping[str, str]) -> tuple:
+    return tuple(colors.get(o) for o in owners)
 
 
 # --------------------------------------------------------------------------- #
