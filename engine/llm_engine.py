@@ -74,6 +74,7 @@ class LLMEngine:
         warm_up(self.runner, self.device)  # a broken device/backend fails here, with its cause
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(lambda t: self.tokenizer.decode([t], skip_special_tokens=False))
+        self.sampler.warm_up()
         model_limit = checkpoint.config.get("max_position_embeddings") or num_blocks * config.block_size
         self.max_model_len = min(config.max_model_len or model_limit, model_limit, num_blocks * config.block_size)
         self.vocab_size = checkpoint.config["vocab_size"]

@@ -1,4 +1,4 @@
-"""Token selection and logprobs, on the host in NumPy (one row per request).
+"""Token selection and logprobs, on the host (one row per request).
 
 Logprobs are always computed from the model's **raw** logits (a plain
 log-softmax, before temperature, top-k, top-p or min-p), so a token's logprob
@@ -8,52 +8,159 @@ and rank describe what the model believed, whatever filter picked it.
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
+
+from gpu_kernels.cpu.activations import exp_shifted
 
 from .request import Logprob
 from .sampling_params import SamplingParams
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = logits - logits.max(axis=-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+@njit(cache=True)
+def _largest(row, m):
+    """The ``m`` largest entries of ``row`` (ids, values as float64), highest first, equal values
+    by lower id: one pass with a sorted buffer, which takes an entry only if it beats the last."""
+    ids, vals = np.full(m, -1, np.int64), np.full(m, -np.inf)
+    filled = 0
+    for i in range(row.size):
+        x = np.float64(row[i])
+        if m and (filled < m or x > vals[m - 1]):
+            j = min(filled, m - 1)
+            while j > 0 and x > vals[j - 1]:      # shift the smaller ones down; ties keep lower ids first
+                ids[j], vals[j] = ids[j - 1], vals[j - 1]
+                j -= 1
+            ids[j], vals[j] = i, x
+            filled = min(filled + 1, m)
+    return ids, vals
 
 
-def top_logprobs(logprobs: np.ndarray, token_id: int, k: int, decode) -> dict[int, Logprob]:
-    """The chosen token plus the k most likely ones, each with logprob and rank (1 = best)."""
-    out: dict[int, Logprob] = {}
-    if k > 0:
-        top = np.argpartition(-logprobs, k - 1)[:k]
-        top = top[np.argsort(-logprobs[top], kind="stable")]
-        for rank, tid in enumerate(top.tolist(), start=1):
-            out[tid] = Logprob(float(logprobs[tid]), rank, decode(tid))
+@njit(cache=True)  # holds the interpreter lock: no NumPy call in between for another thread to cut in
+def _scan(row, k):
+    """One row of raw logits in a few compiled passes: the index of its first NaN (-1: none), its
+    argmax (the first of equal maxima), the log of the softmax denominator (``max + log(sum(exp(x -
+    max)))``, in float64) and its ``k`` largest entries (ids, values), highest first, equal values by
+    lower id. ``k < 0``: argmax only (no denominator, no entries)."""
+    best, top = 0, row[0]
+    for i in range(row.size):
+        x = row[i]
+        if x != x:
+            return i, i, np.nan, np.empty(0, np.int64), np.empty(0, np.float64)
+        if x > top:
+            best, top = i, x
+    if k < 0:
+        return -1, best, np.nan, np.empty(0, np.int64), np.empty(0, np.float64)
+    weights = row.astype(np.float32)              # exp(x - max), eight lanes at a time
+    exp_shifted(weights, np.float32(top))
+    total = 0.0
+    for i in range(row.size // 8 * 8):
+        total += weights[i]
+    for i in range(row.size // 8 * 8, row.size):
+        total += np.exp(np.float64(row[i]) - np.float64(top))
+    ids, vals = _largest(row, min(k, row.size))
+    return -1, best, np.float64(top) + np.log(total), ids, vals
+
+
+@njit(cache=True)
+def _rank(row, token):
+    """1 + how many entries of ``row`` are larger than ``row[token]``."""
+    above, x = 0, row[token]
+    for i in range(row.size):
+        above += row[i] > x
+    return above + 1
+
+
+def _row(logits: np.ndarray) -> np.ndarray:
+    return logits if logits.dtype in (np.float32, np.float64) else logits.astype(np.float32)
+
+
+def top_logprobs(logits: np.ndarray, token_id: int, k: int, decode) -> dict[int, Logprob]:
+    """From one row of raw logits: the chosen token plus the k most likely ones, each with its
+    logprob (log-softmax of the row) and rank (1 = best)."""
+    row = _row(logits)
+    nan, _, log_z, ids, vals = _scan(row, k)
+    if nan >= 0:
+        raise ValueError("the model produced NaN logits")
+    return _logprob_dict(row, token_id, log_z, ids, vals, decode)
+
+
+def _logprob_dict(row, token_id: int, log_z: float, ids, vals, decode) -> dict[int, Logprob]:
+    out = {int(t): Logprob(float(v - log_z), rank, decode(int(t)))
+           for rank, (t, v) in enumerate(zip(ids.tolist(), vals.tolist()), start=1)}
     if token_id not in out:
-        rank = int((logprobs > logprobs[token_id]).sum()) + 1
-        out[token_id] = Logprob(float(logprobs[token_id]), rank, decode(token_id))
+        out[token_id] = Logprob(float(np.float64(row[token_id]) - log_z), int(_rank(row, token_id)),
+                                decode(token_id))
     return out
 
 
+@njit(cache=True)  # holds the interpreter lock, as _scan
+def _pick(row, top, inv_t, top_k, top_p, min_p, u):
+    """The token ``u`` (uniform in [0, 1)) selects from the row's distribution under temperature
+    (``inv_t = 1 / T``), top-k, min-p and top-p; ``top`` is the row's largest value. Filters, in
+    order: top-k keeps tokens with logits >= the k-th largest; min-p drops tokens whose
+    probability is below ``min_p`` x the largest; top-p keeps the most likely tokens (highest
+    first, equal ones by lower id) until the mass they follow reaches ``top_p`` of the mass after
+    top-k. The pick is ``rng.choice``'s rule: the first token whose cumulative probability, in id
+    order, is above ``u``."""
+    n = row.size
+    w = ((row - top) * inv_t).astype(np.float32)   # weights exp((x - max) / T): the largest is 1
+    exp_shifted(w, np.float32(0.0))
+    for i in range(n // 8 * 8, n):
+        w[i] = np.exp(w[i])
+    if 0 < top_k < n:
+        kth = _largest(row, top_k)[1][top_k - 1]
+        for i in range(n):
+            if row[i] < kth:
+                w[i] = 0.0
+    mass = 0.0                                     # after top-k: what top-p is a share of
+    for i in range(n):
+        mass += w[i]
+    if min_p > 0:
+        for i in range(n):
+            if w[i] < min_p:
+                w[i] = 0.0
+    if top_p < 1.0:
+        need = top_p * (1 - 1e-9) * mass           # float slack, so top_p = 1 - tiny keeps all
+        cut = 1e-3
+        while True:                                # sort only the tokens that can be in the nucleus
+            ids = np.nonzero(w >= cut)[0] if cut > 0 else np.nonzero(w > 0)[0]
+            within = 0.0
+            for i in ids:
+                within += w[i]
+            if within >= need or cut == 0:
+                break
+            cut = cut * 1e-3 if cut > 1e-12 else 0.0
+        keep = np.zeros(n, np.bool_)
+        before = 0.0
+        for i in ids[np.argsort(-w[ids], kind="mergesort")]:
+            if before >= need:
+                break
+            keep[i] = True
+            before += w[i]
+        for i in range(n):
+            if not keep[i]:
+                w[i] = 0.0
+    total = 0.0
+    for i in range(n):
+        total += w[i]
+    target, cumulative, last = u * total, 0.0, 0
+    for i in range(n):
+        if w[i] > 0:
+            cumulative += w[i]
+            last = i
+            if cumulative > target:
+                return i
+    return last
+
+
 def sample_row(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """Pick one token from a row of raw logits under the request's sampling settings."""
+    """Pick one token from a row of raw logits under the request's sampling settings (one draw of
+    ``rng``, as ``rng.choice`` makes)."""
+    row = _row(logits)
+    _, best, _, _, _ = _scan(row, -1)
     if params.greedy:
-        return int(np.argmax(logits))
-    scaled = logits.astype(np.float64) / params.temperature
-    if 0 < params.top_k < scaled.size:
-        kth = np.partition(scaled, -params.top_k)[-params.top_k]
-        scaled = np.where(scaled < kth, -np.inf, scaled)
-    probs = np.exp(scaled - scaled.max())
-    probs /= probs.sum()
-    if params.min_p > 0:
-        probs = np.where(probs < params.min_p * probs.max(), 0.0, probs)
-    if params.top_p < 1.0:
-        order = np.argsort(-probs, kind="stable")
-        cumulative = np.cumsum(probs[order])
-        before = np.concatenate(([0.0], cumulative[:-1]))
-        keep = before < params.top_p * (1 - 1e-9)  # keep tokens until the mass reaches top_p (float slack)
-        mask = np.zeros_like(probs, dtype=bool)
-        mask[order[keep]] = True
-        probs = np.where(mask, probs, 0.0)
-    probs /= probs.sum()
-    return int(rng.choice(probs.size, p=probs))
+        return int(best)
+    return int(_pick(row, row[best], 1.0 / params.temperature, params.top_k, params.top_p, params.min_p,
+                     rng.random()))
 
 
 class Sampler:
@@ -61,19 +168,24 @@ class Sampler:
         self.decode_token = decode_token  # token id -> text, for Logprob.decoded_token
 
     def sample(self, row: np.ndarray, params: SamplingParams, rng: np.random.Generator):
-        """One request's row of raw logits → (token id, logprob dict or None)."""
-        if params.greedy:
-            # one pass over the vocabulary: argmax lands on the first NaN when the row has one
-            token = int(np.argmax(row))
-            if np.isnan(row[token]):
-                raise ValueError("the model produced NaN logits")
-        else:
-            if np.isnan(row).any():
-                raise ValueError("the model produced NaN logits")
-            token = sample_row(row, params, rng)
+        """One request's row of raw logits → (token id, logprob dict or None). Greedy picks and
+        logprobs come from one compiled scan of the row (``_scan``); it also finds any NaN."""
+        row = _row(row)
+        nan, best, log_z, ids, vals = _scan(row, -1 if params.logprobs is None else params.logprobs)
+        if nan >= 0:
+            raise ValueError("the model produced NaN logits")
+        token = best if params.greedy else sample_row(row, params, rng)
         if params.logprobs is None:
-            return token, None
-        return token, top_logprobs(log_softmax(row), token, params.logprobs, self.decode_token)
+            return int(token), None
+        return int(token), _logprob_dict(row, int(token), log_z, ids, vals, self.decode_token)
+
+    def warm_up(self) -> None:
+        """Compile (or load from Numba's disk cache) the passes for float32 rows, greedy and sampled,
+        so the first request after an install does not wait for them."""
+        row = np.linspace(-1.0, 1.0, 64, dtype=np.float32)
+        self.sample(row, SamplingParams(temperature=0, logprobs=2), np.random.default_rng(0))
+        self.sample(row, SamplingParams(temperature=0.7, top_p=0.9, top_k=8, min_p=0.01, logprobs=2),
+                    np.random.default_rng(0))
 
     def __call__(self, logits: np.ndarray, params: list[SamplingParams], rngs: list[np.random.Generator]):
         """logits [n, vocab] → (token ids, per-row logprob dicts or None)."""
@@ -82,5 +194,4 @@ class Sampler:
 
     def prompt_logprobs(self, logits: np.ndarray, next_tokens: list[int], k: int) -> list[dict[int, Logprob]]:
         """For each prompt position: logprob of the actual next prompt token and the top-k."""
-        lp = log_softmax(logits)
-        return [top_logprobs(row, tok, k, self.decode_token) for row, tok in zip(lp, next_tokens)]
+        return [top_logprobs(row, tok, k, self.decode_token) for row, tok in zip(logits, next_tokens)]
