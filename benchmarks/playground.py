@@ -23,7 +23,9 @@ Starts the app as ``python -m playground`` does (load, warm-up, ``build_app``, `
    refresh at most min(engine steps/s, 1 / interval) times a second). The CPU use of this
    process (engine and app server) and of the tabs' process is printed beside, in cores, and
    this process's CPU seconds for the same chats in both modes (their difference is the app's
-   server-side work, a number the machine's load moves less than tok/s).
+   server-side work, a number the machine's load moves less than tok/s), and how the engine
+   thread spent its time between the measured steps: on a core, waiting for one (the UI's CPU
+   share), waiting for the interpreter or engine lock.
 3. ``--cold-start PORT`` instead of 1 and 2: only the first chat after ``python -m playground
    --port PORT``, started in its own process (in a fresh clone this includes compiling the
    kernels, which the CLI does before it prints the URL), then a first chat whose prompt is past
@@ -113,16 +115,31 @@ def cpu_delta(before: tuple, after: tuple) -> dict[str, float]:
     return {g: round(v, 3) for g, v in out.items()}
 
 
+def _run_queue_s() -> float | None:
+    """Seconds this thread has waited, runnable, for a core (Linux ``/proc/thread-self/schedstat``)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) * 1e-9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 class DecodeMeter:
-    """Decode tokens/s from the engine's step events: steps where ``n`` requests decode together."""
+    """Decode tokens/s from the engine's step events: steps where ``n`` requests decode together.
+
+    The events are delivered on the engine's thread, so each one also reads that thread's CPU
+    time and run-queue wait: between two steps of the measured stretch, its time splits into on
+    a core, waiting for a core (CPU share), and the rest -- waiting for the interpreter lock or
+    the engine lock, the only other things a busy engine thread waits for (``waits``)."""
 
     def __init__(self, llm, n: int):
-        self.n, self.steps = n, []
+        self.n, self.steps, self._clocks = n, [], []
         self._unsubscribe = llm.subscribe(self._on_event)
 
     def _on_event(self, event) -> None:
         if event.kind == "step":
             self.steps.append((event.time, len(event.data["decode"]), bool(event.data["prefill"])))
+            self._clocks.append((threading.get_ident(), time.perf_counter(), time.thread_time(), _run_queue_s()))
 
     def stop(self) -> float:
         self._unsubscribe()
@@ -132,6 +149,21 @@ class DecodeMeter:
                                "(with --tabs-idle on a busy machine: the tabs' process got too little CPU to "
                                "send its chats at once; measure that mode on a quiet machine)")
         return sum(d for _, d in full[1:]) / (full[-1][0] - full[0][0])
+
+    @property
+    def waits(self) -> dict[str, float] | None:
+        """Shares of the engine thread's time between consecutive measured steps: ``on_cpu``,
+        ``core`` (runnable, waiting for a core), ``locks`` (the rest); None without schedstat."""
+        wall = cpu = queue = 0.0
+        marks = [(s, c) for s, c in zip(self.steps, self._clocks) if s[1] == self.n and not s[2]]
+        for (_, a), (_, b) in zip(marks, marks[1:]):
+            if a[0] != b[0] or a[3] is None or b[3] is None:
+                continue
+            wall, cpu, queue = wall + b[1] - a[1], cpu + b[2] - a[2], queue + b[3] - a[3]
+        if wall <= 0:
+            return None
+        return {"on_cpu": round(cpu / wall, 3), "core": round(queue / wall, 3),
+                "locks": round(max(0.0, wall - cpu - queue) / wall, 3)}
 
     @property
     def steps_per_s(self) -> float:
@@ -163,10 +195,11 @@ def engine_alone(llm, prompts: list[str], max_tokens: int, cores: list | None = 
         t.start()
     for t in threads:
         t.join()
+    tps = meter.stop()
     if cores is not None:
         cores.append({"cores": (cpu_s() - cpu0) / (time.perf_counter() - t0), "cpu_s": cpu_s() - cpu0,
-                      "by_thread": cpu_delta(threads0, thread_cpu_s())})
-    return meter.stop()
+                      "by_thread": cpu_delta(threads0, thread_cpu_s()), "waits": meter.waits})
+    return tps
 
 
 class Tabs:
@@ -198,7 +231,7 @@ class Tabs:
         result = self._read()
         wall = time.perf_counter() - t0
         tabs1 = cpu_s(self.proc.pid)
-        return {**result, "tps": meter.stop(), "steps_per_s": meter.steps_per_s,
+        return {**result, "tps": meter.stop(), "steps_per_s": meter.steps_per_s, "waits": meter.waits,
                 "server_cores": (cpu_s() - cpu0) / wall, "server_cpu_s": cpu_s() - cpu0,
                 "by_thread": cpu_delta(threads0, thread_cpu_s()),
                 "tabs_cores": None if tabs0 is None or tabs1 is None else (tabs1 - tabs0) / wall}
@@ -321,6 +354,11 @@ def _by_thread(runs: list[dict[str, float]]) -> dict[str, float]:
     return {g: round(statistics.median(r.get(g, 0.0) for r in runs), 2) for g in groups}
 
 
+def _median_shares(runs: list) -> dict | None:
+    runs = [r for r in runs if r]
+    return {k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]} if runs else None
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.playground", description=__doc__.splitlines()[0])
     add_engine_args(parser)
@@ -435,6 +473,10 @@ def main(argv: list[str] | None = None) -> dict:
         # unlike the totals above, without the engine's extra steps when the tabs' chats arrive apart.
         "ui_threads_cpu_s_app_minus_alone": round(statistics.median(
             _ui_cpu(a["by_thread"]) - _ui_cpu(c["by_thread"]) for a, c in zip(app, alone_cores)), 2),
+        # The engine thread's time between measured steps: on a core, waiting for one (the UI's
+        # CPU share), waiting for the interpreter or engine lock (medians over the runs).
+        "engine_thread_time_engine_alone": _median_shares([c["waits"] for c in alone_cores]),
+        "engine_thread_time_app": _median_shares([a["waits"] for a in app]),
         # The open tabs' timers with the engine idle: this process's CPU use without and with them.
         "server_cores_idle_no_tabs": round(idle_alone, 3),
         "server_cores_idle_tabs_refreshing": round(idle_tabs["server_cores"], 3),
