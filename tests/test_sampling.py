@@ -13,13 +13,8 @@ from hypothesis import strategies as st
 
 from engine.sampler import Sampler, sample_row, top_logprobs
 from engine.sampling_params import SamplingParams
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """The definition, in float64: what the sampler's compiled scan must reproduce."""
-    x = np.asarray(logits, np.float64)
-    shifted = x - x.max()
-    return shifted - np.log(np.exp(shifted).sum())
+from engine.sampling_reference import NumpySampler, log_softmax
+from engine.sampling_reference import probs as reference_probs
 
 
 @pytest.mark.parametrize("field,value,accepted", [
@@ -100,27 +95,6 @@ def test_logprobs_equal_the_numpy_definition(seed, size, k, dtype, spread):
     assert token in out
 
 
-def reference_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """The sampling rule in NumPy (float64): temperature, top-k (logits >= the k-th largest),
-    min-p (drop below min_p x the largest probability), top-p (most likely first, equal ones by
-    lower id, until the mass before a token reaches top_p of the mass after top-k)."""
-    scaled = logits.astype(np.float64) / params.temperature
-    if 0 < params.top_k < scaled.size:
-        kth = np.sort(scaled)[-params.top_k]
-        scaled = np.where(scaled < kth, -np.inf, scaled)
-    probs = np.exp(scaled - scaled.max())
-    probs /= probs.sum()
-    if params.min_p > 0:
-        probs = np.where(probs < params.min_p * probs.max(), 0.0, probs)
-    if params.top_p < 1.0:
-        order = np.argsort(-probs, kind="stable")
-        before = np.concatenate(([0.0], np.cumsum(probs[order])[:-1]))
-        mask = np.zeros_like(probs, dtype=bool)
-        mask[order[before < params.top_p * (1 - 1e-9)]] = True
-        probs = np.where(mask, probs, 0.0)
-    return probs / probs.sum()
-
-
 class FixedDraw:
     """A generator whose one draw is ``u``: ``sample_row`` draws once, as ``rng.choice`` does."""
 
@@ -196,3 +170,21 @@ def test_warm_up_readies_the_passes_a_float32_row_takes():
         assert after == before, (before, after)
     """)
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1], timeout=300)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, logprobs=5),
+    SamplingParams(temperature=0.7, top_p=0.9, logprobs=5),
+    SamplingParams(temperature=1.0, top_k=40, min_p=0.02, logprobs=3),
+], ids=["greedy", "app-defaults", "top-k-min-p"])
+def test_compiled_sampler_equals_the_numpy_one_draw_for_draw(params):
+    """Seeded alike, the compiled sampler and the NumPy one (``rng.choice``, the benchmark's peer)
+    pick the same tokens and report the same top logprobs and ranks, row after row."""
+    rows = np.random.default_rng(7).standard_normal((40, 49152)).astype(np.float32) * 2.5
+    fast, slow = Sampler(str), NumpySampler(str)
+    rng_fast, rng_slow = np.random.default_rng(3), np.random.default_rng(3)
+    for row in rows:
+        (t1, lp1), (t2, lp2) = fast.sample(row, params, rng_fast), slow.sample(row, params, rng_slow)
+        assert t1 == t2
+        assert list(lp1) == list(lp2) and [v.rank for v in lp1.values()] == [v.rank for v in lp2.values()]
+        assert [v.logprob for v in lp1.values()] == pytest.approx([v.logprob for v in lp2.values()], abs=1e-5)
