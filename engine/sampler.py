@@ -51,9 +51,7 @@ def _scan(row, k):
         return -1, best, np.nan, np.empty(0, np.int64), np.empty(0, np.float64)
     weights = row.astype(np.float32)              # exp(x - max), eight lanes at a time
     exp_shifted(weights, np.float32(top))
-    total = 0.0
-    for i in range(row.size // 8 * 8):
-        total += weights[i]
+    total = _total(weights[:row.size // 8 * 8])
     for i in range(row.size // 8 * 8, row.size):
         total += np.exp(np.float64(row[i]) - np.float64(top))
     ids, vals = _largest(row, min(k, row.size))
@@ -102,7 +100,10 @@ def _pick(row, top, inv_t, top_k, top_p, min_p, u):
     top-k. The pick is ``rng.choice``'s rule: the first token whose cumulative probability, in id
     order, is above ``u``."""
     n = row.size
-    w = ((row - top) * inv_t).astype(np.float32)   # weights exp((x - max) / T): the largest is 1
+    w = np.empty(n, np.float32)                    # weights exp((x - max) / T): the largest is 1
+    scale = np.float32(inv_t)
+    for i in range(n):
+        w[i] = (row[i] - top) * scale
     exp_shifted(w, np.float32(0.0))
     for i in range(n // 8 * 8, n):
         w[i] = np.exp(w[i])
@@ -111,39 +112,52 @@ def _pick(row, top, inv_t, top_k, top_p, min_p, u):
         for i in range(n):
             if row[i] < kth:
                 w[i] = 0.0
-    mass = 0.0                                     # after top-k: what top-p is a share of
-    for i in range(n):
-        mass += w[i]
+    mass = _total(w)                               # after top-k: what top-p is a share of
     if min_p > 0:
         for i in range(n):
             if w[i] < min_p:
                 w[i] = 0.0
-    if top_p < 1.0:
-        need = top_p * (1 - 1e-9) * mass           # float slack, so top_p = 1 - tiny keeps all
-        cut = 1e-3
-        while True:                                # sort only the tokens that can be in the nucleus
-            ids = np.nonzero(w >= cut)[0] if cut > 0 else np.nonzero(w > 0)[0]
-            within = 0.0
-            for i in ids:
-                within += w[i]
-            if within >= need or cut == 0:
-                break
-            cut = cut * 1e-3 if cut > 1e-12 else 0.0
-        keep = np.zeros(n, np.bool_)
-        before = 0.0
-        for i in ids[np.argsort(-w[ids], kind="mergesort")]:
-            if before >= need:
-                break
-            keep[i] = True
-            before += w[i]
+    if top_p >= 1.0:
+        return _walk(w, np.arange(n), u * (mass if min_p <= 0 else _total(w)))
+    need = top_p * (1 - 1e-9) * mass               # float slack, so top_p = 1 - tiny keeps all
+    cut, found = 1e-3, np.empty(n, np.int64)
+    while True:                                    # sort only the tokens that can be in the nucleus
+        count, within = 0, 0.0
         for i in range(n):
-            if not keep[i]:
-                w[i] = 0.0
+            if w[i] >= cut and w[i] > 0:
+                found[count] = i
+                count += 1
+                within += w[i]
+        if within >= need or cut == 0:
+            break
+        cut = cut * 1e-3 if cut > 1e-12 else 0.0
+    ids = found[:count]
+    ids = ids[np.argsort(-w[ids], kind="mergesort")]
+    before, kept = 0.0, 0
+    while kept < ids.size and before < need:
+        before += w[ids[kept]]
+        kept += 1
+    nucleus = np.sort(ids[:kept])                  # the pick walks the kept tokens in id order
     total = 0.0
-    for i in range(n):
+    for i in nucleus:
         total += w[i]
-    target, cumulative, last = u * total, 0.0, 0
-    for i in range(n):
+    return _walk(w, nucleus, u * total)
+
+
+@njit(cache=True, fastmath={"reassoc"})
+def _total(w):
+    """Sum of float32 weights in float64 (any order: vectorized)."""
+    total = 0.0
+    for i in range(w.size):
+        total += w[i]
+    return total
+
+
+@njit(cache=True)
+def _walk(w, ids, target):
+    """The first of ``ids`` (ascending) at which the running sum of ``w`` passes ``target``."""
+    cumulative, last = 0.0, ids[0]
+    for i in ids:
         if w[i] > 0:
             cumulative += w[i]
             last = i
