@@ -16,7 +16,9 @@ Starts the app as ``python -m playground`` does (load, warm-up, ``build_app``, `
    (``benchmarks.playground_tabs``), at nice 10 by default: on this machine they still take CPU
    from the engine, as browsers on the server's own machine would. ``--tabs-idle`` runs them at
    Linux's SCHED_IDLE instead (only CPU time the server leaves idle), closer to browsers on the
-   visitors' own machines; the output says which was used.
+   visitors' own machines; the output says which was used. Each round the engine waits until
+   every tab's chat has reached it (``held_until_streams``), so the chats decode together however
+   little CPU the tabs' process gets once one of them decodes.
    Decode tok/s is read from the engine's step events in both (steps where every chat decodes),
    so client-side time never enters it. Goal: the app at most 5 % slower, with the map
    refreshed at least 4 times a second per tab (it changes once per monitor snapshot, so it can
@@ -35,6 +37,7 @@ Starts the app as ``python -m playground`` does (load, warm-up, ``build_app``, `
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -202,6 +205,24 @@ def engine_alone(llm, prompts: list[str], max_tokens: int, cores: list | None = 
     return tps
 
 
+@contextlib.contextmanager
+def held_until_streams(llm, n: int, timeout: float = 30.0):
+    """Hold the engine (its lock) from the ``with`` body until ``n`` new chat streams of the app
+    (``stream-*`` threads, which submit their request first thing) are waiting for it, so the
+    tabs' chats decode together however little CPU the tabs' process gets once one chat decodes
+    (at SCHED_IDLE, nothing while the engine is busy). Released anyway after ``timeout`` s."""
+    before = {t.ident for t in threading.enumerate()}
+    llm._lock.__enter__()
+    try:
+        yield
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and sum(
+                t.name.startswith("stream-") and t.ident not in before for t in threading.enumerate()) < n:
+            time.sleep(0.005)
+    finally:
+        llm._lock.__exit__(None, None, None)
+
+
 class Tabs:
     """The open tabs, in their own process (``benchmarks.playground_tabs``)."""
 
@@ -227,7 +248,8 @@ class Tabs:
         from the engine's steps meanwhile."""
         meter = DecodeMeter(llm, n)
         threads0, cpu0, tabs0, t0 = thread_cpu_s(), cpu_s(), cpu_s(self.proc.pid), time.perf_counter()
-        self._send(f"round {max_tokens}" + ("" if ticks else " chats"))
+        with held_until_streams(llm, n):
+            self._send(f"round {max_tokens}" + ("" if ticks else " chats"))
         result = self._read()
         wall = time.perf_counter() - t0
         tabs1 = cpu_s(self.proc.pid)
