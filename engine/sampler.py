@@ -71,13 +71,19 @@ def _row(logits: np.ndarray) -> np.ndarray:
     return logits if logits.dtype in (np.float32, np.float64) else logits.astype(np.float32)
 
 
+def _checked_scan(row: np.ndarray, k: int):
+    """``_scan(row, k)`` without its NaN index: a row with a NaN is a ValueError."""
+    nan, best, log_z, ids, vals = _scan(row, k)
+    if nan >= 0:
+        raise ValueError("the model produced NaN logits")
+    return best, log_z, ids, vals
+
+
 def top_logprobs(logits: np.ndarray, token_id: int, k: int, decode) -> dict[int, Logprob]:
     """From one row of raw logits: the chosen token plus the k most likely ones, each with its
     logprob (log-softmax of the row) and rank (1 = best)."""
     row = _row(logits)
-    nan, _, log_z, ids, vals = _scan(row, k)
-    if nan >= 0:
-        raise ValueError("the model produced NaN logits")
+    _, log_z, ids, vals = _checked_scan(row, k)
     return _logprob_dict(row, token_id, log_z, ids, vals, decode)
 
 
@@ -185,9 +191,7 @@ class Sampler:
         """One request's row of raw logits → (token id, logprob dict or None). Greedy picks and
         logprobs come from one compiled scan of the row (``_scan``); it also finds any NaN."""
         row = _row(row)
-        nan, best, log_z, ids, vals = _scan(row, -1 if params.logprobs is None else params.logprobs)
-        if nan >= 0:
-            raise ValueError("the model produced NaN logits")
+        best, log_z, ids, vals = _checked_scan(row, -1 if params.logprobs is None else params.logprobs)
         token = best if params.greedy else sample_row(row, params, rng)
         if params.logprobs is None:
             return int(token), None
