@@ -50,7 +50,7 @@ from pathlib import Path
 
 import gradio_client
 
-from engine import LLM, SamplingParams, add_engine_args, config_from_args
+from engine import LLM, LLMProcess, SamplingParams, add_engine_args, config_from_args
 from playground.__main__ import _warm_up
 from playground.app import DEFAULT_SYSTEM_PROMPT, build_app, launch
 
@@ -71,10 +71,15 @@ def _stat_cpu_s(path: str) -> float | None:
         return None
 
 
+# The engine's own process (``LLMProcess``), once started: part of the server in every reading below.
+engine_pid: int | None = None
+
+
 def cpu_s(pid: int | None = None) -> float | None:
-    """CPU seconds (user + system, all threads) of this process or of ``pid`` (Linux /proc)."""
+    """CPU seconds (user + system, all threads) of the server (this process and the engine's, if it
+    has its own) or of ``pid`` (Linux /proc)."""
     if pid is None:
-        return time.process_time()
+        return time.process_time() + (0.0 if engine_pid is None else _stat_cpu_s(f"/proc/{engine_pid}/stat") or 0.0)
     return _stat_cpu_s(f"/proc/{pid}/stat")
 
 
@@ -85,7 +90,8 @@ def thread_group(name: str) -> str:
     """Which part of the server a thread of this process belongs to (by its Python name). The
     engine's loop and each chat's stream come and go (the loop ends when the engine idles), and
     threads Python did not start (Paddle's, BLAS's) have no name: one group, ``ENGINE_SIDE``."""
-    for prefix, group in (("fused-decode", "decode team"), ("playground-monitor", "monitor"),
+    for prefix, group in (("engine process", "engine process"), ("engine-client", "engine client"),
+                          ("fused-decode", "decode team"), ("playground-monitor", "monitor"),
                           ("AnyIO worker", "gradio workers"), ("ThreadPoolExecutor", "gradio workers"),
                           ("engine-loop", ENGINE_SIDE), ("stream-", ENGINE_SIDE), ("(native)", ENGINE_SIDE)):
         if name.startswith(prefix):
@@ -102,6 +108,11 @@ def thread_cpu_s() -> tuple[float, dict[int, tuple[str, float]]]:
         used = _stat_cpu_s(f"/proc/self/task/{tid}/stat")
         if used is not None:                               # else it ended meanwhile
             threads[tid] = (thread_group(names.get(tid, "(native)")), used)
+    if engine_pid is not None:      # the engine's own process: one group
+        for tid in map(int, os.listdir(f"/proc/{engine_pid}/task")):
+            used = _stat_cpu_s(f"/proc/{engine_pid}/task/{tid}/stat")
+            if used is not None:
+                threads[-tid] = ("engine process", used)
     return cpu_s(), threads
 
 
@@ -137,12 +148,14 @@ class DecodeMeter:
 
     def __init__(self, llm, n: int):
         self.n, self.steps, self._clocks = n, [], []
+        self._on_engine_thread = isinstance(llm, LLM)   # an LLMProcess delivers events on its own thread
         self._unsubscribe = llm.subscribe(self._on_event)
 
     def _on_event(self, event) -> None:
         if event.kind == "step":
             self.steps.append((event.time, len(event.data["decode"]), bool(event.data["prefill"])))
-            self._clocks.append((threading.get_ident(), time.perf_counter(), time.thread_time(), _run_queue_s()))
+            self._clocks.append((threading.get_ident(), time.perf_counter(), time.thread_time(), _run_queue_s())
+                                if self._on_engine_thread else (None, 0.0, 0.0, None))
 
     def stop(self) -> float:
         self._unsubscribe()
@@ -207,20 +220,17 @@ def engine_alone(llm, prompts: list[str], max_tokens: int, cores: list | None = 
 
 @contextlib.contextmanager
 def held_until_streams(llm, n: int, timeout: float = 30.0):
-    """Hold the engine (its lock) from the ``with`` body until ``n`` new chat streams of the app
+    """Hold the engine (``paused``) from the ``with`` body until ``n`` new chat streams of the app
     (``stream-*`` threads, which submit their request first thing) are waiting for it, so the
     tabs' chats decode together however little CPU the tabs' process gets once one chat decodes
     (at SCHED_IDLE, nothing while the engine is busy). Released anyway after ``timeout`` s."""
     before = {t.ident for t in threading.enumerate()}
-    llm._lock.__enter__()
-    try:
+    with llm.paused():
         yield
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and sum(
                 t.name.startswith("stream-") and t.ident not in before for t in threading.enumerate()) < n:
             time.sleep(0.005)
-    finally:
-        llm._lock.__exit__(None, None, None)
 
 
 class Tabs:
@@ -404,6 +414,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ui-cpu", action="store_true",
                         help="instead of tok/s, the cores the UI's threads use for each kind of page work "
                              "(median of --repeats rounds)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="the engine in the app's process (python -m playground --in-process); by default "
+                             "it runs in its own, as python -m playground runs it")
     parser.add_argument("--check", action="store_true", help="exit 1 if the app costs more than 5%%")
     parser.add_argument("--cold-start", type=int, metavar="PORT", default=None,
                         help="only measure the first chat after `python -m playground --port PORT` (run it in "
@@ -423,7 +436,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     t0 = time.perf_counter()
-    llm = LLM(**vars(config_from_args(args)))
+    global engine_pid
+    llm = (LLM if args.in_process else LLMProcess)(**vars(config_from_args(args)))
+    engine_pid = None if args.in_process else llm.pid
+    if os.environ.get("UI_NICE"):
+        os.nice(int(os.environ["UI_NICE"]))
     if not args.no_warm_up:
         _warm_up(llm)
     demo = build_app(llm, refresh_every=args.interval)
@@ -469,6 +486,7 @@ def main(argv: list[str] | None = None) -> dict:
         # How the stand-in browsers share this machine's cores with the server: printed, since it
         # moves the result (SCHED_IDLE: they get only what the server leaves idle).
         "tabs_process_priority": "SCHED_IDLE (--tabs-idle)" if args.tabs_idle else f"nice {args.tabs_nice}",
+        "engine_runs_in": "the app's process (--in-process)" if args.in_process else "its own process",
         "switch_interval_ms": round(sys.getswitchinterval() * 1000, 3),
         "start_to_ready_s": round(ready_s, 1),
         "first_chat_first_token_s": round(first["client_s"], 3) if first["client_s"] is not None else None,

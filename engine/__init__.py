@@ -10,6 +10,7 @@ warnings.filterwarnings("ignore", message="No ccache found", category=UserWarnin
 
 from .config import EngineConfig, add_engine_args, config_from_args
 from .llm import LLM
+from .llm_process import LLMProcess
 from .outputs import CompletionOutput, RequestOutput, StreamDelta
 from .request import Logprob, RequestMetrics
 from .sampling_params import SamplingParams
@@ -19,6 +20,6 @@ from .logs import undo_paddle_root_logging  # noqa: E402  (after the imports abo
 undo_paddle_root_logging()
 
 __all__ = [
-    "LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput", "StreamDelta",
+    "LLM", "LLMProcess", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput", "StreamDelta",
     "Logprob", "RequestMetrics", "add_engine_args", "config_from_args",
 ]

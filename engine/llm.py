@@ -21,6 +21,7 @@ make a new ``LLM``.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import queue
 import threading
@@ -155,6 +156,13 @@ class LLM:
                 self._outbox.remove_listener(callback)
 
         return unsubscribe
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Hold the engine between two steps while the ``with`` body runs: steps, submissions, aborts
+        and snapshots from other threads wait, so requests submitted meanwhile start in one step."""
+        with self._lock:
+            yield
 
     def reset_prefix_cache(self) -> int:
         with self._lock:

@@ -9,7 +9,9 @@ otherwise, and makes a public share link only with ``--share``.
 Start-up says what it is doing (importing, loading, warming up) and does the
 slow first-time work -- kernel compilation, matplotlib's font cache, which
 Gradio touches on every request -- before the URL appears, so the first chat
-is as fast as the next. Ctrl-C and SIGTERM stop the server and exit with 0.
+is as fast as the next. The engine runs in a process of its own
+(``engine.LLMProcess``; ``--in-process`` keeps it in this one). Ctrl-C and
+SIGTERM stop the server and exit with 0.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     web.add_argument("--allow-engine-admin", action="store_true",
                      help="enable actions that affect every visitor (reset the prefix cache, load a second "
                           "backend for the consistency check)")
+    web.add_argument("--in-process", action="store_true",
+                     help="run the engine in the server's process (by default it runs in a process of its "
+                          "own: the server's threads then never hold up a decode step)")
     return parser.parse_args(argv)
 
 
@@ -82,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not {"-h", "--help"} & set(argv):
         _say("Starting the Fleet Playground: importing PaddlePaddle and Gradio ...")
-    from engine import LLM, config_from_args
+    from engine import LLM, LLMProcess, config_from_args
 
     from .app import build_app, launch
 
@@ -98,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"Loading {config.model} (model_impl={config.model_impl}, device={config.device}); the first "
              "run after an install also compiles the attention kernels ...")
         t0 = time.perf_counter()
-        llm = LLM(**vars(config))
+        llm = (LLM if args.in_process else LLMProcess)(**vars(config))
         _say(f"Loaded {llm.model_name} with model_impl={llm.model_impl} in {time.perf_counter() - t0:.1f} s")
         _say("Warming up: a short and a long request through the engine, and the libraries the first chat loads ...")
         t0 = time.perf_counter()

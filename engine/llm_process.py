@@ -1,0 +1,354 @@
+"""``LLMProcess``: an ``LLM`` in a process of its own, with the same surface.
+
+A web app that runs the engine in its own process shares one interpreter lock
+and the same cores between the engine loop and the server's work (HTTP,
+Gradio's event handling, rendering): every time a server thread holds the
+lock, the engine waits, and each of those waits stops a whole decode step.
+vLLM splits its API server from the engine core for the same reason. Here the
+child process holds the ``LLM``; the parent holds this client, which offers
+``generate``, ``chat``, ``stream``, ``abort``, ``snapshot``, ``subscribe``,
+``reset_prefix_cache``, ``get_tokenizer``, ``config``, ``model_name`` and
+``model_impl`` with ``LLM``'s behaviour: closing a stream early aborts its
+request, the engine's own exceptions (``ValueError`` for a bad request,
+``EngineDeadError``) are raised here, events reach ``subscribe`` callbacks in
+order and before the step's tokens reach their streams.
+
+The two processes talk over one ``multiprocessing`` pipe (pickled tuples):
+``(op, call_id, ...)`` from the client; ``("result" | "error", call_id, value)``,
+``("delta", call_id, StreamDelta)``, ``("event", None, EngineEvent)`` back. If
+the child dies, every waiting caller gets ``EngineDeadError``, and so does
+every later call. Blocks of a snapshot equal to the previous snapshot's keep
+that snapshot's ``BlockInfo`` objects, as ``LLM.snapshot`` does, so views can
+find the changed blocks by identity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import queue
+import signal
+import threading
+import uuid
+from typing import Any, Callable, Iterator
+
+from .config import EngineConfig
+from .llm import EngineDeadError
+from .outputs import RequestOutput, StreamDelta
+from .sampling_params import SamplingParams
+
+logger = logging.getLogger("engine")
+
+_CALLS = ("generate", "chat", "abort", "snapshot", "reset_prefix_cache")   # run in the child, answer once
+
+
+class LLMProcess:
+    """``LLMProcess(model=..., **engine_args)``: ``LLM(**engine_args)`` started in a child process;
+    returns once the model is loaded there (its load error, if any, is raised here)."""
+
+    def __init__(self, model: str | None = None, *, start_timeout: float = 600.0, **engine_args):
+        if model is not None:
+            engine_args["model"] = model
+        parent, child = mp.get_context("spawn").Pipe()
+        self._conn, self._send_lock = parent, threading.Lock()
+        self._process = mp.get_context("spawn").Process(target=_serve, args=(child, engine_args),
+                                                        name="engine-core", daemon=True)
+        self._process.start()
+        child.close()
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, queue.SimpleQueue] = {}   # call id -> where its answers go
+        self._listeners: list[Callable] = []
+        self._streams: set[int] = set()                   # call ids of open streams
+        self._events: queue.SimpleQueue = queue.SimpleQueue()   # events and stream messages, in order
+        self._dead: str | None = None
+        self._last_blocks: tuple = ()
+        if not parent.poll(start_timeout):
+            self._process.kill()
+            raise TimeoutError(f"the engine process did not load the model in {start_timeout:.0f} s")
+        try:
+            kind, _, value = parent.recv()
+        except EOFError:
+            self._process.join(5)
+            raise EngineDeadError(f"the engine process exited with code {self._process.exitcode} "
+                                  "while loading the model") from None
+        if kind == "error":
+            self._process.join(5)
+            raise value
+        self.config: EngineConfig = value["config"]
+        self.model_name: str = value["model_name"]
+        self.model_impl: str = value["model_impl"]
+        self._tokenizer = value["tokenizer"]
+        self._receiver = threading.Thread(target=self._receive, name="engine-client-recv", daemon=True)
+        self._dispatcher = threading.Thread(target=self._dispatch, name="engine-client-events", daemon=True)
+        self._receiver.start()
+        self._dispatcher.start()
+
+    @property
+    def pid(self) -> int:
+        """The engine process's id."""
+        return self._process.pid
+
+    # -- LLM's surface ---------------------------------------------------------------------------
+    def get_tokenizer(self):
+        return self._tokenizer
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
+        return self._call("generate", prompts, sampling_params)
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
+        return self._call("chat", messages, sampling_params)
+
+    def stream(self, prompt, sampling_params: SamplingParams | None = None,
+               request_id: str | None = None) -> Iterator[StreamDelta]:
+        """As ``LLM.stream``: submitted when iteration starts; closing it early aborts the request."""
+        self._check_can_wait("stream")
+        cid, answers = self._open(stream=True)
+        finished = False
+        try:
+            self._send(("stream", cid, prompt, sampling_params, request_id))
+            while not finished:
+                kind, value = answers.get()
+                if kind == "error":
+                    raise value
+                finished = value.finished
+                yield value
+        finally:
+            self._waiting.pop(cid, None)
+            self._streams.discard(cid)
+            if not finished and self._dead is None:
+                self._send(("close", cid))
+
+    def abort(self, request_id: str) -> bool:
+        return self._call("abort", request_id)
+
+    def snapshot(self):
+        snap = self._call("snapshot")
+        before = self._last_blocks
+        if len(before) == len(snap.blocks):     # unchanged blocks: the previous snapshot's objects
+            object.__setattr__(snap, "blocks", tuple(a if a == b else b for a, b in zip(before, snap.blocks)))
+        self._last_blocks = snap.blocks
+        return snap
+
+    def subscribe(self, callback):
+        """As ``LLM.subscribe``: ``callback(EngineEvent)`` for every event, in order, on this client's
+        event thread (a callback may call ``abort``/``snapshot``, not wait for generation)."""
+        if not callable(callback):
+            raise ValueError(f"subscribe() needs a callable; got {type(callback).__name__}")
+        self._listeners = [*self._listeners, callback]
+
+        def unsubscribe():
+            self._listeners = [f for f in self._listeners if f is not callback]
+
+        return unsubscribe
+
+    def reset_prefix_cache(self) -> int:
+        return self._call("reset_prefix_cache")
+
+    @contextlib.contextmanager
+    def paused(self):
+        """As ``LLM.paused``: the engine holds between two steps while the ``with`` body runs."""
+        cid, answers = self._open()
+        try:
+            self._send(("pause", cid))
+            kind, value = answers.get()     # held
+            if kind == "error":
+                raise value
+            yield
+        finally:
+            self._waiting.pop(cid, None)
+            if self._dead is None:
+                self._send(("resume", cid))
+
+    def shutdown(self) -> None:
+        """Abort every request, stop the engine process and wait for it to exit."""
+        if self._process.is_alive():
+            try:
+                self._send(("shutdown", 0))
+            except (OSError, EngineDeadError):
+                pass
+            self._process.join(30)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join(5)
+        self._fail_all("the engine process was shut down")
+
+    # -- client internals -------------------------------------------------------------------------
+    def _check_can_wait(self, name: str) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"{self._dead}; this LLMProcess cannot serve requests any more, create a new one")
+        if threading.current_thread() is self._dispatcher:
+            raise RuntimeError(f"LLMProcess.{name}() was called from a subscribe() callback: waiting there "
+                               "would stop every later event; hand the work to another thread")
+
+    def _open(self, stream: bool = False) -> tuple[int, queue.SimpleQueue]:
+        cid, answers = next(self._ids), queue.SimpleQueue()
+        self._waiting[cid] = answers
+        if stream:
+            self._streams.add(cid)
+        if self._dead is not None:          # died between the check and now: nobody would answer
+            self._waiting.pop(cid, None)
+            raise EngineDeadError(f"{self._dead}; this LLMProcess cannot serve requests any more")
+        return cid, answers
+
+    def _call(self, op: str, *args) -> Any:
+        if op in ("generate", "chat"):
+            self._check_can_wait(op)
+        elif self._dead is not None:
+            raise EngineDeadError(f"{self._dead}; this LLMProcess cannot serve requests any more")
+        cid, answers = self._open()
+        try:
+            self._send((op, cid, *args))
+            kind, value = answers.get()
+        finally:
+            self._waiting.pop(cid, None)
+        if kind == "error":
+            raise value
+        return value
+
+    def _send(self, message: tuple) -> None:
+        try:
+            with self._send_lock:
+                self._conn.send(message)
+        except (OSError, ValueError) as exc:    # the pipe is closed: the child is gone
+            self._fail_all(f"the engine process is gone ({type(exc).__name__}: {exc})")
+            raise EngineDeadError(self._dead) from None
+
+    def _receive(self) -> None:
+        """Route every message from the child: answers to calls straight to their caller (so a
+        callback may call ``snapshot``), events and stream messages to the event thread in order."""
+        try:
+            while True:
+                kind, cid, value = message = self._conn.recv()
+                if kind == "event" or cid in self._streams:
+                    self._events.put(message)
+                    continue
+                answers = self._waiting.get(cid)
+                if answers is not None:
+                    answers.put((kind, value))
+        except (EOFError, OSError):
+            code = self._process.exitcode
+            self._fail_all("the engine process exited" + ("" if code is None else f" with code {code}"))
+
+    def _dispatch(self) -> None:
+        """Call the callbacks for each event, and pass each stream message on after the events that
+        came before it: a step's events reach callbacks before its tokens reach their streams."""
+        while True:
+            message = self._events.get()
+            if message is None:
+                return
+            kind, cid, value = message
+            if kind != "event":
+                answers = self._waiting.get(cid)
+                if answers is not None:
+                    answers.put((kind, value))
+                continue
+            for callback in self._listeners:
+                try:
+                    callback(value)
+                except Exception:  # noqa: BLE001  (as LLM: a failing callback is skipped and logged)
+                    logger.exception("subscribe() callback %r failed", callback)
+
+    def _fail_all(self, reason: str) -> None:
+        if self._dead is None:
+            self._dead = reason
+            self._events.put(None)
+        for answers in list(self._waiting.values()):
+            answers.put(("error", EngineDeadError(f"{reason}; the request was not finished")))
+
+
+# -- the child process ----------------------------------------------------------------------------
+def _serve(conn, engine_args: dict) -> None:
+    """Load the ``LLM`` and answer the client until it asks to stop or goes away."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C reaches the whole process group: the parent stops us
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))   # not Paddle's handler, which prints a C++ "fatal error"
+    from .llm import LLM
+
+    send_lock = threading.Lock()
+
+    def send(message: tuple) -> None:
+        try:
+            with send_lock:
+                conn.send(message)
+        except (OSError, ValueError):   # the parent is gone; the receive loop below ends too
+            pass
+        except Exception as exc:        # noqa: BLE001  (a value that does not pickle: say so instead)
+            with send_lock:
+                conn.send(("error", message[1], RuntimeError(f"{type(exc).__name__}: {exc}")))
+
+    try:
+        llm = LLM(**engine_args)
+    except BaseException as exc:  # noqa: BLE001
+        send(("error", 0, exc))
+        return
+    send(("ready", 0, {"config": llm.config, "model_name": llm.model_name, "model_impl": llm.model_impl,
+                       "tokenizer": llm.get_tokenizer()}))
+    llm.subscribe(lambda event: send(("event", None, event)))
+    live: dict[int, tuple[threading.Event, str]] = {}    # open streams: closed flag, request id
+
+    def call(op: str, cid: int, args: tuple) -> None:
+        try:
+            send(("result", cid, getattr(llm, op)(*args)))
+        except BaseException as exc:  # noqa: BLE001
+            send(("error", cid, exc))
+
+    def stream(cid: int, prompt, params, request_id: str) -> None:
+        closed = live[cid][0]
+        gen = llm.stream(prompt, params, request_id)
+        try:
+            for delta in gen:
+                if closed.is_set():
+                    break
+                send(("delta", cid, delta))
+        except BaseException as exc:  # noqa: BLE001
+            live.pop(cid, None)     # before the client hears of it: its close then aborts nothing
+            send(("error", cid, exc))
+        finally:
+            live.pop(cid, None)
+            gen.close()     # a stream closed before it finished aborts its request
+
+    resumed: dict[int, threading.Event] = {}
+
+    def pause(cid: int) -> None:
+        with llm.paused():
+            send(("result", cid, None))
+            resumed[cid].wait()
+        resumed.pop(cid, None)
+
+    try:
+        while True:
+            op, cid, *args = conn.recv()
+            if op == "shutdown":
+                break
+            if op == "resume":
+                resumed[cid].set()
+                continue
+            if op == "close":   # the client closed a stream: abort it now (or at its first delta)
+                closed, rid = live.get(cid, (None, None))
+                if closed is not None:
+                    closed.set()
+                    llm.abort(rid)
+                continue
+            if op == "stream":
+                prompt, params, request_id = args
+                request_id = f"req-{uuid.uuid4().hex}" if request_id is None else request_id
+                live[cid] = (threading.Event(), request_id)
+                target, targs = stream, (cid, prompt, params, request_id)
+            elif op == "pause":
+                resumed[cid] = threading.Event()
+                target, targs = pause, (cid,)
+            elif op in _CALLS:
+                target, targs = call, (op, cid, tuple(args))
+            else:
+                send(("error", cid, ValueError(f"unknown operation {op!r}; accepted: stream, close, pause, resume, shutdown, "
+                                               f"{', '.join(_CALLS)}")))
+                continue
+            threading.Thread(target=target, args=targs, name=f"engine-core-{op}-{cid}", daemon=True).start()
+    except (EOFError, OSError):
+        pass
+    finally:
+        for event in list(resumed.values()):   # a pause the client can no longer end
+            event.set()
+        llm.shutdown()

@@ -1,0 +1,228 @@
+"""``LLMProcess``: the engine in a process of its own behaves as the ``LLM`` it holds.
+
+Compared against the in-process ``LLM`` on the same model (the shared ``smollm2_llm``): the same
+tokens and logprobs, the same errors for bad requests, streams that abort when closed, events
+before tokens, snapshots that keep unchanged blocks' objects; and a dead engine process fails
+every caller at once instead of leaving it waiting.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+from tiny_models import make_tiny_model
+
+from engine import LLM, LLMProcess, SamplingParams
+from engine.llm import EngineDeadError
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, logprobs=3)
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def remote():
+    llm = LLMProcess(model="smollm2-135m-instruct")
+    yield llm
+    assert not llm.snapshot().requests, "a test left requests running in the engine process"
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "llama"), "LlamaForCausalLM", seed=1)
+
+
+def _tokens(outputs):
+    return [(o.outputs[0].token_ids, o.outputs[0].text) for o in outputs]
+
+
+def test_generate_chat_and_stream_match_the_llm_in_this_process(remote, smollm2_llm):
+    prompts = ["The capital of France is", {"prompt_token_ids": [1, 504, 3458, 282]}]
+    here, there = smollm2_llm.generate(prompts, GREEDY), remote.generate(prompts, GREEDY)
+    assert _tokens(there) == _tokens(here)
+    for a, b in zip(here, there):
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys()
+            assert all(abs(la[t].logprob - lb[t].logprob) < 1e-6 and la[t].rank == lb[t].rank for t in la)
+    assert _tokens(remote.chat(CHAT, GREEDY)) == _tokens(smollm2_llm.chat(CHAT, GREEDY))
+    deltas = list(remote.stream(CHAT, GREEDY, request_id="process-stream"))
+    assert deltas[-1].finished and {d.request_id for d in deltas} == {"process-stream"}
+    (reply,) = smollm2_llm.chat(CHAT, GREEDY)
+    assert [t for d in deltas for t in d.token_ids] == reply.outputs[0].token_ids
+    assert "".join(d.text for d in deltas) == reply.outputs[0].text
+    assert remote.model_name == smollm2_llm.model_name and remote.config == smollm2_llm.config
+    assert remote.get_tokenizer().encode("Paris") == smollm2_llm.get_tokenizer().encode("Paris")
+
+
+@pytest.mark.parametrize("call", [
+    lambda llm: llm.generate({"prompt_token_ids": list(range(10)) * 1000}, GREEDY),
+    lambda llm: llm.generate({"prompt_token_ids": [10**9]}, GREEDY),
+    lambda llm: llm.generate({"prompt_token_ids": []}, GREEDY),
+    lambda llm: llm.generate(42, GREEDY),
+    lambda llm: llm.generate("hi", {"max_tokens": 3}),
+    lambda llm: list(llm.stream([{"role": "user"}], GREEDY)),
+    lambda llm: list(llm.stream("hi", GREEDY, request_id="")),
+    lambda llm: llm.subscribe("not callable"),
+])
+def test_bad_requests_raise_what_the_llm_raises_and_the_engine_keeps_serving(remote, smollm2_llm, call):
+    with pytest.raises(Exception) as here:
+        call(smollm2_llm)
+    with pytest.raises(type(here.value)) as there:
+        call(remote)
+    assert str(there.value) == str(here.value)
+    assert remote.generate("Hi", SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+
+
+def test_a_request_id_in_use_is_refused_and_the_live_request_is_untouched(remote):
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    first = remote.stream("Tell me about rivers.", params, request_id="taken")
+    next(first)
+    with pytest.raises(ValueError, match="already in use"):
+        list(remote.stream("Another.", params, request_id="taken"))
+    rest = list(first)
+    assert rest[-1].finished and rest[-1].finish_reason == "length"
+    assert sum(len(d.token_ids) for d in rest) == 19
+
+
+def test_closing_a_stream_aborts_its_request_and_frees_its_blocks(remote):
+    stream = remote.stream("Write a long story about the sea.",     # minutes of decoding unless aborted
+                           SamplingParams(max_tokens=5000, temperature=0, ignore_eos=True))
+    next(stream)
+    assert any(b.state == "used" for b in remote.snapshot().blocks)
+    stream.close()
+    deadline = time.monotonic() + 10
+    while (snap := remote.snapshot()).requests and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not snap.requests and all(b.ref_cnt == 0 for b in snap.blocks)
+
+
+def test_events_reach_callbacks_before_the_tokens_of_their_step(remote):
+    """As ``LLM``: when a stream yields a token, the callbacks have seen the step that made it
+    (the request's ``request_finished`` before its last delta); a callback may take a snapshot
+    and abort, and may not wait for generation."""
+    seen, checks = [], []
+
+    def callback(event):
+        seen.append(event)
+        if event.kind == "request_started" and not checks:
+            checks.append(type(remote.snapshot()).__name__)
+            try:
+                remote.generate("Hi")
+            except RuntimeError as exc:
+                checks.append(str(exc))
+
+    unsubscribe = remote.subscribe(callback)
+    try:
+        at_delta = []
+        for delta in remote.stream("Count to five.", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                                   request_id="ordered"):
+            at_delta.append([e.kind for e in seen if e.data.get("request_id") == "ordered"
+                             or (e.kind == "step" and "ordered" in e.data["decode"] + list(e.data["prefill"]))])
+    finally:
+        unsubscribe()
+    assert "request_finished" in at_delta[-1] and all("request_finished" not in k for k in at_delta[:-1])
+    assert all(k.count("step") >= i + 1 for i, k in enumerate(at_delta))
+    assert checks[0] == "EngineSnapshot" and "subscribe() callback" in checks[1]
+
+
+def test_a_snapshot_keeps_the_blockinfo_objects_of_unchanged_blocks(remote):
+    stream = remote.stream("Tell me about owls and the night.",
+                           SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    snaps = [remote.snapshot() for _ in stream]
+    kept = changed = 0
+    for before, after in zip(snaps, snaps[1:]):
+        for a, b in zip(before.blocks, after.blocks):
+            assert (a is b) == (a == b)
+            kept, changed = kept + (a is b), changed + (a is not b)
+    assert kept and changed
+
+
+def test_requests_submitted_while_paused_start_in_one_step(remote):
+    steps, outs = [], {}
+    unsubscribe = remote.subscribe(lambda e: steps.append(e.data) if e.kind == "step" else None)
+
+    def one(i):
+        outs[i] = list(remote.stream(f"Fact {i}:", SamplingParams(max_tokens=4, temperature=0),
+                                     request_id=f"paused-{i}"))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+    try:
+        with remote.paused():
+            for t in threads:
+                t.start()
+            time.sleep(1.0)         # the three submissions reach the engine process and wait there
+        for t in threads:
+            t.join(60)
+    finally:
+        unsubscribe()
+    assert sorted(outs) == [0, 1, 2] and all(o[-1].finished for o in outs.values())
+    first = next(s for s in steps if any(r.startswith("paused-") for r in s["prefill"]))
+    assert sorted(first["prefill"]) == ["paused-0", "paused-1", "paused-2"]
+
+
+def test_a_killed_engine_process_fails_every_caller_at_once(tiny):
+    llm = LLMProcess(model=tiny, kv_cache_memory=8 * 1024**2)
+    stream = llm.stream("hello", SamplingParams(max_tokens=10_000, ignore_eos=True))
+    next(stream)
+    os.kill(llm.pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(EngineDeadError, match="exited"):
+        for _ in stream:
+            pass
+    assert time.monotonic() - started < 10
+    for call in (lambda: llm.generate("hi"), llm.snapshot, lambda: list(llm.stream("hi")),
+                 lambda: llm.abort("x")):
+        with pytest.raises(EngineDeadError):
+            call()
+    llm.shutdown()
+
+
+def test_shutdown_ends_the_process_and_its_live_streams(tiny):
+    """As ``LLM.shutdown``: a live stream ends (its abort, or the engine's end if the abort is
+    still on its way when the process exits); nothing waits for ever."""
+    llm = LLMProcess(model=tiny, kv_cache_memory=8 * 1024**2)
+    stream = llm.stream("hello", SamplingParams(max_tokens=10_000, ignore_eos=True))
+    next(stream)
+    llm.shutdown()
+    assert not llm._process.is_alive() and llm._process.exitcode == 0
+    try:
+        last = list(stream)[-1]
+        assert last.finished and last.finish_reason == "abort"
+    except EngineDeadError:
+        pass
+
+
+def test_a_model_that_does_not_load_raises_the_llms_error_here(tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(Exception) as here:
+        LLM(model=missing)
+    with pytest.raises(type(here.value)) as there:
+        LLMProcess(model=missing)
+    assert str(there.value) == str(here.value)
+
+
+def test_the_app_serves_a_chat_from_the_engine_process(remote, smollm2_llm):
+    """``python -m playground``'s arrangement: the app in this process, the engine in its own; the
+    reply is the in-process engine's, and the monitor's block map sees the engine process's blocks."""
+    import gradio_client
+    from test_app import SYSTEM, greedy, reply_text
+
+    from playground.app import build_app, launch
+
+    demo = build_app(remote)
+    _, url, _ = launch(demo, prevent_thread_lock=True, quiet=True)
+    try:
+        client = gradio_client.Client(url, verbose=False)
+        chat, *_ = client.predict("What is the capital of France?", SYSTEM, *greedy(12), api_name="/chat")
+        snap = demo.playground_monitor.refresh()
+    finally:
+        demo.close()
+        demo.playground_monitor.close()
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the capital of France?"}]
+    (expected,) = smollm2_llm.chat(messages, SamplingParams(max_tokens=12, temperature=0))
+    assert reply_text(chat) == expected.outputs[0].text, (reply_text(chat), expected.outputs[0].text)
+    assert any(b["state"] == "cached" for b in snap["blocks"])
