@@ -439,8 +439,6 @@ def main(argv: list[str] | None = None) -> dict:
     global engine_pid
     llm = (LLM if args.in_process else LLMProcess)(**vars(config_from_args(args)))
     engine_pid = None if args.in_process else llm.pid
-    if os.environ.get("UI_NICE"):
-        os.nice(int(os.environ["UI_NICE"]))
     if not args.no_warm_up:
         _warm_up(llm)
     demo = build_app(llm, refresh_every=args.interval)
