@@ -1,9 +1,10 @@
 """``python scripts/screenshot.py``: the README's picture of the playground, taken from the real app.
 
-Loads the default model, serves the playground on a local port, drives it in
-headless Chromium through Playwright the way a visitor would (a question, a
-branch from one of the reply's tokens, a second question whose reply is still
-streaming, one of its blocks inspected), and writes ``docs/playground.png``.
+Loads the default model in a process of its own (as ``python -m playground``
+does), serves the playground on a local port, drives it in headless Chromium
+through Playwright the way a visitor would (a question, a branch from one of
+the reply's tokens, a second question whose reply is still streaming, one of
+its blocks inspected), and writes ``docs/playground.png``.
 Needs Debian's ``chromium`` (``--chromium`` points elsewhere).
 """
 
@@ -19,7 +20,7 @@ sys.path.insert(0, str(ROOT))   # this checkout's packages, whatever is installe
 
 from playwright.sync_api import expect, sync_playwright  # noqa: E402
 
-from engine import LLM  # noqa: E402
+from engine import LLMProcess  # noqa: E402
 from playground.app import build_app, launch  # noqa: E402
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chromium", default="/usr/bin/chromium")
     parser.add_argument("--width", type=int, default=1400)
     args = parser.parse_args(argv)
-    llm = LLM()
+    llm = LLMProcess()   # as python -m playground runs it
     demo = build_app(llm)
     _, url, _ = launch(demo, prevent_thread_lock=True, quiet=True)
     try:
