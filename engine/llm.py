@@ -50,6 +50,20 @@ class _Died:
         self.reason = reason
 
 
+class _Sink:
+    """Stands where a request's queue would (``LLM.submit``): hands each delta to a callback."""
+
+    def __init__(self, on_delta):
+        self.on_delta = on_delta
+
+    def put(self, item) -> None:
+        try:
+            self.on_delta(EngineDeadError(f"{item.reason}; the request was not finished")
+                          if isinstance(item, _Died) else item)
+        except Exception:  # noqa: BLE001  (a failing receiver must not stop the engine thread)
+            logger.exception("on_delta callback %r failed", self.on_delta)
+
+
 class LLM:
     """``LLM(model=..., model_impl=..., dtype=..., block_size=..., kv_cache_memory=...,
     enable_prefix_caching=..., max_num_seqs=..., max_num_batched_tokens=..., max_model_len=..., device=...,
@@ -116,6 +130,22 @@ class LLM:
         finally:
             if not finished and self._dead is None:
                 self.abort(rid)
+
+    def submit(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None, *,
+               on_delta) -> str:
+        """Submit one request whose deltas go to ``on_delta`` instead of a stream; returns its id.
+
+        ``on_delta(delta)`` is called for each ``StreamDelta`` in order, the last one ``finished``,
+        outside the engine lock on the thread delivering the step (usually the engine's), so it
+        must be quick and must not wait for generation; if the engine thread dies first it gets
+        an ``EngineDeadError`` instead. For a server that forwards tokens without a thread per
+        request (``LLMProcess``'s engine process). Bad requests raise here, as in ``stream``."""
+        if not callable(on_delta):
+            raise ValueError(f"on_delta must be callable; got {type(on_delta).__name__}")
+        self._check_alive()
+        _, ids = self._encode(prompt)
+        rid, _, _ = self._submit_all([(ids, sampling_params or SamplingParams(), request_id)], sink=_Sink(on_delta))[0]
+        return rid
 
     def abort(self, request_id: str) -> bool:
         """Finish a request with ``finish_reason="abort"`` (between steps). False if it is not live."""
@@ -202,8 +232,9 @@ class LLM:
     def _submit(self, ids: list[int], params: SamplingParams, request_id: str | None):
         return self._submit_all([(ids, params, request_id)])[0]
 
-    def _submit_all(self, items):
-        """Queue requests together (one batch lands in one step); if one is refused, none stays queued."""
+    def _submit_all(self, items, sink=None):
+        """Queue requests together (one batch lands in one step); if one is refused, none stays queued.
+        Their deltas go to a queue each, or to ``sink``."""
         with self._lock:
             self._check_alive()
             added = []
@@ -217,7 +248,7 @@ class LLM:
                 raise
             out = []
             for rid in added:
-                q: queue.SimpleQueue = queue.SimpleQueue()
+                q = sink or queue.SimpleQueue()
                 self._queues[rid] = q
                 out.append((rid, q, self.engine.requests[rid]))
             self._post([])

@@ -33,6 +33,7 @@ import queue
 import signal
 import threading
 import uuid
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from .config import EngineConfig
@@ -260,6 +261,15 @@ class LLMProcess:
 
 
 # -- the child process ----------------------------------------------------------------------------
+@dataclass
+class _Stream:
+    """A stream in the engine process: its request id, submitted yet, closed by the client."""
+
+    request_id: str
+    submitted: bool = False
+    closed: bool = False
+
+
 def _serve(conn, engine_args: dict) -> None:
     """Load the ``LLM`` and answer the client until it asks to stop or goes away."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C reaches the whole process group: the parent stops us
@@ -286,7 +296,8 @@ def _serve(conn, engine_args: dict) -> None:
     send(("ready", 0, {"config": llm.config, "model_name": llm.model_name, "model_impl": llm.model_impl,
                        "tokenizer": llm.get_tokenizer()}))
     llm.subscribe(lambda event: send(("event", None, event)))
-    live: dict[int, tuple[threading.Event, str]] = {}    # open streams: closed flag, request id
+    lock = threading.Lock()
+    live: dict[int, _Stream] = {}       # streams not yet finished, by call id
 
     def call(op: str, cid: int, args: tuple) -> None:
         try:
@@ -294,20 +305,36 @@ def _serve(conn, engine_args: dict) -> None:
         except BaseException as exc:  # noqa: BLE001
             send(("error", cid, exc))
 
-    def stream(cid: int, prompt, params, request_id: str) -> None:
-        closed = live[cid][0]
-        gen = llm.stream(prompt, params, request_id)
+    def forward(cid: int):
+        """The stream's deltas straight onto the pipe, from the engine's thread: no thread per stream."""
+        def on_delta(item) -> None:
+            if not isinstance(item, StreamDelta) or item.finished:
+                with lock:
+                    live.pop(cid, None)
+            send(("delta" if isinstance(item, StreamDelta) else "error", cid, item))
+        return on_delta
+
+    def submit(cid: int, prompt, params, stream: _Stream) -> None:
         try:
-            for delta in gen:
-                if closed.is_set():
-                    break
-                send(("delta", cid, delta))
+            llm.submit(prompt, params, stream.request_id, on_delta=forward(cid))
         except BaseException as exc:  # noqa: BLE001
-            live.pop(cid, None)     # before the client hears of it: its close then aborts nothing
+            with lock:
+                live.pop(cid, None)     # before the client hears of it: its close then aborts nothing
             send(("error", cid, exc))
-        finally:
-            live.pop(cid, None)
-            gen.close()     # a stream closed before it finished aborts its request
+            return
+        with lock:
+            stream.submitted = True
+            closed = stream.closed
+        if closed:                      # closed while being submitted
+            llm.abort(stream.request_id)
+
+    def close(cid: int) -> None:
+        with lock:
+            stream = live.pop(cid, None)
+            if stream is not None:
+                stream.closed = True
+        if stream is not None and stream.submitted:
+            llm.abort(stream.request_id)
 
     resumed: dict[int, threading.Event] = {}
 
@@ -325,17 +352,14 @@ def _serve(conn, engine_args: dict) -> None:
             if op == "resume":
                 resumed[cid].set()
                 continue
-            if op == "close":   # the client closed a stream: abort it now (or at its first delta)
-                closed, rid = live.get(cid, (None, None))
-                if closed is not None:
-                    closed.set()
-                    llm.abort(rid)
-                continue
-            if op == "stream":
+            if op == "close":   # the client closed a stream before its end: abort it
+                target, targs = close, (cid,)
+            elif op == "stream":
                 prompt, params, request_id = args
-                request_id = f"req-{uuid.uuid4().hex}" if request_id is None else request_id
-                live[cid] = (threading.Event(), request_id)
-                target, targs = stream, (cid, prompt, params, request_id)
+                stream = _Stream(f"req-{uuid.uuid4().hex}" if request_id is None else request_id)
+                with lock:
+                    live[cid] = stream
+                target, targs = submit, (cid, prompt, params, stream)
             elif op == "pause":
                 resumed[cid] = threading.Event()
                 target, targs = pause, (cid,)

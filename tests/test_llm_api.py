@@ -176,3 +176,31 @@ def test_snapshots_share_the_blockinfo_of_unchanged_blocks(smollm2_llm):
             else:
                 raise AssertionError(f"block {a.block_id} did not change but got a new BlockInfo")
     assert changed >= len(pairs) - 1 and kept > 10 * changed     # each step writes one block of hundreds
+
+
+def test_submit_hands_the_deltas_of_a_stream_to_a_callback(smollm2_llm, caplog):
+    """``LLM.submit``: the deltas ``stream`` would yield, in order, to ``on_delta``; a callback that
+    raises is logged and the engine goes on serving (it runs on the engine's thread)."""
+    params = SamplingParams(max_tokens=10, temperature=0, logprobs=2)
+    streamed = list(smollm2_llm.stream("Name three rivers.", params))
+    got, done = [], threading.Event()
+
+    def on_delta(delta):
+        got.append(delta)
+        if delta.finished:
+            done.set()
+
+    rid = smollm2_llm.submit("Name three rivers.", params, on_delta=on_delta)
+    assert done.wait(60) and all(d.request_id == rid for d in got)
+    assert [d.token_ids for d in got] == [d.token_ids for d in streamed] and got[-1].finished
+
+    def broken(delta):
+        raise RuntimeError("receiver broke")
+
+    smollm2_llm.submit("Hello", SamplingParams(max_tokens=3), on_delta=broken)
+    assert smollm2_llm.generate("Hello", SamplingParams(max_tokens=3))[0].outputs[0].token_ids
+    assert "receiver broke" in caplog.text
+    with pytest.raises(ValueError, match="on_delta must be callable"):
+        smollm2_llm.submit("Hello", on_delta=None)
+    with pytest.raises(ValueError, match="prompt must be"):
+        smollm2_llm.submit(42, on_delta=print)
