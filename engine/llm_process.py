@@ -25,6 +25,7 @@ find the changed blocks by identity.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
@@ -110,10 +111,14 @@ class LLMProcess:
         finished = False
         try:
             self._send(("stream", cid, prompt, sampling_params, request_id))
+            prompt_token_ids = None
             while not finished:
                 kind, value = answers.get()
                 if kind == "error":
                     raise value
+                if value.prompt_token_ids is None:     # sent with the first delta only
+                    value.prompt_token_ids = prompt_token_ids
+                prompt_token_ids = value.prompt_token_ids
                 finished = value.finished
                 yield value
         finally:
@@ -306,12 +311,19 @@ def _serve(conn, engine_args: dict) -> None:
             send(("error", cid, exc))
 
     def forward(cid: int):
-        """The stream's deltas straight onto the pipe, from the engine's thread: no thread per stream."""
+        """The stream's deltas straight onto the pipe, from the engine's thread: no thread per stream.
+        The prompt's token ids travel with the first delta only (the client puts them back)."""
+        first = [True]
+
         def on_delta(item) -> None:
             if not isinstance(item, StreamDelta) or item.finished:
                 with lock:
                     live.pop(cid, None)
-            send(("delta" if isinstance(item, StreamDelta) else "error", cid, item))
+            if not isinstance(item, StreamDelta):
+                send(("error", cid, item))
+                return
+            send(("delta", cid, item if first[0] else dataclasses.replace(item, prompt_token_ids=None)))
+            first[0] = False
         return on_delta
 
     def submit(cid: int, prompt, params, stream: _Stream) -> None:

@@ -54,6 +54,9 @@ def test_generate_chat_and_stream_match_the_llm_in_this_process(remote, smollm2_
     (reply,) = smollm2_llm.chat(CHAT, GREEDY)
     assert [t for d in deltas for t in d.token_ids] == reply.outputs[0].token_ids
     assert "".join(d.text for d in deltas) == reply.outputs[0].text
+    prompt_ids = smollm2_llm.get_tokenizer().apply_chat_template(CHAT)
+    assert all(d.prompt_token_ids == smollm2_llm.get_tokenizer().encode(prompt_ids, add_special_tokens=False)
+               for d in deltas)
     assert remote.model_name == smollm2_llm.model_name and remote.config == smollm2_llm.config
     assert remote.get_tokenizer().encode("Paris") == smollm2_llm.get_tokenizer().encode("Paris")
 
