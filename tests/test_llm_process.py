@@ -229,3 +229,34 @@ def test_the_app_serves_a_chat_from_the_engine_process(remote, smollm2_llm):
     (expected,) = smollm2_llm.chat(messages, SamplingParams(max_tokens=12, temperature=0))
     assert reply_text(chat) == expected.outputs[0].text, (reply_text(chat), expected.outputs[0].text)
     assert any(b["state"] == "cached" for b in snap["blocks"])
+
+
+def test_the_engine_process_exits_when_its_parent_is_killed(tiny):
+    """Nothing outlives the app: a parent killed without clean-up (SIGKILL, the OOM killer) closes
+    its end of the pipe, and the engine process then stops by itself."""
+    import subprocess
+    import sys
+
+    code = ("import sys, time\nfrom engine import LLMProcess\n"
+            "if __name__ == '__main__':\n"
+            f"    llm = LLMProcess(model={tiny!r}, kv_cache_memory=8 * 1024**2)\n"
+            "    print(llm.pid, flush=True)\n    time.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _alive(child):
+            time.sleep(0.1)
+        assert not _alive(child), "the engine process outlived its parent"
+    finally:
+        parent.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
