@@ -1,7 +1,8 @@
 """``python -m benchmarks.playground``: what the open playground costs the engine, and how soon
 the first chat after start gets its first token.
 
-Starts the app as ``python -m playground`` does (load, warm-up, ``build_app``, ``launch``) and:
+Starts the app as ``python -m playground`` does (the engine loaded in a process of its own,
+``LLMProcess``; ``--in-process`` keeps it in this one; warm-up, ``build_app``, ``launch``) and:
 
 1. **First chat after start**: one chat through the app over HTTP (``gradio_client``, ``/chat``);
    the time from sending it to the first streamed token, and the engine's own TTFT.
@@ -25,9 +26,10 @@ Starts the app as ``python -m playground`` does (load, warm-up, ``build_app``, `
    refresh at most min(engine steps/s, 1 / interval) times a second). The CPU use of this
    process (engine and app server) and of the tabs' process is printed beside, in cores, and
    this process's CPU seconds for the same chats in both modes (their difference is the app's
-   server-side work, a number the machine's load moves less than tok/s), and how the engine
-   thread spent its time between the measured steps: on a core, waiting for one (the UI's CPU
-   share), waiting for the interpreter or engine lock.
+   server-side work, a number the machine's load moves less than tok/s; the engine's process
+   counts as the server's), and, with ``--in-process``, how the engine thread spent its time
+   between the measured steps: on a core, waiting for one (the UI's CPU share), waiting for the
+   interpreter or engine lock.
 3. ``--cold-start PORT`` instead of 1 and 2: only the first chat after ``python -m playground
    --port PORT``, started in its own process (in a fresh clone this includes compiling the
    kernels, which the CLI does before it prints the URL), then a first chat whose prompt is past
