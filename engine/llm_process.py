@@ -98,10 +98,11 @@ class LLMProcess:
         return self._tokenizer
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
-        return self._call("generate", prompts, sampling_params)
+        """As ``LLM.generate`` (a progress bar, if asked for, is drawn by the engine process)."""
+        return self._call("generate", prompts, sampling_params, use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
-        return self._call("chat", messages, sampling_params)
+        return self._call("chat", messages, sampling_params, use_tqdm)
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None,
                request_id: str | None = None) -> Iterator[StreamDelta]:
@@ -125,7 +126,8 @@ class LLMProcess:
             self._waiting.pop(cid, None)
             self._streams.discard(cid)
             if not finished and self._dead is None:
-                self._send(("close", cid))
+                with contextlib.suppress(EngineDeadError):   # gone meanwhile: nothing left to abort
+                    self._send(("close", cid))
 
     def abort(self, request_id: str) -> bool:
         return self._call("abort", request_id)
@@ -166,7 +168,8 @@ class LLMProcess:
         finally:
             self._waiting.pop(cid, None)
             if self._dead is None:
-                self._send(("resume", cid))
+                with contextlib.suppress(EngineDeadError):
+                    self._send(("resume", cid))
 
     def shutdown(self) -> None:
         """Abort every request, stop the engine process and wait for it to exit."""
