@@ -99,11 +99,15 @@ def main(argv: list[str] | None = None) -> int:
     _stop_on_sigterm()
     demo = llm = None
     try:
-        config = config_from_args(args)
-        _say(f"Loading {config.model} (model_impl={config.model_impl}, device={config.device}); the first "
-             "run after an install also compiles the attention kernels ...")
-        t0 = time.perf_counter()
-        llm = (LLM if args.in_process else LLMProcess)(**vars(config))
+        try:    # a model or engine setting that cannot work: its message, not a traceback
+            config = config_from_args(args)
+            _say(f"Loading {config.model} (model_impl={config.model_impl}, device={config.device}); the first "
+                 "run after an install also compiles the attention kernels ...")
+            t0 = time.perf_counter()
+            llm = (LLM if args.in_process else LLMProcess)(**vars(config))
+        except (FileNotFoundError, ValueError, NotImplementedError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         _say(f"Loaded {llm.model_name} with model_impl={llm.model_impl} in {time.perf_counter() - t0:.1f} s")
         _say("Warming up: a short and a long request through the engine, and the libraries the first chat loads ...")
         t0 = time.perf_counter()

@@ -93,6 +93,15 @@ def test_start_up_is_announced_and_ctrl_c_or_sigterm_stops_it_cleanly(tiny):
         assert said == sorted(said), text
 
 
+@pytest.mark.parametrize("argv", [["--model", "no-such-model"], ["--block-size", "0"]])
+def test_a_model_or_setting_that_cannot_work_exits_with_its_message(argv):
+    result = subprocess.run([sys.executable, "-m", "playground", *argv, "--port", str(_free_port())],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert ("not found; it must be" if argv[1] == "no-such-model" else "block_size") in result.stderr
+
+
 def test_warm_up_prefills_past_the_small_matmul_path_and_leaves_no_cached_block(smollm2_llm):
     """The CLI's warm-up runs a prefill longer than ``block_matmul.SMALL_T`` tokens (the quantized
     matmuls' BLAS path, which a fresh install would otherwise compile during the first long chat)
