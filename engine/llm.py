@@ -49,19 +49,28 @@ class _Died:
     def __init__(self, reason: str):
         self.reason = reason
 
+    def error(self) -> EngineDeadError:
+        return EngineDeadError(f"{self.reason}; the request was not finished")
+
 
 class _Sink:
-    """Stands where a request's queue would (``LLM.submit``): hands each delta to a callback."""
+    """Stands where a request's queue would (``LLM.submit``): hands each delta to a callback. Its
+    first failure is logged with the traceback, later ones at debug level (as for listeners)."""
 
     def __init__(self, on_delta):
         self.on_delta = on_delta
+        self._failed = False
 
     def put(self, item) -> None:
         try:
-            self.on_delta(EngineDeadError(f"{item.reason}; the request was not finished")
-                          if isinstance(item, _Died) else item)
+            self.on_delta(item.error() if isinstance(item, _Died) else item)
         except Exception:  # noqa: BLE001  (a failing receiver must not stop the engine thread)
-            logger.exception("on_delta callback %r failed", self.on_delta)
+            if self._failed:
+                logger.debug("on_delta callback %r failed again", self.on_delta, exc_info=True)
+            else:
+                self._failed = True
+                logger.exception("on_delta callback %r failed (its later failures are logged at debug "
+                                 "level)", self.on_delta)
 
 
 class LLM:
@@ -281,7 +290,7 @@ class LLM:
                     raise EngineDeadError("the engine thread is gone and this request never finished")
                 continue
             if isinstance(item, _Died):
-                raise EngineDeadError(f"{item.reason}; the request was not finished")
+                raise item.error()
             return item
 
     def _run_batch(self, encoded: list[tuple[str | None, list[int]]], sampling_params, use_tqdm: bool):

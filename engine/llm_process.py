@@ -185,9 +185,12 @@ class LLMProcess:
         self._fail_all("the engine process was shut down")
 
     # -- client internals -------------------------------------------------------------------------
-    def _check_can_wait(self, name: str) -> None:
+    def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"{self._dead}; this LLMProcess cannot serve requests any more, create a new one")
+
+    def _check_can_wait(self, name: str) -> None:
+        self._check_alive()
         if threading.current_thread() is self._dispatcher:
             raise RuntimeError(f"LLMProcess.{name}() was called from a subscribe() callback: waiting there "
                                "would stop every later event; hand the work to another thread")
@@ -199,14 +202,15 @@ class LLMProcess:
             self._streams.add(cid)
         if self._dead is not None:          # died between the check and now: nobody would answer
             self._waiting.pop(cid, None)
-            raise EngineDeadError(f"{self._dead}; this LLMProcess cannot serve requests any more")
+            self._streams.discard(cid)
+            self._check_alive()
         return cid, answers
 
     def _call(self, op: str, *args) -> Any:
         if op in ("generate", "chat"):
             self._check_can_wait(op)
-        elif self._dead is not None:
-            raise EngineDeadError(f"{self._dead}; this LLMProcess cannot serve requests any more")
+        else:
+            self._check_alive()
         cid, answers = self._open()
         try:
             self._send((op, cid, *args))
@@ -319,14 +323,14 @@ def _serve(conn, engine_args: dict) -> None:
         first = [True]
 
         def on_delta(item) -> None:
-            if not isinstance(item, StreamDelta) or item.finished:
+            if isinstance(item, EngineDeadError) or item.finished:
                 with lock:
                     live.pop(cid, None)
-            if not isinstance(item, StreamDelta):
+            if isinstance(item, EngineDeadError):
                 send(("error", cid, item))
-                return
-            send(("delta", cid, item if first[0] else dataclasses.replace(item, prompt_token_ids=None)))
-            first[0] = False
+            else:
+                send(("delta", cid, item if first[0] else dataclasses.replace(item, prompt_token_ids=None)))
+                first[0] = False
         return on_delta
 
     def submit(cid: int, prompt, params, stream: _Stream) -> None:

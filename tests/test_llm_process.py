@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -235,9 +237,6 @@ def test_the_app_serves_a_chat_from_the_engine_process(remote, smollm2_llm):
 def test_the_engine_process_exits_when_its_parent_is_killed(tiny):
     """Nothing outlives the app: a parent killed without clean-up (SIGKILL, the OOM killer) closes
     its end of the pipe, and the engine process then stops by itself."""
-    import subprocess
-    import sys
-
     code = ("import sys, time\nfrom engine import LLMProcess\n"
             "if __name__ == '__main__':\n"
             f"    llm = LLMProcess(model={tiny!r}, kv_cache_memory=8 * 1024**2)\n"
