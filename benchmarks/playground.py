@@ -92,8 +92,7 @@ def thread_group(name: str) -> str:
     """Which part of the server a thread of this process belongs to (by its Python name). The
     engine's loop and each chat's stream come and go (the loop ends when the engine idles), and
     threads Python did not start (Paddle's, BLAS's) have no name: one group, ``ENGINE_SIDE``."""
-    for prefix, group in (("engine process", "engine process"), ("engine-client", "engine client"),
-                          ("fused-decode", "decode team"), ("playground-monitor", "monitor"),
+    for prefix, group in (("engine-client", "engine client"), ("fused-decode", "decode team"), ("playground-monitor", "monitor"),
                           ("AnyIO worker", "gradio workers"), ("ThreadPoolExecutor", "gradio workers"),
                           ("engine-loop", ENGINE_SIDE), ("stream-", ENGINE_SIDE), ("(native)", ENGINE_SIDE)):
         if name.startswith(prefix):
