@@ -6,14 +6,19 @@ should draw, so the block map called the tab's own chat "chat 1"). ``Tabs``
 keeps the first ``ChatSession`` seen for each session hash, and ``wrap`` turns
 a handler into one whose ``ChatSession`` argument is always that one. A
 closed tab (``demo.unload``) is forgotten; at most ``capacity`` tabs are kept.
+
+``on_loop_stream`` hands a streaming handler's updates to Gradio's event loop
+from a thread of its own, instead of one worker-thread round trip per update.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import inspect
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import gradio as gr
@@ -61,6 +66,7 @@ class Tabs:
         ``on_loop``: an ``async`` handler, which Gradio runs on its event loop
         instead of handing it to a worker thread (for quick, frequent events,
         such as the timers' ticks, where the hand-off costs more than the call).
+        A streaming (generator) handler is handed to the loop through ``on_loop_stream``.
         """
         def resolve(request, args):
             return [self.session(request, a) if isinstance(a, ChatSession) else a for a in args]
@@ -69,8 +75,9 @@ class Tabs:
             async def handler(request: gr.Request, *args):
                 return fn(*resolve(request, args))
         elif inspect.isgeneratorfunction(fn):
-            def handler(request: gr.Request, *args):
-                yield from fn(*resolve(request, args))
+            async def handler(request: gr.Request, *args):
+                async for values in on_loop_stream(fn(*resolve(request, args))):
+                    yield values
         elif event_data:
             def handler(request: gr.Request, evt: gr.EventData, *args):
                 return fn(*resolve(request, args), evt)
@@ -80,3 +87,46 @@ class Tabs:
         handler.__name__ = handler.__qualname__ = fn.__name__
         handler.__doc__ = fn.__doc__
         return handler
+
+
+async def on_loop_stream(updates: Iterator) -> AsyncIterator:
+    """A streaming handler's updates, for Gradio to take on its event loop.
+
+    Gradio runs a plain generator one item at a time in a worker thread (``anyio.to_thread``: a
+    hand-off to the worker and back for every streamed update, on the cores the engine decodes
+    with). Here the generator runs on a thread of its own, start to end, and each update is handed
+    to the loop once. When the event ends early (Stop, a closed tab) the generator is closed at its
+    next update, in its own thread, as Gradio would close it: its ``finally`` blocks run there.
+    """
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    ended = threading.Event()
+
+    def put(item: tuple) -> None:
+        with contextlib.suppress(RuntimeError):     # the loop is closed: nobody is listening
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def run() -> None:
+        try:
+            for values in updates:
+                put(("update", values))
+                if ended.is_set():
+                    break
+        except BaseException as exc:  # noqa: BLE001  (raised again on the loop, as Gradio would see it)
+            put(("error", exc))
+        else:
+            put(("end", None))
+        finally:
+            updates.close()
+
+    threading.Thread(target=run, name="chat-updates", daemon=True).start()
+    try:
+        while True:
+            kind, value = await queue.get()
+            if kind == "end":
+                return
+            if kind == "error":
+                raise value
+            yield value
+    finally:
+        ended.set()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -11,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import gradio as gr
 import gradio_client
 import pytest
 import tomllib
@@ -18,6 +20,7 @@ import tomllib
 from engine import SamplingParams
 from playground.app import DEFAULT_SYSTEM_PROMPT, build_app, launch
 from playground.handlers import Limits
+from playground.tabs import on_loop_stream
 
 SYSTEM = DEFAULT_SYSTEM_PROMPT
 MAX_CHARS = 300
@@ -796,6 +799,8 @@ def test_chat_updates_and_panels_reach_the_page_without_a_thread_per_output(app,
     async def counting(fn, *args, **kwargs):
         if getattr(fn, "__name__", "") == "postprocess":
             hand_offs.append(type(getattr(fn, "__self__", None)).__name__)
+        elif getattr(fn, "__name__", "") == "run_sync_iterator_async":   # one step of a plain generator
+            hand_offs.append("next(stream)")
         return await run_sync(fn, *args, **kwargs)
 
     monkeypatch.setattr(anyio.to_thread, "run_sync", counting)
@@ -803,6 +808,11 @@ def test_chat_updates_and_panels_reach_the_page_without_a_thread_per_output(app,
     updates = list(job)
     chat, *_ = job.result()
     assert len(updates) >= 2 and reply_text(chat)                     # it streamed, and the page got the reply
+    # Nor a hand-off per update to take the next one from the handler: Gradio 6.31 runs a plain
+    # generator's every step in a worker thread (``utils.SyncToAsyncIterator.__anext__``:
+    # ``run_sync(run_sync_iterator_async, ...)``); the stream comes from a thread of its own
+    # (``tabs.on_loop_stream``).
+    assert "next(stream)" not in hand_offs
     deps = client.config["dependencies"]
     tick = next(i for i, d in enumerate(deps) if any(t[1] == "tick" for t in d.get("targets", [])))
     body = {"data": [None], "fn_index": tick, "session_hash": client.session_hash, "event_data": None,
@@ -810,3 +820,37 @@ def test_chat_updates_and_panels_reach_the_page_without_a_thread_per_output(app,
     panels = httpx.post(f"{url.rstrip('/')}/gradio_api/run/predict", json=body, timeout=60).json()["data"]
     assert len(panels) == 4 and all(isinstance(p, str) and p for p in panels)
     assert hand_offs == []
+
+
+def test_a_stream_on_the_loop_keeps_order_errors_and_closes_its_generator():
+    """``on_loop_stream``: the updates in order; an error of the handler raised where Gradio
+    iterates; a stream left early (Stop, a closed tab) closes the generator in its own thread,
+    so its ``finally`` (abort the request, free the tab's slot) runs."""
+    closed = threading.Event()
+
+    def updates(n, fail=False):
+        try:
+            for i in range(n):
+                yield i
+            if fail:
+                raise gr.Error("refused")
+        finally:
+            closed.set()
+
+    async def take(stream, limit=None):
+        got = []
+        async for value in stream:
+            got.append(value)
+            if limit is not None and len(got) == limit:
+                await stream.aclose()
+                break
+        return got
+
+    assert asyncio.run(take(on_loop_stream(updates(5)))) == [0, 1, 2, 3, 4] and closed.wait(5)
+    closed.clear()
+    with pytest.raises(gr.Error, match="refused"):
+        asyncio.run(take(on_loop_stream(updates(2, fail=True))))
+    assert closed.wait(5)
+    closed.clear()
+    assert asyncio.run(take(on_loop_stream(updates(10**9)), limit=3)) == [0, 1, 2]
+    assert closed.wait(5)
