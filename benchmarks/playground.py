@@ -85,16 +85,19 @@ def cpu_s(pid: int | None = None) -> float | None:
     return _stat_cpu_s(f"/proc/{pid}/stat")
 
 
-ENGINE_SIDE = "engine loop, chat streams, native"
+ENGINE_SIDE = "engine loop, ended threads, native"
 
 
 def thread_group(name: str) -> str:
-    """Which part of the server a thread of this process belongs to (by its Python name). The
-    engine's loop and each chat's stream come and go (the loop ends when the engine idles), and
-    threads Python did not start (Paddle's, BLAS's) have no name: one group, ``ENGINE_SIDE``."""
+    """Which part of the server a thread of this process belongs to (by its Python name). A chat's
+    reply in the app (its stream's thread, the thread handing its updates to Gradio) is the UI's;
+    the engine alone's streams here are the benchmark's. The engine's loop comes and goes (it ends
+    when the engine idles), as does each chat's thread, and threads Python did not start (Paddle's,
+    BLAS's) have no name: with the time of ended threads, one group, ``ENGINE_SIDE``."""
     for prefix, group in (("engine-client", "engine client"), ("fused-decode", "decode team"), ("playground-monitor", "monitor"),
                           ("AnyIO worker", "gradio workers"), ("ThreadPoolExecutor", "gradio workers"),
-                          ("engine-loop", ENGINE_SIDE), ("stream-", ENGINE_SIDE), ("(native)", ENGINE_SIDE)):
+                          ("stream-alone", ENGINE_SIDE), ("stream-", "chat replies"), ("chat-updates", "chat replies"),
+                          ("engine-loop", ENGINE_SIDE), ("(native)", ENGINE_SIDE)):
         if name.startswith(prefix):
             return group
     return "uvicorn and other"
@@ -294,13 +297,15 @@ class Tabs:
 
 
 def ui_cpu_by_kind(llm, tabs: "Tabs", prompts: list[str], max_tokens: int) -> dict[str, float]:
-    """Cores the UI's threads (``_ui_cpu``: Gradio's event loop and workers, the monitor) use for
+    """Cores the UI's threads (``_ui_cpu``: Gradio's event loop and workers, chat replies, the monitor) use for
     each kind of page work, with the engine decoding the tabs' chats: CPU time is what the open
     page takes from the decode, and unlike tok/s on a shared machine it hardly moves between runs."""
-    def cores(work) -> float:
+    def cores(work) -> dict[str, float]:
         before, t0 = thread_cpu_s(), time.perf_counter()
         work()
-        return _ui_cpu(cpu_delta(before, thread_cpu_s())) / (time.perf_counter() - t0)
+        by_group = cpu_delta(before, thread_cpu_s())
+        seconds = time.perf_counter() - t0
+        return {"UI": _ui_cpu(by_group) / seconds, **{g: v / seconds for g, v in sorted(by_group.items())}}
 
     stop = threading.Event()
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=LOGPROBS)
@@ -379,7 +384,7 @@ def cold_start(port: int, engine_argv: list[str]) -> dict:
 
 
 def _ui_cpu(by_thread: dict[str, float]) -> float:
-    return sum(v for g, v in by_thread.items() if g in ("uvicorn and other", "gradio workers", "monitor"))
+    return sum(v for g, v in by_thread.items() if g in ("uvicorn and other", "gradio workers", "chat replies", "monitor"))
 
 
 def _by_thread(runs: list[dict[str, float]]) -> dict[str, float]:
@@ -452,10 +457,13 @@ def main(argv: list[str] | None = None) -> dict:
         if args.ui_cpu:
             runs = [ui_cpu_by_kind(llm, tabs, prompts, 2 * args.max_tokens) for _ in range(args.repeats)]
             tabs.close()
-            result = {k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]}
-            print("UI threads' cores (Gradio's event loop and workers, the monitor), 2-core machine:")
+            result = {k: {g: round(statistics.median(r[k].get(g, 0.0) for r in runs), 3) for g in runs[0][k]}
+                      for k in runs[0]}
+            print("cores by thread group (UI: Gradio's event loop and workers, chat replies, the monitor), 2-core machine:")
+            groups = list(next(iter(result.values())))
+            print(f"{'':>50} | " + " | ".join(groups))
             for key, value in result.items():
-                print(f"{key:>50}: {value}")
+                print(f"{key:>50} | " + " | ".join(f"{value.get(g, 0.0):.3f}" for g in groups))
             return result
         engine_alone(llm, prompts, args.max_tokens)                       # both paths once, unmeasured
         tabs.round(llm, len(prompts), args.max_tokens)
@@ -508,7 +516,7 @@ def main(argv: list[str] | None = None) -> dict:
         # server side is made of, beside the engine's own threads.
         "server_cpu_s_by_thread_engine_alone": _by_thread([c["by_thread"] for c in alone_cores]),
         "server_cpu_s_by_thread_app": _by_thread([a["by_thread"] for a in app]),
-        # The UI's own threads (Gradio's event loop and workers, the monitor), app minus engine alone:
+        # The UI's own threads (Gradio's event loop and workers, chat replies, the monitor), app minus engine alone:
         # unlike the totals above, without the engine's extra steps when the tabs' chats arrive apart.
         "ui_threads_cpu_s_app_minus_alone": round(statistics.median(
             _ui_cpu(a["by_thread"]) - _ui_cpu(c["by_thread"]) for a, c in zip(app, alone_cores)), 2),
