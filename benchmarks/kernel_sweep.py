@@ -370,3 +370,51 @@ def sweep_table_orders(torch, timer, scale, path, rounds=3):
         del kc, vc, q, sdpa, out, tables
         torch.cuda.empty_cache()
     print()
+
+
+PAGE_LAYOUT_SHAPES = [(16, 8192), (64, 2048), (64, 8192), (16, 2048)]
+PAGE_SIZES = (16, 32, 64)
+
+
+def _page_order(torch, order, num_blocks, block_size):
+    """Block ids for the tables: shuffled over the whole cache, shuffled only within 2 MB of K
+    (the pages a sequence reads stay near each other: one GPU page of 2 MB holds them), in order."""
+    if order == "in order":
+        return torch.arange(num_blocks, device="cuda", dtype=torch.int32)
+    if order == "shuffled":
+        return torch.randperm(num_blocks, device="cuda", dtype=torch.int32)
+    per_window = max(1, (2 << 20) // (8 * block_size * 128 * 2))       # blocks of 8 KV heads x d 128, fp16
+    ids = torch.arange(num_blocks, device="cuda", dtype=torch.int32).reshape(-1, per_window)
+    return torch.gather(ids, 1, torch.argsort(torch.rand(ids.shape, device="cuda"), dim=1)).reshape(-1)
+
+
+def sweep_page_layouts(torch, timer, decode_case, scale, rounds=3):
+    """Decode µs by page size (the cache's block size: 16 tokens = 4 KB per KV head, 64 = 16 KB)
+    and page order (shuffled over the cache, shuffled within 2 MB, in order), SDPA on the
+    contiguous copy in every round: where a paged decode's gap to a contiguous one comes from."""
+    import gpu_kernels
+
+    orders = ("shuffled", "within 2 MB", "in order")
+    print(f"decode by page size and order: µs per call, best of {rounds} rounds (x SDPA)")
+    print("| batch x context | block size | SDPA | " + " | ".join(orders) + " |")
+    print("|---|---|---|" + "---|" * len(orders))
+    for seqs, ctx in PAGE_LAYOUT_SHAPES:
+        for block_size in PAGE_SIZES:
+            q, kc, vc, _, lens = decode_case(torch, seqs, ctx, block_size=block_size)
+            tables = {o: _page_order(torch, o, kc.shape[0], block_size).reshape(seqs, -1).contiguous()
+                      for o in orders}
+            out = torch.empty_like(q)
+            times = {o: [] for o in orders}
+            peer = []
+            for r in range(rounds):
+                for order in (orders if r % 2 == 0 else orders[::-1]):
+                    bt = tables[order]
+                    times[order].append(timer(lambda: gpu_kernels.paged_decode(q, kc, vc, bt, lens, scale, out=out)))
+                sdpa = sdpa_decode(torch, q, kc, vc, tables["in order"])
+                peer.append(timer(sdpa))
+                del sdpa
+            p = min(peer)
+            cells = " | ".join(f"{min(t):.1f} ({p / min(t):.3f}x)" for t in times.values())
+            print(f"| {seqs} x {ctx} | {block_size} | {p:.1f} | {cells} |", flush=True)
+            del q, kc, vc, tables
+            torch.cuda.empty_cache()

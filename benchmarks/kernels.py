@@ -332,7 +332,7 @@ def bench_gpu_prefill(torch, F, timer, scale, fp32_peak):
 
 
 def bench_gpu(sweep, only=None, split_rule=False, decode_mma=False, decode_large=False,
-              decode_versions=None, tables=None):
+              decode_versions=None, tables=None, page_layouts=False):
     import torch
     import torch.nn.functional as F
     from numba import cuda
@@ -347,6 +347,9 @@ def bench_gpu(sweep, only=None, split_rule=False, decode_mma=False, decode_large
     print(f"measured device copy bandwidth: {bw:.2f} TB/s (read + write)\n")
     scale = 128 ** -0.5
 
+    if page_layouts:
+        from .kernel_sweep import sweep_page_layouts
+        sweep_page_layouts(torch, timer, decode_case, scale)
     if tables:
         from .kernel_sweep import sweep_table_orders
         sweep_table_orders(torch, timer, scale, tables)
@@ -399,6 +402,9 @@ def main(argv=None):
     parser.add_argument("--tables", metavar="FILE",
                         help="GPU: also time decode through shuffled, in-order and the engine's own block "
                              "tables (FILE from python -m benchmarks.engine_tables)")
+    parser.add_argument("--page-layouts", action="store_true",
+                        help="GPU: also time decode by block size (16/32/64) and page order (shuffled, "
+                             "shuffled within 2 MB, in order)")
     args = parser.parse_args(argv)
     try:
         from numba import cuda
@@ -409,7 +415,7 @@ def main(argv=None):
         gpu = False
     if gpu:
         bench_gpu(args.sweep, args.only, args.split_rule, args.decode_mma, args.decode_large,
-                  args.decode_versions, args.tables)
+                  args.decode_versions, args.tables, args.page_layouts)
     else:
         bench_cpu()
         bench_cpu_prefill()
