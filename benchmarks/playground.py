@@ -12,8 +12,8 @@ Starts the app as ``python -m playground`` does (the engine loaded in a process 
    *app* — each chat sent by its own tab through the app over HTTP, streaming the chat and the
    logprob view, while every tab refreshes its panels as the page's script does: the block map
    from the map's own route every ``--interval`` s (``playground.live_map``), the prefix-cache,
-   engine and timeline panels through their timer once a second (a POST to ``/run/predict``:
-   the timer skips the queue). The tabs run in their own process
+   engine, timeline and inspector panels from theirs once a second (``playground.live_panels``).
+   The tabs run in their own process
    (``benchmarks.playground_tabs``), at nice 10 by default: on this machine they still take CPU
    from the engine, as browsers on the server's own machine would. ``--tabs-idle`` runs them at
    Linux's SCHED_IDLE instead (only CPU time the server leaves idle), closer to browsers on the

@@ -2,8 +2,8 @@
 HTTP in their own process (as a browser is), so their client work never runs under the engine's
 interpreter lock. Started by the benchmark; reads one command per line on stdin:
 
-``round MAX_TOKENS`` — every tab polls the block map's route every ``--interval`` s and fires the
-other panels' timer once a second (``/run/predict``), as the page's script does, and sends its
+``round MAX_TOKENS`` — every tab polls the block map's route every ``--interval`` s and the other
+panels' route once a second, as the page's script does, and sends its
 chat (``/chat``, greedy); when all chats have finished, one JSON line is printed: block maps
 received per second per tab, and the polls' round-trip times.
 ``round MAX_TOKENS chats`` — the chats without the timers.
@@ -42,21 +42,21 @@ class Tab:
         config = self.client.config
         kv_map = next(c["id"] for c in config["components"] if c.get("props", {}).get("elem_id") == "kv-map")
         deps = config["dependencies"]
-        # The page's load event draws the block map with the tab's token; the panels' timer ticks
-        # about once a second.
+        # The page's load event draws the block map with the tab's token; the page's script then
+        # polls the map's route and the other panels' route with it.
         map_load = next(i for i, d in enumerate(deps) if kv_map in d["outputs"])
-        self.panel_ticks = [i for i, d in enumerate(deps) if any(t[1] == "tick" for t in d.get("targets", []))]
         self.maps = 0
         self.tick_s: list[float] = []
         self.http = httpx.Client(timeout=60)
         self.run_url = f"{url.rstrip('/')}/gradio_api/run/predict"
         self.map_url = f"{url.rstrip('/')}/playground/map"
+        self.panels_url = f"{url.rstrip('/')}/playground/panels"
         panel = self._tick(map_load)[0]
         self.token, self.map_key = re.search(r'data-tab="([^"]+)".*?data-key="([^"]*)"', panel).groups()
 
     def _tick(self, fn_index: int) -> list:
-        """One timer event as the page's script sends it: the timers skip the queue (``queue=False``),
-        so the browser POSTs them to ``/run/predict`` (gradio_client would join the queue instead)."""
+        """One queue-less event as the page sends it (the load event that draws the map): a POST to
+        ``/run/predict`` (gradio_client would join the queue instead)."""
         body = {"data": [None], "fn_index": fn_index, "session_hash": self.client.session_hash,
                 "event_data": None, "trigger_id": None}
         response = self.http.post(self.run_url, json=body)
@@ -71,9 +71,15 @@ class Tab:
             self.maps += 1
             self.map_key = response.headers["X-Map-Key"]
 
+    def poll_panels(self) -> None:
+        """The page's script asking the panels' route for their contents."""
+        response = self.http.get(self.panels_url, params={"tab": self.token})
+        response.raise_for_status()
+        response.json()
+
     def refresh_every(self, interval: float, stop: threading.Event) -> None:
-        """The map's polls every ``interval`` s; the panels' timer once a second beside them, on its
-        own (the page's two timers are independent: a slow panels tick does not delay the map)."""
+        """The map's polls every ``interval`` s; the panels' once a second beside them, on their own
+        (the page's two pollers are independent: a slow panels poll does not delay the map)."""
         panels = threading.Thread(target=self._panels_every, args=(1.0, stop))
         panels.start()
         while not stop.is_set():
@@ -86,8 +92,7 @@ class Tab:
     def _panels_every(self, interval: float, stop: threading.Event) -> None:
         while not stop.is_set():
             t0 = time.perf_counter()
-            for i in self.panel_ticks:
-                self._tick(i)
+            self.poll_panels()
             stop.wait(max(0.0, interval - (time.perf_counter() - t0)))
 
     def new_conversation(self) -> None:

@@ -24,6 +24,7 @@ from .handlers import Handlers, Limits
 from .monitor import EngineMonitor
 from .inspector import BLOCK_CLICK_JS, block_inspector_html
 from .live_map import LIVE_MAP_JS
+from .live_panels import LIVE_PANELS_JS, wrap
 from .minimap import MINIMAP_HTML, MINIMAP_JS
 from .prompt_view import PROMPT_VIEW_EMPTY
 from .serve_commands import serve_commands_html
@@ -142,8 +143,8 @@ def build_app(
         concurrency: chats streaming at once (default: the engine's
             ``max_num_seqs``, so they all batch together).
         refresh_every: seconds between block-map refreshes (each tab's script polls the
-            map's own route, ``playground.live_map``; the other live panels refresh once a
-            second through a Gradio timer).
+            map's own route, ``playground.live_map``; the other live panels are polled once
+            a second from theirs, ``playground.live_panels``).
         system_prompt: the initial system prompt.
         allow_engine_admin: enable the actions that affect every visitor
             (resetting the prefix cache, loading a second backend for the
@@ -217,16 +218,16 @@ def build_app(
             with gr.Column(scale=4, min_width=380):
                 gr.Markdown("**KV cache blocks** — one cell per physical block, live; click one to inspect it, "
                             "hover a legend entry to find its blocks")
-                block_map = _html(render.block_map_html(snap), "kv-map", js=BLOCK_CLICK_JS + LIVE_MAP_JS)
-                inspector = _html(block_inspector_html(None, None), "block-inspector")
+                block_map = _html(render.block_map_html(snap), "kv-map", js=BLOCK_CLICK_JS + LIVE_MAP_JS + LIVE_PANELS_JS)
+                inspector = _html(wrap("block-inspector", block_inspector_html(None, None)), "block-inspector")
                 with gr.Tabs():
                     with gr.Tab("Prefix cache"):
-                        prefix = _html(render.prefix_cache_html(snap), "prefix-panel")
+                        prefix = _html(wrap("prefix-panel", render.prefix_cache_html(snap)), "prefix-panel")
                         reset = gr.Button("Reset prefix cache", size="sm", interactive=allow_engine_admin,
                                           elem_id="reset-prefix")
                     with gr.Tab("Engine"):
-                        engine = _html(render.engine_panel_html(snap), "engine-panel")
-                        timeline = _html(timeline_html(monitor.timeline.series()), "timeline")
+                        engine = _html(wrap("engine-panel", render.engine_panel_html(snap)), "engine-panel")
+                        timeline = _html(wrap("timeline", timeline_html(monitor.timeline.series())), "timeline")
                         align = gr.Button(f"Check backend consistency: {h.llm.model_impl} vs {h.aligner.impl}",
                                           size="sm", elem_id="align", interactive=allow_engine_admin)
                         if not allow_engine_admin:
@@ -243,7 +244,6 @@ def build_app(
                                                 label="requests")
                             fire = gr.Button("Fire batch", variant="primary")
                         batch_view = _html(render.batch_table_html([]), "batch-view")
-        panel_timer = gr.Timer(max(1.0, refresh_every))
 
         T = h.tabs.wrap
         # The chat events' values reach the page without Gradio's per-output postprocessing (see
@@ -291,18 +291,15 @@ def build_app(
         reset.click(T(h.reset_prefix_cache), [session], [prefix], api_name="reset_prefix_cache")
         align.click(T(h.align), [session, system], [align_view], api_name="align", concurrency_limit=1,
                     concurrency_id="align", preprocess=False)
-        # Live views: the block map is drawn by the page's load event with the tab's token, then
-        # polled by the page's script from its own route (live_map: no Gradio event per tab and
-        # refresh); the other panels refresh through a timer about once a second.
-        # Ticks skip the queue (queue=False): a tick is a plain request, not a queued SSE event.
+        # Live views: the page's load event draws the block map with the tab's token and the other
+        # panels once; then the page's script polls the map's route (live_map) and the panels' route
+        # (live_panels) with that token: no Gradio event per tab and refresh.
+        # The load events skip the queue (queue=False: a plain request, not a queued SSE event).
         # Their outputs are HTML strings, sent as they are (postprocess=False: no worker thread per
-        # output); the panels' tick runs on Gradio's event loop (on_loop: no hand-off per tick either).
+        # output); the panels' drawing runs on Gradio's event loop (on_loop: no hand-off either).
         live = dict(show_progress="hidden", concurrency_limit=None, api_visibility="private", queue=False, **posted)
-        panel_views = dict(fn=T(h.refresh_panels, on_loop=True), inputs=[session],
-                           outputs=[prefix, engine, timeline, inspector], **live)
-        panel_timer.tick(**panel_views)
         demo.load(T(h.map_panel), [session], [block_map], **live)
-        demo.load(**panel_views)
+        demo.load(T(h.refresh_panels, on_loop=True), [session], [prefix, engine, timeline, inspector], **live)
         demo.unload(h.tabs.forget)
     # After every queued event Gradio recomputes the summary of its monitoring dashboard (a pandas
     # table of up to 10,000 past events) unless told to do it less often; the page never shows it.
@@ -310,7 +307,7 @@ def build_app(
     demo.queue(max_size=queue_size, default_concurrency_limit=concurrency)
     _pace_queue(demo)
     demo.playground_monitor = monitor   # so callers can close it
-    demo.playground_routes = [h.live_map.route()]    # added to Gradio's app by launch()
+    demo.playground_routes = [h.live_map.route(), h.live_panels.route()]    # added to Gradio's app by launch()
     return demo
 
 

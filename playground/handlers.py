@@ -32,6 +32,7 @@ from .conversation import Node
 from .inputs import InputError, Limits
 from .inspector import block_inspector_html
 from .live_map import LiveMap
+from .live_panels import LivePanels, wrap
 from .logprobs import METRICS
 from .monitor import EngineMonitor
 from .prompt_view import prompt_view_html, score_prompt
@@ -100,6 +101,8 @@ class Handlers:
         self.tabs = Tabs(on_close=self._tab_closed)
         # The block map's own route (every ``map_every`` s per open tab), not a Gradio event.
         self.live_map = LiveMap(lambda session, css: self.block_map(session, css=css), map_every, key=self.map_key)
+        # The other live panels' route (once a second per open tab), found by the map's token.
+        self.live_panels = LivePanels(self.live_map.session, self.panels)
         self._turn_lock = threading.RLock()
         self._streaming = 0                      # replies streaming now, over every tab
         self._streaming_lock = threading.Lock()
@@ -137,7 +140,8 @@ class Handlers:
         return self.tokenizer.decode([int(token_id)])
 
     def prefix_html(self, session: ChatSession) -> str:
-        return render.prefix_cache_html(self.monitor.snapshot(), self.turns(session))
+        """The prefix-cache panel as Gradio shows it (in the wrapper ``live_panels`` refreshes)."""
+        return wrap("prefix-panel", render.prefix_cache_html(self.monitor.snapshot(), self.turns(session)))
 
     @staticmethod
     def turns(session: ChatSession) -> list[dict]:
@@ -461,10 +465,12 @@ class Handlers:
         """Page load: the tab's block map, with the token its script polls the map's route with."""
         return self.live_map.html(session)
 
-    def refresh_panels(self, session: ChatSession) -> tuple:
-        """Panels timer tick (about once a second): prefix cache, engine and timeline panels, and the
-        block inspector (the block clicked last, as the engine holds it now: a block clicked while a
-        reply used it says "cached, reusable" once the reply has ended, like the map beside it)."""
+    def panels(self, session: ChatSession) -> dict[str, str]:
+        """The live panels' contents, ``{elem_id: html}``, as the panels' route sends them (once a
+        second per open tab): prefix cache, engine, timeline, and the block inspector (the block
+        clicked last, as the engine holds it now: a block clicked while a reply used it says
+        "cached, reusable" once the reply has ended, like the map beside it). Drawn again only
+        when the engine or the tab moved on; the timeline is drawn once a second for every tab."""
         last = session.tree.last_reply()
         key = (self.monitor.version, len(session.tree.nodes), id(last), self.monitor.num_steps, session.inspected)
         timeline = self._timeline()                 # the timeline moves on even when the engine idles
@@ -476,11 +482,13 @@ class Handlers:
             session.last_panels = (render.prefix_cache_html(snap, self.turns(session)),
                                    render.engine_panel_html(snap, self.monitor.steps(120), stats),
                                    self._inspector(session, snap))
-        # Unchanged panels are sent again as their last value, not gr.skip(): Gradio 6.31 answers a
-        # skip by building a new component and its config (``Blocks.postprocess_data``), ~2 ms a
-        # skip on this machine, while re-sending a string is a copy (the page keeps an equal value).
         prefix, engine, inspector = session.last_panels
-        return prefix, engine, timeline, inspector
+        return {"prefix-panel": prefix, "engine-panel": engine, "timeline": timeline, "block-inspector": inspector}
+
+    def refresh_panels(self, session: ChatSession) -> tuple:
+        """Page load: the live panels as Gradio shows them (each in the wrapper the page's script
+        refreshes from the panels' route)."""
+        return tuple(wrap(elem_id, html) for elem_id, html in self.panels(session).items())
 
     def _timeline(self) -> str:
         """The timeline panel, the same for every tab: drawn at most once per second."""
@@ -498,7 +506,7 @@ class Handlers:
         except (TypeError, ValueError):
             return gr.skip()
         session.inspected = block_id
-        return self._inspector(session, self.monitor.refresh())
+        return wrap("block-inspector", self._inspector(session, self.monitor.refresh()))
 
     def _inspector(self, session: ChatSession, snap: dict) -> str:
         """The block inspector of ``session.inspected`` in ``snap``."""

@@ -119,6 +119,10 @@ class LiveMap:
     def forget(self, session: ChatSession) -> None:
         self._tabs.pop(session.map_token, None)
 
+    def session(self, token: str) -> ChatSession | None:
+        """The open tab whose map was drawn with ``token`` (the other live panels' route asks)."""
+        return self._tabs.get(token)
+
     def __len__(self) -> int:
         return len(self._tabs)
 
@@ -127,7 +131,7 @@ class LiveMap:
         loop: a cached lookup most of the time, a legend otherwise)."""
         if await gradio_login(request) is None:
             return JSONResponse({"error": "Not authenticated"}, status_code=401)
-        session = self._tabs.get(request.query_params.get("tab", ""))
+        session = self.session(request.query_params.get("tab", ""))
         if session is None:
             return JSONResponse({"error": "unknown tab: reload the page"}, status_code=404)
         since = request.query_params.get("since")

@@ -20,6 +20,7 @@ import tomllib
 from engine import SamplingParams
 from playground.app import DEFAULT_SYSTEM_PROMPT, build_app, launch
 from playground.handlers import Limits
+from playground.live_panels import PANEL_IDS, wrap
 from playground.tabs import on_loop_stream
 
 SYSTEM = DEFAULT_SYSTEM_PROMPT
@@ -559,10 +560,56 @@ def test_the_block_map_is_polled_from_its_own_route_not_a_gradio_event(app):
     assert int(step.search(after.text).group(1)) > int(step.search(panel).group(1))  # the engine moved on
 
 
+def test_the_panels_are_polled_from_their_own_route_not_a_gradio_timer(app):
+    """The prefix-cache, engine, timeline and inspector panels refreshed once a second per tab
+    through a Gradio timer (``/run/predict``: ~4 ms of the server per tab and tick). Now the page
+    has no timer: its load event draws them once, each inside the wrapper the page's script fills
+    from the panels' route (the tab's map token), which answers their contents as JSON and moves
+    on with the engine; 404 for a token the map never gave out."""
+    import httpx
+
+    demo, url = app
+    client = gradio_client.Client(url, verbose=False)
+    config = client.config
+    assert not [d for d in config["dependencies"] if any(t[1] == "tick" for t in d["targets"])]
+    ids = {c["id"]: c.get("props", {}).get("elem_id") for c in config["components"]}
+    loads = [(i, d) for i, d in enumerate(config["dependencies"]) if [t[1] for t in d["targets"]] == ["load"]]
+
+    def run(fn_index: int) -> list:
+        body = {"data": [None], "fn_index": fn_index, "session_hash": client.session_hash,
+                "event_data": None, "trigger_id": None}
+        response = httpx.post(f"{url}gradio_api/run/predict", json=body, timeout=30)
+        response.raise_for_status()
+        return response.json()["data"]
+
+    drawn = {}
+    for i, d in loads:
+        drawn.update(zip((ids[o] for o in d["outputs"]), run(i)))
+    tab = re.search(r'data-tab="([^"]+)"', drawn["kv-map"]).group(1)
+    for elem_id in PANEL_IDS:
+        assert drawn[elem_id].startswith(f'<div class="live-panel" data-panel="{elem_id}">')
+
+    def poll(token: str = tab) -> httpx.Response:
+        return httpx.get(f"{url}playground/panels", params={"tab": token}, timeout=30)
+
+    before = poll()
+    assert before.status_code == 200 and before.headers["Cache-Control"] == "no-store"
+    panels = before.json()
+    assert list(panels) == list(PANEL_IDS) and all(isinstance(v, str) and v for v in panels.values())
+    assert drawn["engine-panel"] == wrap("engine-panel", panels["engine-panel"])
+    assert poll("not-a-tab").status_code == 404
+    client.predict("Hi!", SYSTEM, *greedy(4), api_name="/chat")
+    deadline, after = time.monotonic() + 10, poll().json()
+    while after["engine-panel"] == panels["engine-panel"] and time.monotonic() < deadline:
+        time.sleep(0.1)                                     # the monitor's next snapshot
+        after = poll().json()
+    assert after["engine-panel"] != panels["engine-panel"]                      # the engine moved on
+
+
 def test_the_map_route_asks_for_the_same_login_as_gradio(smollm2_llm):
     """Launched with ``auth=``, Gradio answers its own routes only after ``POST /login`` (its
-    access-token cookie); the map's route (not one of Gradio's) must ask for the same login: a tab
-    token alone, seen by anyone who shares the link, must not show the map."""
+    access-token cookie); the map's and the panels' routes (not Gradio's) must ask for the same
+    login: a tab token alone, seen by anyone who shares the link, must not show them."""
     import httpx
 
     demo = build_app(smollm2_llm)
@@ -584,6 +631,10 @@ def test_the_map_route_asks_for_the_same_login_as_gradio(smollm2_llm):
         assert refused.status_code == 401 and "kv-map" not in refused.text
         forger = httpx.Client(base_url=url, timeout=30, cookies={"access-token-unsecure-x": "forged"})
         assert forger.get("playground/map", params=params).status_code == 401
+        assert user.get("playground/panels", params={"tab": tab}).status_code == 200       # the other panels' route
+        refused = stranger.get("playground/panels", params={"tab": tab})
+        assert refused.status_code == 401 and "engine-panel" not in refused.text
+        assert forger.get("playground/panels", params={"tab": tab}).status_code == 401
     finally:
         demo.close()
         demo.playground_monitor.close()
@@ -693,27 +744,28 @@ def test_streamed_updates_skip_only_the_message_box(paced_engine):
     assert all(isinstance(u[2], str) and isinstance(u[3], str) for u in streamed)   # logprobs, prefix panel
 
 
-def test_the_panels_timer_sends_unchanged_panels_as_values_not_skips(smollm2_llm):
-    """The panels' timer ticks once a second in every open tab. An unchanged prefix or engine panel
-    was answered with gr.skip(), and Gradio 6.31 answers a skip by building a new component and its
-    config (``Blocks.postprocess_data``: ~1.5-2 ms a skip here, against ~0.4 ms for a value): the
-    costliest way to say "no change". Unchanged panels are now their last value again (the page
-    keeps an equal value as it is), and the timeline, the same for every tab, is drawn at most once
-    a second for all of them."""
+def test_the_panels_are_drawn_again_only_when_something_changed(smollm2_llm):
+    """Every open tab asks for its panels once a second. Unchanged panels are the same drawing
+    again (the tab's cached one), not drawn anew; the timeline, the same for every tab, is drawn at
+    most once a second for all of them; and the page's load event gets the same panels, each in
+    the wrapper the page's script fills, never ``gr.skip()`` (Gradio 6.31 answers a skip by
+    building a new component and its config, ``Blocks.postprocess_data``)."""
     from playground.chat import ChatSession
 
     with handlers_on(smollm2_llm) as h:
         tabs = [ChatSession(), ChatSession()]
-        first = [h.refresh_panels(tab) for tab in tabs]
-        again = [h.refresh_panels(tab) for tab in tabs]
-        skip = {"__type__": "update"}
-        assert all(v != skip and isinstance(v, str) for out in first + again for v in out)
-        assert again[0][:2] == first[0][:2]                                   # nothing changed: same panels
-        if again[0][2] is again[1][2]:                                        # the same second
-            assert again[0][2] is first[1][2] or again[0][2] is first[0][2]   # one drawing for every tab
+        first = [h.panels(tab) for tab in tabs]
+        again = [h.panels(tab) for tab in tabs]
+        assert all(isinstance(v, str) and v for out in first + again for v in out.values())
+        for name in ("prefix-panel", "engine-panel", "block-inspector"):
+            assert again[0][name] is first[0][name]                            # nothing changed: the same drawing
+        if again[0]["timeline"] is again[1]["timeline"]:                       # the same second
+            assert again[0]["timeline"] is first[1]["timeline"] or again[0]["timeline"] is first[0]["timeline"]
+        loaded = h.refresh_panels(tabs[0])
+        assert loaded == tuple(wrap(name, html) for name, html in h.panels(tabs[0]).items())
         list(h.send("Hi", tabs[0], SYSTEM, *greedy(4), "chat"))
-        after = h.refresh_panels(tabs[0])
-        assert after[0] != first[0][0]                                         # this turn now shows
+        after = h.panels(tabs[0])
+        assert after["prefix-panel"] != first[0]["prefix-panel"]             # this turn now shows
 
 
 def test_the_block_inspector_follows_the_engine_after_the_click(paced_engine):
@@ -786,8 +838,8 @@ def test_a_map_poll_that_finds_no_change_draws_nothing():
 def test_chat_updates_and_panels_reach_the_page_without_a_thread_per_output(app, client, monkeypatch):
     """Gradio 6.31 postprocesses each output of each update in a worker thread of its own
     (``Blocks.postprocess_data``: ``anyio.to_thread.run_sync(block.postprocess, ...)``): six
-    hand-offs per streamed chat update and four per panels tick, on the cores the engine decodes
-    with. The chat events and the panels' timer now send values the page takes as they are
+    hand-offs per streamed chat update and four per drawing of the panels, on the cores the engine
+    decodes with. The chat events and the panels' load event send values the page takes as they are
     (``postprocess=False``; the Chatbot's value is serialized in the handler's own thread)."""
     import anyio.to_thread
     import httpx
@@ -814,8 +866,8 @@ def test_chat_updates_and_panels_reach_the_page_without_a_thread_per_output(app,
     # (``tabs.on_loop_stream``).
     assert "next(stream)" not in hand_offs
     deps = client.config["dependencies"]
-    tick = next(i for i, d in enumerate(deps) if any(t[1] == "tick" for t in d.get("targets", [])))
-    body = {"data": [None], "fn_index": tick, "session_hash": client.session_hash, "event_data": None,
+    panels_load = next(i for i, d in enumerate(deps) if len(d["outputs"]) == 4 and [t[1] for t in d["targets"]] == ["load"])
+    body = {"data": [None], "fn_index": panels_load, "session_hash": client.session_hash, "event_data": None,
             "trigger_id": None}
     panels = httpx.post(f"{url.rstrip('/')}/gradio_api/run/predict", json=body, timeout=60).json()["data"]
     assert len(panels) == 4 and all(isinstance(p, str) and p for p in panels)

@@ -217,6 +217,29 @@ def test_block_inspector_and_legend_highlight(page, paced_engine):
     expect(inspector).to_contain_text("cached, reusable", timeout=10_000)
 
 
+def test_the_panels_follow_the_engine_from_their_route(page, paced_engine):
+    """No Gradio timer on the page: its script asks the panels' route once a second and fills
+    each panel's wrapper, so the engine panel and the timeline (on the Engine tab, opened after
+    the chat) show the chat's steps, and Gradio's own routes see no refresh traffic."""
+    polls, gradio_calls = [], []
+    page.on("request", lambda r: polls.append(r.url) if "/playground/panels" in r.url else
+            gradio_calls.append(r.url) if "/run/predict" in r.url or "/queue/join" in r.url else None)
+    page.wait_for_selector("#kv-map .kv-live[data-tab]")       # the page's load events have drawn it
+    page.wait_for_timeout(1000)                                 # (Playwright delivers events while it waits)
+    polls.clear(), gradio_calls.clear()
+    page.click("button[role=tab]:has-text('Engine')")
+    engine = page.locator("#engine-panel .live-panel")
+    before = engine.inner_html()
+    page.wait_for_timeout(2500)
+    assert len(polls) >= 2 and not gradio_calls                 # polled; nothing through Gradio meanwhile
+    send(page, "Write a short poem about the sea.")
+    expect(page.locator('#chat [data-testid="bot"]').last.locator(".pg-finish")).to_have_count(1, timeout=120_000)
+    page.wait_for_function(
+        "before => document.querySelector('#engine-panel .live-panel').innerHTML !== before", arg=before,
+        timeout=10_000)
+    expect(page.locator("#timeline .live-panel svg")).to_have_count(4)          # its four charts, refreshed
+
+
 def test_on_a_phone_a_sticky_mini_map_follows_the_chat(browser, app_url, paced_engine, tmp_path):
     """On a narrow screen the columns stack and the block map is far below the chat: a mini-map
     stays at the top of the screen while the chat scrolls, mirrors the map, and a tap on it
