@@ -108,8 +108,6 @@ class Tab:
 def run_round(tabs: list[Tab], max_tokens: int | None, interval: float, ticks: bool = True) -> dict:
     """Timers (``ticks``) and chats (``max_tokens``, None: wait for a ``stop`` line instead)."""
     stop = threading.Event()
-    maps0 = [t.maps for t in tabs]
-    ticks0 = [len(t.tick_s) for t in tabs]
     if max_tokens is not None:
         for t in tabs:                  # before the round, so that its chats are sent together
             t.new_conversation()
@@ -117,6 +115,8 @@ def run_round(tabs: list[Tab], max_tokens: int | None, interval: float, ticks: b
     for t in timers:
         t.start()
     time.sleep(2 * interval)
+    maps0 = [t.maps for t in tabs]                  # counted over the same time as ``elapsed``
+    ticks0 = [len(t.tick_s) for t in tabs]
     t0 = time.perf_counter()
     if max_tokens is None:
         print(json.dumps({"ticking": len(tabs)}), flush=True)
