@@ -23,7 +23,7 @@ from .chatview import META_CSS
 from .handlers import Handlers, Limits
 from .monitor import EngineMonitor
 from .inspector import BLOCK_CLICK_JS, block_inspector_html
-from .live_map import LIVE_MAP_JS
+from .live_map import LIVE_MAP_JS, ROUTE_POLL_JS
 from .live_panels import LIVE_PANELS_JS, wrap
 from .minimap import MINIMAP_HTML, MINIMAP_JS
 from .prompt_view import PROMPT_VIEW_EMPTY
@@ -218,7 +218,7 @@ def build_app(
             with gr.Column(scale=4, min_width=380):
                 gr.Markdown("**KV cache blocks** — one cell per physical block, live; click one to inspect it, "
                             "hover a legend entry to find its blocks")
-                block_map = _html(render.block_map_html(snap), "kv-map", js=BLOCK_CLICK_JS + LIVE_MAP_JS + LIVE_PANELS_JS)
+                block_map = _html(render.block_map_html(snap), "kv-map", js=BLOCK_CLICK_JS + ROUTE_POLL_JS + LIVE_MAP_JS + LIVE_PANELS_JS)
                 inspector = _html(wrap("block-inspector", block_inspector_html(None, None)), "block-inspector")
                 with gr.Tabs():
                     with gr.Tab("Prefix cache"):

@@ -27,48 +27,58 @@ from starlette.routing import Route
 
 from .chat import ChatSession
 
-__all__ = ["LiveMap", "LIVE_MAP_JS", "ROUTE", "gradio_login"]
+__all__ = ["LiveMap", "LIVE_MAP_JS", "ROUTE", "ROUTE_POLL_JS", "gradio_login"]
 
 ROUTE = "/playground/map"
 
-# Runs once per page (the map panel's js_on_load). It polls only once the load event has drawn
-# the map with the tab's token, and not while the page is hidden (a background tab). Only the
-# inside of the ``.kv-live`` wrapper is replaced: that wrapper is what Gradio itself rendered.
-LIVE_MAP_JS = """
-const base = () => {
+# The page's pollers of the app's own routes (the map's, the other panels'), defined once per page
+# before the scripts that use them. ``pollRoute(path, every, query, handle)`` asks
+# ``GET <root>/<path>?<query()>`` every ``every()`` ms, round trip included, while the page is
+# visible and ``query()`` is not null (the load event has not drawn the tab's token yet), and hands
+# a 200 to ``handle``; a 404 (the server forgot this tab: restarted) waits 5 s, an unreachable
+# server at least 2 s. It returns the poll, for the caller to start.
+ROUTE_POLL_JS = """
+const routeBase = () => {
   const root = String((window.gradio_config && window.gradio_config.root) || document.baseURI);
   return root.endsWith('/') ? root : root + '/';
 };
-const poll = async () => {
-  const started = performance.now();
-  const live = element.querySelector('.kv-live[data-tab]');
-  let wait = 500;
-  if (live) {
-    wait = 1000 * Number(live.dataset.every || 0.5);
-    if (!document.hidden) {
-      const url = new URL('playground/map', base());
-      url.searchParams.set('tab', live.dataset.tab);
-      url.searchParams.set('since', live.dataset.key || '');
+const pollRoute = (path, every, query, handle) => {
+  const poll = async () => {
+    const started = performance.now();
+    let wait = every();
+    const params = query();
+    if (params && !document.hidden) {
+      const url = new URL(path, routeBase());
+      for (const [name, value] of Object.entries(params)) url.searchParams.set(name, value);
       try {
         const r = await fetch(url, {cache: 'no-store'});
-        if (r.status === 200) {
-          const key = r.headers.get('X-Map-Key');
-          const next = document.createElement('template');
-          next.innerHTML = await r.text();
-          const old = live.querySelector('.kv-map'), map = next.content.querySelector('.kv-map');
-          if (map) { if (old) old.replaceWith(map); else live.append(map); }
-          if (key) live.dataset.key = key;
-        } else if (r.status === 404) {
-          wait = 5000;                               // the server forgot this tab (restarted)
-        }
-      } catch (e) { wait = Math.max(wait, 2000); }   // server unreachable: try again later
+        if (r.status === 200) await handle(r);
+        else if (r.status === 404) wait = 5000;
+      } catch (e) { wait = Math.max(wait, 2000); }
     }
-  }
-  setTimeout(poll, Math.max(0, wait - (performance.now() - started)));   // one poll per period, round trip included
+    setTimeout(poll, Math.max(0, wait - (performance.now() - started)));
+  };
+  return poll;
 };
-setTimeout(poll, 0);
 """
 
+# Runs once per page (the map panel's js_on_load, after ROUTE_POLL_JS). It polls only once the
+# load event has drawn the map with the tab's token. Only the inside of the ``.kv-live`` wrapper is
+# replaced: that wrapper is what Gradio itself rendered.
+LIVE_MAP_JS = """
+const liveMap = () => element.querySelector('.kv-live[data-tab]');
+setTimeout(pollRoute('playground/map',
+  () => { const live = liveMap(); return live ? 1000 * Number(live.dataset.every || 0.5) : 500; },
+  () => { const live = liveMap(); return live && {tab: live.dataset.tab, since: live.dataset.key || ''}; },
+  async r => {
+    const live = liveMap(), key = r.headers.get('X-Map-Key');
+    const next = document.createElement('template');
+    next.innerHTML = await r.text();
+    const old = live.querySelector('.kv-map'), map = next.content.querySelector('.kv-map');
+    if (map) { if (old) old.replaceWith(map); else live.append(map); }
+    if (key) live.dataset.key = key;
+  }), 0);
+"""
 
 async def gradio_login(request: Request) -> str | None | bool:
     """Whether Gradio would let ``request`` through to its own routes: True when the app has no

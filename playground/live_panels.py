@@ -32,42 +32,19 @@ ROUTE = "/playground/panels"
 PANEL_IDS = ("prefix-panel", "engine-panel", "timeline", "block-inspector")   # the panels' elem_ids
 EVERY_S = 1.0
 
-# Runs once per page (the map panel's js_on_load, after the map's own script). It polls only once
-# the load event has drawn the map with the tab's token, and not while the page is hidden. A panel
-# whose wrapper Gradio has redrawn since (a new element) is filled again even if its HTML is the
-# same as last time.
+# Runs once per page (the map panel's js_on_load, after ``live_map.ROUTE_POLL_JS``). It polls only
+# once the load event has drawn the map with the tab's token. A panel whose wrapper Gradio has
+# redrawn since (a new element) is filled again even if its HTML is the same as last time.
 LIVE_PANELS_JS = """
-(() => {
-  const every = %d;
-  const root = () => {
-    const r = String((window.gradio_config && window.gradio_config.root) || document.baseURI);
-    return r.endsWith('/') ? r : r + '/';
-  };
-  const poll = async () => {
-    const started = performance.now();
-    let wait = every;
-    const live = document.querySelector('.kv-live[data-tab]');
-    if (live && !document.hidden) {
-      const url = new URL('playground/panels', root());
-      url.searchParams.set('tab', live.dataset.tab);
-      try {
-        const r = await fetch(url, {cache: 'no-store'});
-        if (r.status === 200) {
-          const panels = await r.json();
-          for (const [id, html] of Object.entries(panels)) {
-            const box = document.querySelector(`#${id} .live-panel`);
-            if (box && box.__shown !== html) { box.innerHTML = html; box.__shown = html; }
-          }
-        } else if (r.status === 404) {
-          wait = 5000;                               // the server forgot this tab (restarted)
-        }
-      } catch (e) { wait = Math.max(wait, 2000); }   // server unreachable: try again later
+setTimeout(pollRoute('playground/panels', () => %d,
+  () => { const live = document.querySelector('.kv-live[data-tab]'); return live && {tab: live.dataset.tab}; },
+  async r => {
+    for (const [id, html] of Object.entries(await r.json())) {
+      const box = document.querySelector(`#${id} .live-panel`);
+      if (box && box.__shown !== html) { box.innerHTML = html; box.__shown = html; }
     }
-    setTimeout(poll, Math.max(0, wait - (performance.now() - started)));
-  };
-  setTimeout(poll, every);
-})();
-""" % round(EVERY_S * 1000)
+  }), %d);
+""" % (round(EVERY_S * 1000), round(EVERY_S * 1000))
 
 
 def wrap(elem_id: str, body: str) -> str:
