@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from .config import EngineConfig
-from .llm import EngineDeadError
+from .llm import EngineDeadError, _Died
 from .outputs import RequestOutput, StreamDelta
 from .sampling_params import SamplingParams
 
@@ -54,10 +54,10 @@ class LLMProcess:
     def __init__(self, model: str | None = None, *, start_timeout: float = 600.0, **engine_args):
         if model is not None:
             engine_args["model"] = model
-        parent, child = mp.get_context("spawn").Pipe()
+        spawn = mp.get_context("spawn")
+        parent, child = spawn.Pipe()
         self._conn, self._send_lock = parent, threading.Lock()
-        self._process = mp.get_context("spawn").Process(target=_serve, args=(child, engine_args),
-                                                        name="engine-core", daemon=True)
+        self._process = spawn.Process(target=_serve, args=(child, engine_args), name="engine-core", daemon=True)
         self._process.start()
         child.close()
         self._ids = itertools.count(1)
@@ -269,7 +269,7 @@ class LLMProcess:
             self._dead = reason
             self._events.put(None)
         for answers in list(self._waiting.values()):
-            answers.put(("error", EngineDeadError(f"{reason}; the request was not finished")))
+            answers.put(("error", _Died(reason).error()))
 
 
 # -- the child process ----------------------------------------------------------------------------
