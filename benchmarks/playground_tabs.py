@@ -51,10 +51,10 @@ class Tab:
         self.run_url = f"{url.rstrip('/')}/gradio_api/run/predict"
         self.map_url = f"{url.rstrip('/')}/playground/map"
         self.panels_url = f"{url.rstrip('/')}/playground/panels"
-        panel = self._tick(map_load)[0]
+        panel = self._load_event(map_load)[0]
         self.token, self.map_key = re.search(r'data-tab="([^"]+)".*?data-key="([^"]*)"', panel).groups()
 
-    def _tick(self, fn_index: int) -> list:
+    def _load_event(self, fn_index: int) -> list:
         """One queue-less event as the page sends it (the load event that draws the map): a POST to
         ``/run/predict`` (gradio_client would join the queue instead)."""
         body = {"data": [None], "fn_index": fn_index, "session_hash": self.client.session_hash,

@@ -87,6 +87,18 @@ def events(smollm2_llm):
     ev.close()
 
 
+def run_unqueued(client, fn_index: int, timeout: float = 30.0) -> list:
+    """One event that skips the queue (the page's load events), as the page sends it: a POST to
+    ``/run/predict`` in the client's session (gradio_client would join the queue instead)."""
+    import httpx
+
+    body = {"data": [None], "fn_index": fn_index, "session_hash": client.session_hash, "event_data": None,
+            "trigger_id": None}
+    response = httpx.post(f"{client.src.rstrip('/')}/gradio_api/run/predict", json=body, timeout=timeout)
+    response.raise_for_status()
+    return response.json()["data"]
+
+
 def wait_idle(llm, timeout=20.0):
     """Wait until the engine has no live request; return the final snapshot dict."""
     deadline = time.monotonic() + timeout
@@ -530,13 +542,9 @@ def test_the_block_map_is_polled_from_its_own_route_not_a_gradio_event(app):
     kv_map = next(c["id"] for c in config["components"] if c.get("props", {}).get("elem_id") == "kv-map")
     drawing = [(i, d) for i, d in enumerate(config["dependencies"]) if kv_map in d["outputs"]]
     assert [t[1] for _, d in drawing for t in d["targets"]] == ["load"]        # no timer draws it
-    body = {"data": [None], "fn_index": drawing[0][0], "session_hash": client.session_hash,
-            "event_data": None, "trigger_id": None}
     wait_idle(demo.playground_monitor.llm)
     time.sleep(0.5)                                         # the monitor's last snapshot of the idle engine
-    response = httpx.post(f"{url}gradio_api/run/predict", json=body, timeout=30)
-    response.raise_for_status()
-    panel = response.json()["data"][0]
+    panel = run_unqueued(client, drawing[0][0])[0]
     tab, every, key = re.search(r'class="kv-live" data-tab="([^"]+)" data-every="([^"]+)" data-key="([^"]+)"',
                                 panel).groups()
     assert float(every) == 0.2 and 'class="pg-panel kv-map"' in panel
@@ -574,17 +582,9 @@ def test_the_panels_are_polled_from_their_own_route_not_a_gradio_timer(app):
     assert not [d for d in config["dependencies"] if any(t[1] == "tick" for t in d["targets"])]
     ids = {c["id"]: c.get("props", {}).get("elem_id") for c in config["components"]}
     loads = [(i, d) for i, d in enumerate(config["dependencies"]) if [t[1] for t in d["targets"]] == ["load"]]
-
-    def run(fn_index: int) -> list:
-        body = {"data": [None], "fn_index": fn_index, "session_hash": client.session_hash,
-                "event_data": None, "trigger_id": None}
-        response = httpx.post(f"{url}gradio_api/run/predict", json=body, timeout=30)
-        response.raise_for_status()
-        return response.json()["data"]
-
     drawn = {}
     for i, d in loads:
-        drawn.update(zip((ids[o] for o in d["outputs"]), run(i)))
+        drawn.update(zip((ids[o] for o in d["outputs"]), run_unqueued(client, i)))
     tab = re.search(r'data-tab="([^"]+)"', drawn["kv-map"]).group(1)
     for elem_id in PANEL_IDS:
         assert drawn[elem_id].startswith(f'<div class="live-panel" data-panel="{elem_id}">')
@@ -842,7 +842,6 @@ def test_chat_updates_and_panels_reach_the_page_without_a_thread_per_output(app,
     decodes with. The chat events and the panels' load event send values the page takes as they are
     (``postprocess=False``; the Chatbot's value is serialized in the handler's own thread)."""
     import anyio.to_thread
-    import httpx
 
     demo, url = app
     hand_offs = []
@@ -867,9 +866,7 @@ def test_chat_updates_and_panels_reach_the_page_without_a_thread_per_output(app,
     assert "next(stream)" not in hand_offs
     deps = client.config["dependencies"]
     panels_load = next(i for i, d in enumerate(deps) if len(d["outputs"]) == 4 and [t[1] for t in d["targets"]] == ["load"])
-    body = {"data": [None], "fn_index": panels_load, "session_hash": client.session_hash, "event_data": None,
-            "trigger_id": None}
-    panels = httpx.post(f"{url.rstrip('/')}/gradio_api/run/predict", json=body, timeout=60).json()["data"]
+    panels = run_unqueued(client, panels_load, timeout=60)
     assert len(panels) == 4 and all(isinstance(p, str) and p for p in panels)
     assert hand_offs == []
 
