@@ -1,12 +1,21 @@
-"""Engine settings: one dataclass, the same names as ``LLM(...)`` kwargs and CLI flags."""
+"""Engine settings: one dataclass, the one source of ``LLM(...)`` keyword arguments and CLI flags.
+
+Every field carries its flag's help (and choices, and other spellings) in its metadata;
+``add_engine_args`` derives the ``--kebab-case`` flags from the fields, so a default or a
+description lives in one place. FastDeploy's and vLLM's names for the same settings are
+accepted (``--gpu-memory-utilization``, ``--kv-cache-ratio``, ``--tensor-parallel-size``,
+``--model-impl fastdeploy``, ``--no-enable-prefix-caching``), and so are their flags that have no
+meaning in this engine (``--enable-chunked-prefill``, ``--engine-worker-queue-port``,
+``--enable-logprob``): ``accepted_only_notes`` says once what each of those does here.
+"""
 
 from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 
-MODEL_IMPLS = ("auto", "native", "paddleformers", "paddlefleet")
+MODEL_IMPLS = ("auto", "native", "fastdeploy", "paddleformers", "paddlefleet")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "gpu")
 ATTENTION_BACKENDS = ("auto", "cpu", "cuda", "reference")
@@ -15,51 +24,67 @@ CPU_DECODE_PATHS = ("fused", "paddle")
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
+def _setting(default, help: str, **flag):
+    """A field with its flag's description: ``help``, and argparse's ``choices``, ``flags`` (other
+    spellings), ``metavar``."""
+    return field(default=default, metadata={"help": help, **flag})
+
+
 @dataclass
 class EngineConfig:
-    """Everything that shapes the engine, validated on construction.
+    """Everything that shapes the engine, validated on construction (before any weights load).
 
-    ``kv_cache_memory`` is either bytes (> 1) or a fraction (0 < f <= 1) of the
-    device's total memory, as vLLM's ``gpu_memory_utilization``: the GPU's total
-    memory, or on CPU the machine's total physical RAM (not what is free now, so
-    the same setting gives the same cache on every run). It is checked before any
-    weights load; a cache too small for one ``max_model_len`` sequence is an
-    error that names the minimum.
-
-    ``quantization="auto"`` keeps a GGUF checkpoint's Q4_0/Q4_1/Q8_0 linear
-    weights in their blocks too and runs CPU matmuls on them
-    (``engine.block_linear``: same weights, a quarter of the bytes to read);
-    ``"none"`` runs every matmul on the dequantized float weights.
-
-    ``attention_backend`` picks the ``gpu_kernels`` backend of every attention
-    call: ``auto`` follows the tensors (CUDA kernels for GPU tensors, Numba CPU
-    kernels else); ``cuda`` on ``device="cpu"`` runs only in Numba's CUDA
-    simulator (``NUMBA_ENABLE_CUDASIM=1``); see ``engine.device``.
-    ``cpu_decode="fused"`` runs decode-only steps of a native float32 model on
-    the CPU as one Numba kernel over the same weights and KV cache
-    (``engine.fused_decode``); ``"paddle"`` runs them through the Paddle layers.
-    Prefill always runs the Paddle layers; where the fused step does not apply
-    (GPU, other dtypes, borrowed models) the engine falls back and says so in
-    ``snapshot().decode_path``.
+    The KV cache is sized by ``kv_cache_memory`` (bytes, or a fraction of the device's total
+    memory: the GPU's, on CPU the machine's total RAM, so the same setting gives the same cache
+    on every run), or on a GPU by ``gpu_memory_utilization`` when given (FastDeploy's and vLLM's
+    meaning: the share of the device's memory for weights and cache together; the cache gets
+    what the weights leave). A cache too small for one ``max_model_len`` sequence is an error
+    that names the minimum. See each field's help (``python -m engine.entrypoints.openai.api_server
+    --help``) for the rest.
     """
 
-    model: str = DEFAULT_MODEL
-    model_impl: str = "auto"
-    dtype: str = "auto"
-    block_size: int = 16
-    kv_cache_memory: float = 256 * 1024**2
-    enable_prefix_caching: bool = True
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None
-    device: str = "auto"
-    quantization: str = "auto"
-    attention_backend: str = "auto"
-    cpu_decode: str = "fused"
-    seed: int = 0
+    model: str = _setting(DEFAULT_MODEL, "zoo name (smollm2-135m-instruct, gemma3-270m), a .gguf path or an HF "
+                                         "model directory")
+    model_impl: str = _setting(
+        "auto", "native: this engine's own model code; paddleformers / paddlefleet: the library's model with "
+        "its attention swapped for the paged kernels (FastDeploy's --model-impl); fastdeploy is FastDeploy's "
+        "name for native; auto: native where the architecture has one", choices=MODEL_IMPLS)
+    dtype: str = _setting("auto", "auto: bfloat16 on GPU, float32 on CPU", choices=DTYPES)
+    block_size: int = _setting(16, "tokens per KV cache block (FastDeploy's default is 64, vLLM's 16)")
+    kv_cache_memory: float = _setting(
+        256 * 1024**2, "KV cache size: bytes (> 1), or a fraction in (0, 1] of the device's total memory "
+        "(on CPU: of total RAM, allocated at start)")
+    gpu_memory_utilization: float | None = _setting(
+        None, "GPU: the share (0, 1] of the device's memory for weights + KV cache, the cache taking what the "
+        "weights leave (FastDeploy/vLLM; overrides --kv-cache-memory). On CPU it sizes nothing: a CPU cache is "
+        "allocated up front in RAM shared with everything else, so --kv-cache-memory sizes it there")
+    kv_cache_ratio: float = _setting(
+        1.0, "FastDeploy's admission share: new requests start only while the KV cache is less than this full, "
+        "the rest stays for running requests to grow (FastDeploy's default 0.75); 1.0 admits while blocks are "
+        "free, preemption making room later")
+    enable_prefix_caching: bool = _setting(True, "reuse the KV blocks of earlier prompts with the same prefix",
+                                           flags=("--enable-prefix-caching",))
+    max_num_seqs: int = _setting(16, "most requests running at once (the rest wait)")
+    max_num_batched_tokens: int = _setting(512, "token budget of one step; longer prompts are split across "
+                                                "steps (chunked prefill, always on)")
+    max_model_len: int | None = _setting(None, "longest sequence (prompt + output); default and upper bound: the "
+                                               "model's positions and what the KV cache holds", metavar="TOKENS")
+    tensor_parallel_size: int = _setting(1, "ranks to shard the model over; only 1 (one process) is available",
+                                         flags=("--tensor-parallel-size", "-tp"))
+    device: str = _setting("auto", "auto: the GPU when Paddle has CUDA and numba-cuda works, else the CPU",
+                           choices=DEVICES)
+    quantization: str = _setting("auto", "auto: CPU matmuls run on a GGUF's Q4_0/Q4_1/Q8_0 blocks; none: float "
+                                         "weights only", choices=QUANTIZATION_MODES)
+    attention_backend: str = _setting("auto", "auto: follow the tensors (cuda on GPU, cpu else); reference: the "
+                                              "NumPy definition", choices=ATTENTION_BACKENDS)
+    cpu_decode: str = _setting("fused", "fused: CPU decode steps of native models as one Numba kernel; paddle: "
+                                        "through the Paddle layers", choices=CPU_DECODE_PATHS)
+    seed: int = _setting(0, "seed of the requests that bring none")
 
     def __post_init__(self) -> None:
         _choice("model_impl", self.model_impl, MODEL_IMPLS)
+        if self.model_impl == "fastdeploy":     # FastDeploy's name for its own (native) model code
+            self.model_impl = "native"
         _choice("dtype", self.dtype, DTYPES)
         _choice("device", self.device, DEVICES)
         _choice("quantization", self.quantization, QUANTIZATION_MODES)
@@ -68,14 +93,23 @@ class EngineConfig:
         _positive_int("block_size", self.block_size)
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: tensor parallelism is not "
+                             "available in this engine yet; use 1 (one process holds the whole model)")
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
-        if (isinstance(self.kv_cache_memory, bool) or not isinstance(self.kv_cache_memory, (int, float))
-                or not math.isfinite(self.kv_cache_memory) or self.kv_cache_memory <= 0):
+        if not _finite(self.kv_cache_memory) or self.kv_cache_memory <= 0:
             raise ValueError(
                 f"kv_cache_memory must be bytes (> 1) or a fraction in (0, 1] of the device's total memory; "
                 f"got {self.kv_cache_memory!r}"
             )
+        if self.gpu_memory_utilization is not None and not (
+                _finite(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be None or a fraction in (0, 1]; "
+                             f"got {self.gpu_memory_utilization!r}")
+        if not (_finite(self.kv_cache_ratio) and 0 < self.kv_cache_ratio <= 1):
+            raise ValueError(f"kv_cache_ratio must be a fraction in (0, 1]; got {self.kv_cache_ratio!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False; got {self.enable_prefix_caching!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
@@ -83,11 +117,18 @@ class EngineConfig:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a zoo name, a .gguf path or an HF model directory; got {self.model!r}")
 
-    def kv_cache_bytes(self, device_bytes: int) -> int:
-        """Resolve ``kv_cache_memory`` against the memory available for it."""
+    def kv_cache_bytes(self, device: str, device_bytes: int, weight_bytes: int = 0) -> int:
+        """The KV cache's bytes: ``gpu_memory_utilization`` of a GPU less its weights when given, else
+        ``kv_cache_memory`` (bytes, or a fraction of ``device_bytes``)."""
+        if device == "gpu" and self.gpu_memory_utilization is not None:
+            return max(int(self.gpu_memory_utilization * device_bytes) - weight_bytes, 0)
         if self.kv_cache_memory <= 1:
             return int(self.kv_cache_memory * device_bytes)
         return int(self.kv_cache_memory)
+
+
+def _finite(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def _choice(name, value, accepted):
@@ -100,29 +141,43 @@ def _positive_int(name, value):
         raise ValueError(f"{name} must be a positive integer; got {value!r}")
 
 
+# FastDeploy's flags that have no meaning in this engine: accepted so its command lines run
+# unchanged; ``accepted_only_notes`` says what each does here.
+ACCEPTED_ONLY = {
+    "enable_chunked_prefill": ("--enable-chunked-prefill", {"action": "store_true"},
+                               "chunked prefill is always on here (see --max-num-batched-tokens)"),
+    "engine_worker_queue_port": ("--engine-worker-queue-port", {"type": int, "metavar": "PORT"},
+                                 "has no meaning here: the engine runs inside this process, with no worker queue"),
+    "enable_logprob": ("--enable-logprob", {"action": "store_true"},
+                       "logprobs are always available here (up to --max-logprobs a token)"),
+}
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add every ``EngineConfig`` field as a ``--kebab-case`` flag."""
+    """Add every ``EngineConfig`` field as a ``--kebab-case`` flag (its default, help and choices from
+    the field), and FastDeploy's accepted-only flags."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=DEFAULT_MODEL, help="zoo name, .gguf path or HF model directory")
-    g.add_argument("--model-impl", default="auto", choices=MODEL_IMPLS)
-    g.add_argument("--dtype", default="auto", choices=DTYPES)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-memory", type=float, default=EngineConfig.kv_cache_memory,
-                   help="bytes, or a fraction (0, 1] of the device's total memory (CPU: total RAM)")
-    g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=True)
-    g.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", dest="enable_prefix_caching",
-                   action="store_false")
-    g.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
-    g.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--device", default="auto", choices=DEVICES)
-    g.add_argument("--quantization", default="auto", choices=QUANTIZATION_MODES,
-                   help="auto: CPU matmuls run on a GGUF's Q4_0/Q4_1/Q8_0 blocks; none: float weights only")
-    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-                   help="auto: follow the tensors (cuda on GPU, cpu else); reference: the NumPy definition")
-    g.add_argument("--cpu-decode", default="fused", choices=CPU_DECODE_PATHS,
-                   help="fused: CPU decode steps as one Numba kernel; paddle: through the Paddle layers")
-    g.add_argument("--seed", type=int, default=0)
+    for f in fields(EngineConfig):
+        meta, flag = f.metadata, "--" + f.name.replace("_", "-")
+        names = list(dict.fromkeys((flag, *meta.get("flags", ()))))
+        kwargs = {"dest": f.name, "default": f.default if f.default is not MISSING else None,
+                  "help": meta.get("help")}
+        if f.type in (bool, "bool"):
+            g.add_argument(*names, action=argparse.BooleanOptionalAction, **kwargs)
+            if f.name == "enable_prefix_caching":       # the playground's older spelling
+                g.add_argument("--no-prefix-caching", dest=f.name, action="store_false", help=argparse.SUPPRESS)
+            continue
+        kind = {"int": int, "int | None": int, "float": float, "float | None": float}.get(str(f.type), None)
+        if kind is not None:
+            kwargs["type"] = kind
+        if "choices" in meta:
+            kwargs["choices"] = meta["choices"]
+        if "metavar" in meta:
+            kwargs["metavar"] = meta["metavar"]
+        g.add_argument(*names, **kwargs)
+    fd = parser.add_argument_group("accepted for FastDeploy's command line (no effect here)")
+    for dest, (flag, kwargs, note) in ACCEPTED_ONLY.items():
+        fd.add_argument(flag, dest=dest, help=note, **kwargs)
     return parser
 
 
@@ -131,3 +186,12 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     names = {f.name for f in fields(EngineConfig)}
     return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
 
+
+def accepted_only_notes(args: argparse.Namespace) -> list[str]:
+    """One line for each accepted-only flag given on the command line, saying what it does here."""
+    notes = []
+    for dest, (flag, kwargs, note) in ACCEPTED_ONLY.items():
+        value = getattr(args, dest, None)
+        if value not in (None, False):
+            notes.append(f"{flag}: {note}")
+    return notes

@@ -24,7 +24,7 @@ from .model_impl import build_model, resolve_model_impl
 from .model_runner import ModelRunner, kv_block_bytes
 from .outputs import StreamDelta
 from .request import Request, RequestStatus
-from .sampler import Sampler
+from .sampler import LogitsAdjust, Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .snapshot import BlockInfos, EngineEvent, StepInfo, take_snapshot
@@ -57,7 +57,8 @@ class LLMEngine:
 
         num_layers, num_kv_heads, head_dim = model.kv_layout()
         per_block = kv_block_bytes(config.block_size, num_layers, num_kv_heads, head_dim, self.dtype)
-        kv_bytes = config.kv_cache_bytes(_total_memory_bytes(self.device))
+        weight_bytes = paddle.device.cuda.memory_allocated() if self.device == "gpu" else 0
+        kv_bytes = config.kv_cache_bytes(self.device, _total_memory_bytes(self.device), weight_bytes)
         num_blocks = kv_bytes // per_block
         need = -(-config.max_model_len // config.block_size) if config.max_model_len else 2
         if num_blocks < need:
@@ -72,7 +73,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype,  # owns the KV tensors
                                   kernels_backend, config.cpu_decode, self.device)
         warm_up(self.runner, self.device)  # a broken device/backend fails here, with its cause
-        self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.kv_cache_ratio)
         self.sampler = Sampler(lambda t: self.tokenizer.decode([t], skip_special_tokens=False))
         self.sampler.warm_up()
         model_limit = checkpoint.config.get("max_position_embeddings") or num_blocks * config.block_size
@@ -83,6 +85,7 @@ class LLMEngine:
         self._rngs: dict[str, np.random.Generator] = {}
         self._detok: dict[str, object] = {}
         self._sent: dict[str, int] = {}  # characters of output_text already handed out in deltas
+        self._adjust: dict[str, LogitsAdjust] = {}  # only requests with penalties or min_tokens
         self._events: list[EngineEvent] = []
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
@@ -119,10 +122,19 @@ class LLMEngine:
         detok = self.tokenizer.stream_decoder(params.skip_special_tokens)
         eos = frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids
         req = Request(request_id, [int(t) for t in ids], params, eos_token_ids=eos)
+        adjust = None
+        if params.adjusts_logits:
+            ending = set(eos) | set(params.stop_token_ids)
+            if params.min_tokens and len({t for t in ending if t < self.vocab_size}) >= self.vocab_size:
+                raise ValueError(f"min_tokens={params.min_tokens} with stop_token_ids and EOS covering every one "
+                                 f"of the {self.vocab_size} token ids leaves no token to pick")
+            adjust = LogitsAdjust(params, req.prompt_token_ids, req.output_token_ids, ending)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]  # the first prompt token has nothing before it (a 1-token prompt: all)
         self.requests[request_id] = req
         self._rngs[request_id], self._detok[request_id], self._sent[request_id] = rng, detok, 0
+        if adjust is not None:
+            self._adjust[request_id] = adjust
         self.scheduler.add_request(req)
         self._emit("request_added", request_id=request_id, num_prompt_tokens=len(ids))
         return request_id
@@ -179,7 +191,7 @@ class LLMEngine:
             if req is None:  # failed above
                 continue
             try:
-                token, lp = self.sampler.sample(row, req.sampling_params, self._rngs[rid])
+                token, lp = self.sampler.sample(row, req.sampling_params, self._rngs[rid], self._adjust.get(rid))
                 deltas.append(self._append(req, token, lp))
             except Exception as exc:
                 deltas.append(self._fail(req, "sampling", exc))
@@ -211,7 +223,9 @@ class LLMEngine:
         text_before = len(req.output_text)
         req.output_text += piece
         reason = None
-        if token in req.eos_token_ids or token in p.stop_token_ids:
+        if req.num_output_tokens <= p.min_tokens:
+            pass  # as vLLM: no stop token (they are masked until then) and no stop string yet
+        elif token in req.eos_token_ids or token in p.stop_token_ids:
             reason, req.stop_reason = "stop", token
         elif p.stop_strings:
             stop = self._apply_stop_strings(req, text_before)
@@ -219,8 +233,10 @@ class LLMEngine:
                 reason, req.stop_reason = "stop", stop
         if reason is None and (req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len):
             reason = "length"
-        # Text that could still grow into a stop string is held back until it cannot.
-        held = 0 if reason is not None else _stop_prefix_len(req.output_text, p.stop_strings)
+        # Text that could still grow into a stop string is held back until it cannot (unless the
+        # stop string is to be kept in the output anyway).
+        held = 0 if reason is not None or p.include_stop_str_in_output else _stop_prefix_len(
+            req.output_text, p.stop_strings)
         delta = StreamDelta(
             request_id=req.request_id, text=self._take_text(req, len(req.output_text) - held), token_ids=[token],
             logprobs=[logprobs] if logprobs is not None else [],
@@ -241,13 +257,16 @@ class LLMEngine:
 
     @staticmethod
     def _apply_stop_strings(req: Request, text_before: int) -> str | None:
-        """Cut the output at the earliest stop string that the new text completed."""
+        """Cut the output at the earliest stop string that the new text completed: before it, or
+        right after it with ``include_stop_str_in_output`` (vLLM's ``check_stop_strings``)."""
         stops = req.sampling_params.stop_strings
         start = max(0, text_before - max(map(len, stops)) + 1)
         found = [(at, stop) for stop in stops if (at := req.output_text.find(stop, start)) >= 0]
         if not found:
             return None
         at, stop = min(found)
+        if req.sampling_params.include_stop_str_in_output:
+            at += len(stop)
         req.output_text = req.output_text[:at]
         return stop
 
@@ -264,6 +283,7 @@ class LLMEngine:
         self._rngs.pop(req.request_id, None)
         self._detok.pop(req.request_id, None)
         self._sent.pop(req.request_id, None)
+        self._adjust.pop(req.request_id, None)
         self._publish_block_events()
         self._emit("request_finished", request_id=req.request_id, finish_reason=reason,
                    num_output_tokens=req.num_output_tokens, error=error)

@@ -8,8 +8,10 @@ Every step the scheduler hands out a token budget (``max_num_batched_tokens``):
 2. when the KV pool cannot grow a running request, the newest running request
    is preempted: its blocks are freed (they stay in the prefix cache) and it
    goes back to the front of the waiting queue, to be recomputed later;
-3. then waiting requests are admitted (up to ``max_num_seqs`` running), each
-   starting from its longest cached prefix.
+3. then waiting requests are admitted (up to ``max_num_seqs`` running, and while
+   the KV cache is less than ``kv_cache_ratio`` full when something runs:
+   FastDeploy's reserve for running requests to grow), each starting from its
+   longest cached prefix.
 
 The returned ``SchedulerOutput`` is the one record of a step: which requests
 run how many tokens from where, their block tables, and which of them sample a
@@ -65,8 +67,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 kv_cache_ratio: float = 1.0):
         self.kv_cache_manager = kv_cache_manager
+        self.kv_cache_ratio = kv_cache_ratio
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -105,6 +109,8 @@ class Scheduler:
             budget -= num_new
 
         while not out.preempted and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            if self.running and self.kv_cache_ratio < 1 and self.kv_cache_manager.usage >= self.kv_cache_ratio:
+                break
             req = self.waiting[0]
             if req.sampling_params.prompt_logprobs is None:
                 hits, num_cached = self.kv_cache_manager.get_computed_blocks(req)
