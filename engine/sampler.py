@@ -1,8 +1,10 @@
 """Token selection and logprobs, on the host (one row per request).
 
 Logprobs are always computed from the model's **raw** logits (a plain
-log-softmax, before temperature, top-k, top-p or min-p), so a token's logprob
-and rank describe what the model believed, whatever filter picked it.
+log-softmax, before penalties, min_tokens, temperature, top-k, top-p or min-p),
+so a token's logprob and rank describe what the model believed, whatever filter
+picked it. A request that sets a penalty or ``min_tokens`` picks from a copy of
+its row changed by ``LogitsAdjust``; every other request does no extra work.
 """
 
 from __future__ import annotations
@@ -183,16 +185,80 @@ def sample_row(logits: np.ndarray, params: SamplingParams, rng: np.random.Genera
                      rng.random()))
 
 
+class LogitsAdjust:
+    """One request's changes to the row it picks from (never to its logprobs), following vLLM:
+    ``apply_penalties`` (vllm/model_executor/layers/utils.py) and ``MinTokensLogitsProcessor``
+    (vllm/v1/sample/logits_processor/builtin.py), in that order.
+
+    - repetition penalty ``r``: a token in the prompt or the output so far gets ``x / r`` if
+      ``x > 0``, else ``x * r``;
+    - ``x -= frequency_penalty * count + presence_penalty * (count > 0)``, ``count`` = times the
+      token is in the output so far;
+    - while the output has fewer than ``min_tokens`` tokens, ``banned`` (the tokens that would end
+      the request) are set to -inf.
+
+    Built only for a request whose params ``adjusts_logits``. It reads the request's output list
+    (which the engine appends to) and counts the tokens added since its last call, so a step
+    costs a few passes over the row, not over the output. The row is float32, as the sampler's;
+    a penalty that would push a logit to +inf is capped at float32's largest value."""
+
+    def __init__(self, params: SamplingParams, prompt_ids, output_ids: list[int], banned=()):
+        self.params, self.prompt_ids, self.output_ids = params, prompt_ids, output_ids
+        self.banned = np.array(sorted({int(t) for t in banned}), np.int64)
+        self._counts: np.ndarray | None = None   # per token of the row: times in the output
+        self._seen: np.ndarray | None = None     # per token: in the prompt or the output
+        self._counted = 0
+
+    def _update(self, vocab: int) -> None:
+        if self._counts is None or self._counts.size != vocab:
+            self._counts, self._seen, self._counted = np.zeros(vocab, np.int32), np.zeros(vocab, bool), 0
+            prompt = np.asarray(self.prompt_ids, np.int64)
+            self._seen[prompt[prompt < vocab]] = True
+        new = np.asarray(self.output_ids[self._counted:], np.int64)
+        new = new[new < vocab]
+        np.add.at(self._counts, new, 1)
+        self._seen[new] = True
+        self._counted = len(self.output_ids)
+
+    def __call__(self, row: np.ndarray) -> np.ndarray:
+        """The row to pick from: a float32 copy of ``row`` with the changes applied."""
+        p = self.params
+        out = np.array(row, np.float32)
+        if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            self._update(out.size)
+            if p.repetition_penalty != 1.0:
+                r = np.float32(p.repetition_penalty)
+                seen = out[self._seen]
+                with np.errstate(over="ignore"):
+                    out[self._seen] = np.where(seen > 0, seen / r, seen * r)
+                if p.repetition_penalty < 1.0:
+                    np.minimum(out, np.finfo(np.float32).max, out=out)
+            if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+                used = np.flatnonzero(self._counts)
+                out[used] -= (np.float32(p.frequency_penalty) * self._counts[used]
+                              + np.float32(p.presence_penalty)).astype(np.float32)
+        if len(self.output_ids) < p.min_tokens and self.banned.size:
+            out[self.banned[self.banned < out.size]] = -np.inf
+        return out
+
+
 class Sampler:
     def __init__(self, decode_token):
         self.decode_token = decode_token  # token id -> text, for Logprob.decoded_token
 
-    def sample(self, row: np.ndarray, params: SamplingParams, rng: np.random.Generator):
+    def sample(self, row: np.ndarray, params: SamplingParams, rng: np.random.Generator,
+               adjust: LogitsAdjust | None = None):
         """One request's row of raw logits → (token id, logprob dict or None). Greedy picks and
-        logprobs come from one compiled scan of the row (``_scan``); it also finds any NaN."""
+        logprobs come from one compiled scan of the row (``_scan``); it also finds any NaN. With
+        ``adjust`` (penalties, min_tokens) the token is picked from ``adjust(row)``; the logprobs
+        still describe the raw row."""
         row = _row(row)
         best, log_z, ids, vals = _checked_scan(row, -1 if params.logprobs is None else params.logprobs)
-        token = best if params.greedy else sample_row(row, params, rng)
+        if adjust is not None:
+            picked = adjust(row)
+            token = int(_scan(picked, -1)[1]) if params.greedy else sample_row(picked, params, rng)
+        else:
+            token = best if params.greedy else sample_row(row, params, rng)
         if params.logprobs is None:
             return int(token), None
         return int(token), _logprob_dict(row, int(token), log_z, ids, vals, self.decode_token)
@@ -205,9 +271,11 @@ class Sampler:
         self.sample(row, SamplingParams(temperature=0.7, top_p=0.9, top_k=8, min_p=0.01, logprobs=2),
                     np.random.default_rng(0))
 
-    def __call__(self, logits: np.ndarray, params: list[SamplingParams], rngs: list[np.random.Generator]):
+    def __call__(self, logits: np.ndarray, params: list[SamplingParams], rngs: list[np.random.Generator],
+                 adjusts=None):
         """logits [n, vocab] → (token ids, per-row logprob dicts or None)."""
-        pairs = [self.sample(row, p, rng) for row, p, rng in zip(logits, params, rngs)]
+        adjusts = adjusts or [None] * len(params)
+        pairs = [self.sample(row, p, rng, a) for row, p, rng, a in zip(logits, params, rngs, adjusts)]
         return [t for t, _ in pairs], [lp for _, lp in pairs]
 
     def prompt_logprobs(self, logits: np.ndarray, next_tokens: list[int], k: int) -> list[dict[int, Logprob]]:

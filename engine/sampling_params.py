@@ -21,9 +21,28 @@ class SamplingParams:
     generated token, its logprob, its rank and the top-k alternatives;
     ``prompt_logprobs=k`` does the same for every prompt position after the
     first. Logprobs are computed from the model's raw logits (before
-    temperature / top-k / top-p), so they describe the model, not the sampling
-    filter. Every field is checked here, so a bad value is a ``ValueError``
-    naming the field and what it accepts before anything is queued.
+    penalties, min_tokens, temperature / top-k / top-p), so they describe the
+    model, not the sampling filter.
+
+    The extras an OpenAI-compatible server passes through follow vLLM
+    (``vllm/sampling_params.py``, ``vllm/model_executor/layers/utils.py``
+    ``apply_penalties``, ``MinTokensLogitsProcessor``): they change only the
+    logits a token is picked from, greedy included.
+
+    - ``repetition_penalty`` (> 0, 1 = off; the HF / vLLM rule): a token seen in
+      the prompt or the output so far has its logit divided by it if positive,
+      multiplied by it if negative.
+    - ``frequency_penalty`` and ``presence_penalty`` (in [-2, 2], 0 = off;
+      OpenAI's rule): ``logit -= frequency_penalty * count + presence_penalty *
+      (count > 0)``, ``count`` = times the token is in the output so far.
+    - ``min_tokens`` (>= 0, <= ``max_tokens``): until that many tokens are out,
+      the tokens that would end the request (EOS unless ``ignore_eos``, and
+      ``stop_token_ids``) cannot be picked, and stop strings are not matched.
+    - ``include_stop_str_in_output``: keep the matched stop string at the end of
+      the text (the text is still cut right after it).
+
+    Every field is checked here, so a bad value is a ``ValueError`` naming the
+    field and what it accepts before anything is queued.
     """
 
     max_tokens: int = 128
@@ -38,6 +57,11 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
     _stop: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
@@ -46,13 +70,19 @@ class SamplingParams:
         self.top_p = _number("top_p", self.top_p, 0.0, 1.0, low_open=True)
         self.min_p = _number("min_p", self.min_p, 0.0, 1.0)
         self.top_k = _integer("top_k", self.top_k, -1, None, "an integer >= 0 (0 or -1 disables it)")
+        self.presence_penalty = _number("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        self.frequency_penalty = _number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        self.repetition_penalty = _number("repetition_penalty", self.repetition_penalty, 0.0, None, low_open=True)
+        self.min_tokens = _integer("min_tokens", self.min_tokens, 0, None, "an integer >= 0")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}; got {self.min_tokens}")
         if self.seed is not None:
             self.seed = _integer("seed", self.seed, 0, None, "None or an integer >= 0")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 setattr(self, name, _integer(name, getattr(self, name), 0, MAX_LOGPROBS,
                                              f"None or an integer in [0, {MAX_LOGPROBS}]"))
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
         if isinstance(self.stop, str):
@@ -74,6 +104,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a penalty or ``min_tokens`` is set (else the picking row is the raw one)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.min_tokens > 0)
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from .request import Logprob
-from .sampler import Sampler
+from .sampler import LogitsAdjust, Sampler
 from .sampling_params import SamplingParams
 
 
@@ -15,6 +15,27 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     x = np.asarray(logits, np.float64)
     shifted = x - x.max()
     return shifted - np.log(np.exp(shifted).sum())
+
+
+def adjusted(logits: np.ndarray, params: SamplingParams, prompt_ids, output_ids, banned=()) -> np.ndarray:
+    """The row a request picks from, token by token from its prompt and output lists (vLLM's
+    ``apply_penalties`` and ``MinTokensLogitsProcessor``): repetition penalty on every token seen
+    in prompt or output (positive logits divided, negative multiplied), then ``frequency_penalty *
+    count + presence_penalty`` subtracted for each token of the output, then, while the output is
+    shorter than ``min_tokens``, the ``banned`` tokens set to -inf."""
+    x = np.asarray(logits, np.float64).copy()
+    counts: dict[int, int] = {}
+    for t in output_ids:
+        counts[t] = counts.get(t, 0) + 1
+    if params.repetition_penalty != 1.0:
+        for t in set(prompt_ids) | set(counts):
+            x[t] = x[t] / params.repetition_penalty if x[t] > 0 else x[t] * params.repetition_penalty
+    for t, c in counts.items():
+        x[t] -= params.frequency_penalty * c + params.presence_penalty
+    if len(output_ids) < params.min_tokens:
+        for t in banned:
+            x[t] = -np.inf
+    return x
 
 
 def probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -42,10 +63,13 @@ class NumpySampler(Sampler):
     """``Sampler`` with every pass in NumPy: argmax, ``rng.choice`` over ``probs``, the top-k
     logprobs by ``argpartition`` and a sort."""
 
-    def sample(self, row: np.ndarray, params: SamplingParams, rng: np.random.Generator):
+    def sample(self, row: np.ndarray, params: SamplingParams, rng: np.random.Generator,
+               adjust: LogitsAdjust | None = None):
         if np.isnan(row).any():
             raise ValueError("the model produced NaN logits")
-        token = int(np.argmax(row)) if params.greedy else int(rng.choice(row.size, p=probs(row, params)))
+        picked = row if adjust is None else adjusted(row, params, adjust.prompt_ids, adjust.output_ids,
+                                                     adjust.banned.tolist())
+        token = int(np.argmax(picked)) if params.greedy else int(rng.choice(row.size, p=probs(picked, params)))
         if params.logprobs is None:
             return token, None
         lp, k = log_softmax(row), params.logprobs
