@@ -1,0 +1,269 @@
+"""``python -m benchmarks.serving``: our OpenAI server beside llama.cpp's ``llama-server``, through HTTP.
+
+In the manner of ``vllm bench serve`` (metric definitions: `benchmarks.serving_load`): the same
+real chat prompts (the playground benchmark's chats and the engine benchmark's poem prompts,
+under the playground's system prompt), streamed to ``/v1/chat/completions`` greedy with
+``ignore_eos`` and a fixed ``max_tokens``, at concurrency 1, 4, 16 and 32 and at one seeded
+Poisson request rate. Per server and setting: request throughput, output tok/s, TTFT p50/p99,
+ITL p50/p99, errors.
+
+Servers, each started and stopped by this benchmark, one at a time, and interleaved round by
+round (the order reversed every other round, so that drift on a shared machine hits both):
+
+* **ours** -- ``python -m engine.entrypoints.openai.api_server --model M --max-num-seqs 32``;
+* **llama-server** -- llama.cpp's server (``scripts/build_llama_server.sh`` builds it) on the
+  same GGUF: ``-t 2 -tb 2 --parallel 16 -c 32768 --cont-batching --metrics``;
+* **in-process** -- ``engine.LLM.stream`` in this process at one stream, the same prompts: the
+  HTTP overhead of our server at one stream is ``1 - (ours c=1 tok/s) / (in-process tok/s)``.
+
+Each server must answer ``/health`` 200 and one warm-up request before it is measured.
+Throughputs are the median over rounds; percentiles are over every request of every round.
+Results go to ``benchmarks/results/serving.{json,md}`` (``--quick``: ``build/serving-quick``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.serving_load import RequestRecord, run_load, stream_chat, summarize
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA_SERVER = ROOT / "build" / "llama-server" / "bin" / "llama-server"
+SIDES = ("ours", "llama-server")
+
+
+def conversations(n: int) -> list[list[dict]]:
+    """``n`` chats cycling over the project's prompt sets, each under the playground's system prompt."""
+    from benchmarks.fallback import TOPICS, poem_prompts
+    from benchmarks.playground import PROMPTS
+    from playground.app import DEFAULT_SYSTEM_PROMPT
+
+    users = list(PROMPTS) + poem_prompts(len(TOPICS))
+    return [[{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}, {"role": "user", "content": users[i % len(users)]}]
+            for i in range(n)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server process this benchmark started, its log in ``log_path``."""
+
+    def __init__(self, name: str, argv: list[str], port: int, log_dir: Path):
+        self.name, self.argv, self.url = name, argv, f"http://127.0.0.1:{port}"
+        self.log_path = log_dir / f"{name}.log"
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n$ {shlex.join(argv)}\n".encode())
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True, cwd=ROOT)
+
+    def wait_ready(self, timeout: float) -> float:
+        """Poll ``/health`` until 200; the seconds it took. Raises if the process dies or times out."""
+        import httpx
+
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}) before /health was 200:\n"
+                                   + self.log_path.read_text(errors="replace")[-2000:])
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return time.perf_counter() - t0
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"{self.name}: /health not 200 after {timeout:.0f} s (log: {self.log_path})")
+
+    def model_id(self) -> str:
+        import httpx
+
+        return httpx.get(self.url + "/v1/models", timeout=10.0).json()["data"][0]["id"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)   # its own session: the server and its children
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def server_argv(side: str, args, port: int) -> list[str]:
+    if side == "ours":
+        return [sys.executable, "-m", "engine.entrypoints.openai.api_server", "--model", args.model,
+                "--port", str(port), "--max-num-seqs", str(args.max_num_seqs), *shlex.split(args.ours_args)]
+    from engine.loader.zoo import zoo_path
+
+    t = str(args.threads)
+    return [str(args.llama_server), "-m", zoo_path(args.model), "-t", t, "-tb", t, "--parallel", str(args.parallel),
+            "-c", str(args.ctx), "--cont-batching", "--metrics", "--host", "127.0.0.1", "--port", str(port),
+            *shlex.split(args.llama_args)]
+
+
+def settings(args) -> list[dict]:
+    """Every measured setting: its label, its load and its requests."""
+    out = [{"label": f"c={c}", "concurrency": c, "rate": None, "n": args.num_prompts or max(8, 2 * c)}
+           for c in args.concurrency]
+    if args.request_rate:
+        out.append({"label": f"rate={args.request_rate:g}/s", "concurrency": None, "rate": args.request_rate,
+                    "n": args.num_prompts or args.rate_prompts})
+    return out
+
+
+def measure_server(side: str, args, log_dir: Path, plan: list[dict], seed: int) -> dict:
+    """Start one server, wait for it, warm it up, run every setting, stop it."""
+    port = free_port()
+    server = Server(side, server_argv(side, args, port), port, log_dir)
+    try:
+        ready_s = server.wait_ready(args.ready_timeout)
+        model = server.model_id()
+        url = server.url + "/v1/chat/completions"
+        warm = asyncio.run(stream_chat_once(url, model, conversations(1)[0], args.max_tokens))
+        if warm.error:
+            raise RuntimeError(f"{side}: warm-up request failed: {warm.error}")
+        out = {"ready_s": ready_s, "model_id": model}
+        for s in plan:
+            records, duration = asyncio.run(run_load(url, model, conversations(s["n"]), args.max_tokens,
+                                                     s["concurrency"], s["rate"], seed))
+            out[s["label"]] = summarize(records, duration)
+            log(f"  {side:12s} {s['label']:10s} {brief(out[s['label']])}")
+        return out
+    finally:
+        server.stop()
+
+
+async def stream_chat_once(url: str, model: str, messages: list[dict], max_tokens: int) -> RequestRecord:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0)) as client:
+        return await stream_chat(client, url, model, messages, max_tokens)
+
+
+def measure_in_process(llm, args, n: int) -> dict:
+    """``LLM.stream`` at one stream over the same chats, recorded as the HTTP clients record."""
+    from engine import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    records, t0 = [], time.perf_counter()
+    for messages in conversations(n):
+        record = RequestRecord(start=time.perf_counter())
+        for delta in llm.stream(messages, params):
+            if delta.text:
+                record.chunk_times.append(time.perf_counter())
+            record.output_tokens += len(delta.token_ids)
+            record.prompt_tokens = delta.num_prompt_tokens or record.prompt_tokens
+            record.error = delta.error or ""
+        records.append(record)
+    result = summarize(records, time.perf_counter() - t0)
+    log(f"  {'in-process':12s} {'c=1':10s} {brief(result)}")
+    return result
+
+
+def brief(m: dict) -> str:
+    f = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
+    return (f"{m['request_throughput']:.2f} req/s  {m['output_tok_s']:.1f} tok/s  TTFT p50/p99 {f(m['ttft_ms_p50'])}/"
+            f"{f(m['ttft_ms_p99'])} ms  ITL p50/p99 {f(m['itl_ms_p50'])}/{f(m['itl_ms_p99'])} ms  "
+            f"errors {m['errors']}")
+
+
+def pooled(rounds: list[dict]) -> dict:
+    """One setting over rounds: median throughputs, percentiles over every request, errors summed."""
+    from benchmarks.serving_load import percentile
+
+    ttft = [v for r in rounds for v in r["ttft_s"]]
+    itl = [v for r in rounds for v in r["itl_s"]]
+    ms = lambda v, p: None if not v else percentile(v, p) * 1000  # noqa: E731
+    return {"rounds": len(rounds), "errors": sum(r["errors"] for r in rounds),
+            "request_throughput": statistics.median(r["request_throughput"] for r in rounds),
+            "output_tok_s": statistics.median(r["output_tok_s"] for r in rounds),
+            "ttft_ms_p50": ms(ttft, 50), "ttft_ms_p99": ms(ttft, 99), "itl_ms_p50": ms(itl, 50),
+            "itl_ms_p99": ms(itl, 99), "requests": sum(r["completed"] + r["errors"] for r in rounds)}
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def main(argv=None) -> int:
+    from benchmarks.serving_report import write
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serving", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct", help="zoo name (its GGUF goes to llama-server)")
+    p.add_argument("--servers", nargs="+", choices=SIDES, default=list(SIDES))
+    p.add_argument("--no-in-process", dest="in_process", action="store_false",
+                   help="skip the in-process LLM.stream at one stream (the HTTP overhead)")
+    p.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16, 32])
+    p.add_argument("--request-rate", type=float, default=1.0, help="Poisson requests/s of the rate setting; 0: none")
+    p.add_argument("--rate-prompts", type=int, default=32, help="requests sent at the request rate")
+    p.add_argument("--num-prompts", type=int, default=0, help="requests per setting (0: 2 x concurrency, >= 8)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="our server's --max-num-seqs")
+    p.add_argument("--ours-args", default="", help="more flags for our server")
+    p.add_argument("--llama-server", type=Path, default=LLAMA_SERVER, help="the llama-server binary")
+    p.add_argument("--threads", type=int, default=2, help="llama-server -t/-tb")
+    p.add_argument("--parallel", type=int, default=16, help="llama-server --parallel (slots)")
+    p.add_argument("--ctx", type=int, default=32768, help="llama-server -c (shared by the slots)")
+    p.add_argument("--llama-args", default="", help="more flags for llama-server")
+    p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.add_argument("--quick", action="store_true",
+                   help="one round, concurrency 1 and 16, 48 tokens, 16 requests at 1/s; writes build/serving-quick")
+    p.add_argument("--out", default=None, help="path stem of the .json and .md (default benchmarks/results/serving)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rounds, args.concurrency, args.max_tokens, args.rate_prompts = 1, [1, 16], 48, 16
+    out = Path(args.out or (ROOT / "build" / "serving-quick" if args.quick else ROOT / "benchmarks/results/serving"))
+    if "llama-server" in args.servers and not args.llama_server.exists():
+        p.error(f"no llama-server at {args.llama_server}: run scripts/build_llama_server.sh")
+    log_dir = ROOT / "build" / "serving-logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+
+    plan = settings(args)
+    sides = list(args.servers) + (["in-process"] if args.in_process and "ours" in args.servers else [])
+    raw: dict[str, dict[str, list]] = {side: {} for side in sides}
+    llm = None
+    for r in range(args.rounds):
+        log(f"round {r + 1}/{args.rounds}")
+        for side in (sides if r % 2 == 0 else sides[::-1]):
+            if side == "in-process":
+                if llm is None:
+                    from engine import LLM
+
+                    llm = LLM(model=args.model, max_num_seqs=args.max_num_seqs)
+                    measure_in_process(llm, args, 1)  # warm-up
+                n = next((s["n"] for s in plan if s["concurrency"] == 1), 8)
+                raw[side].setdefault("c=1", []).append(measure_in_process(llm, args, n))
+                continue
+            result = measure_server(side, args, log_dir, plan, args.seed + r)
+            for s in plan:
+                raw[side].setdefault(s["label"], []).append(result[s["label"]])
+            raw[side].setdefault("_ready_s", []).append(result["ready_s"])
+    if llm is not None:
+        llm.shutdown()
+
+    summary = {side: {label: pooled(rounds) for label, rounds in by.items() if not label.startswith("_")}
+               for side, by in raw.items()}
+    write(out, args, plan, sides, raw, summary, {s: shlex.join(server_argv(s, args, 0)) for s in args.servers})
+    log("\n" + Path(f"{out}.md").read_text())
+    log(f"wrote {out}.json and {out}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
