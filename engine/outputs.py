@@ -78,3 +78,4 @@ class StreamDelta:
     prompt_token_ids: list[int] = field(default_factory=list)
     metrics: RequestMetrics | None = None
     error: str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # on the finishing delta, when asked for

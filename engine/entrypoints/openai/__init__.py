@@ -1,0 +1,1 @@
+"""OpenAI-compatible serving: ``python -m engine.entrypoints.openai.api_server``."""

@@ -1,0 +1,180 @@
+"""The server's FastAPI app: routes, API keys, the concurrency limit, OpenAI's error bodies.
+
+``ServerState`` holds what the routes share: the engine (``None`` while it loads, so ``/health``
+answers 503), the serving logic and the metrics. Every error a client can cause is a JSON body
+``{"error": {"message", "type", "param", "code"}}`` with its status: 400 for a bad body or
+parameter (FastAPI's 422 included), 401 without the key, 404 for an unknown model, 429 over
+``--max-concurrency``, 503 while loading.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, ValidationError, validation_error
+
+logger = logging.getLogger("engine.server")
+
+
+class ServerState:
+    def __init__(self, *, served_model_name: str, api_keys: list[str], max_concurrency: int = 512,
+                 max_logprobs: int = 20, metrics_on_main: bool = True):
+        self.served_model_name, self.api_keys = served_model_name, list(api_keys or [])
+        self.max_concurrency, self.max_logprobs, self.metrics_on_main = max_concurrency, max_logprobs, metrics_on_main
+        self.llm = self.serving = self.metrics = None
+        self.failed: str | None = None
+        self.in_flight = 0
+        self.created = int(time.time())
+
+    def load(self, config) -> None:
+        from ...llm import LLM
+
+        self.attach(LLM(**vars(config)))
+
+    def attach(self, llm) -> None:
+        """Serve an engine that is already loaded (tests, notebooks)."""
+        from .engine_client import AsyncEngine
+        from .metrics import ServerMetrics
+        from .serving import OpenAIServing
+
+        self.metrics = ServerMetrics(llm, self.served_model_name)
+        self.serving = OpenAIServing(AsyncEngine(llm), llm.get_tokenizer(), model_name=self.served_model_name,
+                                     max_model_len=llm.engine.max_model_len, max_logprobs=self.max_logprobs,
+                                     on_finished=self.metrics.on_finished)
+        self.llm = llm
+
+    def shutdown(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+
+    def ready(self):
+        if self.llm is None:
+            raise ApiError("the model is loading" if self.failed is None else f"the model failed to load: "
+                           f"{self.failed}", status=503)
+        return self.serving
+
+
+def _error(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="Fleet Playground engine", docs_url=None, redoc_url=None)
+    app.state.server = state
+
+    @app.exception_handler(ApiError)
+    async def api_error(request, exc: ApiError):
+        return _error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, exc):
+        return _error(ApiError(str(exc.errors()[0].get("msg", exc)), status=400))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc):
+        return _error(ApiError(str(exc.detail), status=exc.status_code))
+
+    @app.middleware("http")
+    async def authorize(request: Request, call_next):
+        if state.api_keys and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            token = given[7:] if given.lower().startswith("bearer ") else ""
+            if not any(hmac.compare_digest(token, k) for k in state.api_keys):
+                return _error(ApiError("missing or wrong API key: send 'Authorization: Bearer <key>'", status=401))
+        return await call_next(request)
+
+    @app.get("/health")
+    @app.get("/ping")
+    async def health():
+        state.ready()
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models():
+        max_len = state.serving.max_model_len if state.serving else None
+        return {"object": "list", "data": [{"id": state.served_model_name, "object": "model",
+                                            "created": state.created, "owned_by": "fleet-playground",
+                                            "root": state.llm.config.model if state.llm else None,
+                                            "max_model_len": max_len}]}
+
+    async def body_of(request: Request, model):
+        serving = state.ready()
+        raw = await request.body()
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(f"the body is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ApiError(f"the body must be a JSON object; got {type(data).__name__}")
+        try:
+            req = model.model_validate(data)
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+        if req.model is not None and req.model != state.served_model_name:
+            raise ApiError(f"the model {req.model!r} does not exist; this server serves "
+                           f"{state.served_model_name!r}", status=404, param="model")
+        if req.unknown_fields():
+            logger.info("ignored unknown request fields: %s", ", ".join(req.unknown_fields()))
+        return serving, req
+
+    async def serve(request: Request, model, handler):
+        if state.in_flight >= state.max_concurrency:
+            raise ApiError(f"too many requests in flight (--max-concurrency {state.max_concurrency}); retry later",
+                           status=429)
+        state.in_flight += 1
+        try:
+            serving, req = await body_of(request, model)
+            result = await getattr(serving, handler)(req)
+        except BaseException:
+            state.in_flight -= 1
+            raise
+        if isinstance(result, dict):
+            state.in_flight -= 1
+            return JSONResponse(result)
+        return StreamingResponse(_counted(result, state), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await serve(request, ChatCompletionRequest, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await serve(request, CompletionRequest, "completion")
+
+    if state.metrics_on_main:
+        _add_metrics_route(app, state)
+    return app
+
+
+async def _counted(stream, state: ServerState):
+    try:
+        async for item in stream:
+            yield item
+    finally:
+        state.in_flight -= 1
+        await stream.aclose()
+
+
+def _add_metrics_route(app: FastAPI, state: ServerState) -> None:
+    @app.get("/metrics")
+    def metrics():     # a plain def: FastAPI runs it on a worker thread (the snapshot takes the engine lock)
+        if state.metrics is None:
+            return Response(status_code=503)
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def build_metrics_app(state: ServerState) -> FastAPI:
+    """``/metrics`` alone, for ``--metrics-port``."""
+    app = FastAPI(docs_url=None, redoc_url=None)
+    _add_metrics_route(app, state)
+    return app
