@@ -1,6 +1,11 @@
 """In-process LLM inference engine on PaddlePaddle: paged KV cache, prefix caching,
-continuous batching, chunked prefill, preemption, sampling with logprobs."""
+continuous batching, chunked prefill, preemption, sampling with logprobs.
 
+The public names are imported on first use (PEP 562), so ``engine.config`` and a command's
+``--help`` do not wait for Paddle's import.
+"""
+
+import importlib
 import warnings
 
 # Importing Paddle warns "No ccache found" (about building C++ extensions, which this project
@@ -8,18 +13,20 @@ import warnings
 warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning,
                         module=r"paddle\.utils\.cpp_extension")
 
-from .config import EngineConfig, add_engine_args, config_from_args
-from .llm import LLM
-from .llm_process import LLMProcess
-from .outputs import CompletionOutput, RequestOutput, StreamDelta
-from .request import Logprob, RequestMetrics
-from .sampling_params import SamplingParams
+_PUBLIC = {
+    "LLM": ".llm", "LLMProcess": ".llm_process", "SamplingParams": ".sampling_params", "EngineConfig": ".config",
+    "RequestOutput": ".outputs", "CompletionOutput": ".outputs", "StreamDelta": ".outputs", "Logprob": ".request",
+    "RequestMetrics": ".request", "add_engine_args": ".config", "config_from_args": ".config",
+}
+__all__ = list(_PUBLIC)
 
-from .logs import undo_paddle_root_logging  # noqa: E402  (after the imports above, which import Paddle)
 
-undo_paddle_root_logging()
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name], __name__), name)
+    from .logs import undo_paddle_root_logging
 
-__all__ = [
-    "LLM", "LLMProcess", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput", "StreamDelta",
-    "Logprob", "RequestMetrics", "add_engine_args", "config_from_args",
-]
+    undo_paddle_root_logging()      # Paddle's import, if that one imported it, configured the root logger
+    globals()[name] = value
+    return value
