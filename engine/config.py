@@ -22,6 +22,7 @@ ATTENTION_BACKENDS = ("auto", "cpu", "cuda", "reference")
 QUANTIZATION_MODES = ("auto", "none")
 CPU_DECODE_PATHS = ("fused", "paddle")
 DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_KV_CACHE_BYTES = 256 * 1024**2
 
 
 def _setting(default, help: str, **flag):
@@ -51,9 +52,9 @@ class EngineConfig:
         "name for native; auto: native where the architecture has one", choices=MODEL_IMPLS)
     dtype: str = _setting("auto", "auto: bfloat16 on GPU, float32 on CPU", choices=DTYPES)
     block_size: int = _setting(16, "tokens per KV cache block (FastDeploy's default is 64, vLLM's 16)")
-    kv_cache_memory: float = _setting(
-        256 * 1024**2, "KV cache size: bytes (> 1), or a fraction in (0, 1] of the device's total memory "
-        "(on CPU: of total RAM, allocated at start)")
+    kv_cache_memory: float | None = _setting(
+        None, "KV cache size: bytes (> 1), or a fraction in (0, 1] of the device's total memory (on CPU: of total "
+        "RAM, allocated at start); default: 256 MiB, or what one --max-model-len sequence needs when more")
     gpu_memory_utilization: float | None = _setting(
         None, "GPU: the share (0, 1] of the device's memory for weights + KV cache, the cache taking what the "
         "weights leave (FastDeploy/vLLM; overrides --kv-cache-memory). On CPU it sizes nothing: a CPU cache is "
@@ -99,7 +100,7 @@ class EngineConfig:
                              "available in this engine yet; use 1 (one process holds the whole model)")
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
-        if not _finite(self.kv_cache_memory) or self.kv_cache_memory <= 0:
+        if self.kv_cache_memory is not None and (not _finite(self.kv_cache_memory) or self.kv_cache_memory <= 0):
             raise ValueError(
                 f"kv_cache_memory must be bytes (> 1) or a fraction in (0, 1] of the device's total memory; "
                 f"got {self.kv_cache_memory!r}"
@@ -117,11 +118,14 @@ class EngineConfig:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a zoo name, a .gguf path or an HF model directory; got {self.model!r}")
 
-    def kv_cache_bytes(self, device: str, device_bytes: int, weight_bytes: int = 0) -> int:
+    def kv_cache_bytes(self, device: str, device_bytes: int, weight_bytes: int = 0, min_bytes: int = 0) -> int:
         """The KV cache's bytes: ``gpu_memory_utilization`` of a GPU less its weights when given, else
-        ``kv_cache_memory`` (bytes, or a fraction of ``device_bytes``)."""
+        ``kv_cache_memory`` (bytes, or a fraction of ``device_bytes``); when neither is set, 256 MiB or
+        ``min_bytes`` (one ``max_model_len`` sequence), whichever is more."""
         if device == "gpu" and self.gpu_memory_utilization is not None:
             return max(int(self.gpu_memory_utilization * device_bytes) - weight_bytes, 0)
+        if self.kv_cache_memory is None:
+            return max(DEFAULT_KV_CACHE_BYTES, min_bytes)
         if self.kv_cache_memory <= 1:
             return int(self.kv_cache_memory * device_bytes)
         return int(self.kv_cache_memory)

@@ -301,7 +301,7 @@ def test_fastdeploy_command_line_serves_curl_and_metrics_port():
     port, metrics_port = free_port(), free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "engine.entrypoints.openai.api_server", "--model", MODEL, "--port", str(port),
-         "--metrics-port", str(metrics_port), "--max-model-len", "8192", "--max-num-seqs", "256",
+         "--metrics-port", str(metrics_port), "--max-model-len", "32768", "--max-num-seqs", "256",
          "--kv-cache-ratio", "0.75", "--tensor-parallel-size", "1", "--gpu-memory-utilization", "0.9",
          "--model-impl", "paddleformers", "--engine-worker-queue-port", "8002"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ})
@@ -332,3 +332,4 @@ def test_fastdeploy_command_line_serves_curl_and_metrics_port():
         log = proc.communicate(timeout=60)[0]
     assert proc.returncode == 0, log
     assert "--engine-worker-queue-port: has no meaning here" in log and "Traceback" not in log
+    assert "max_model_len=32768 is more than the model's 8192 positions" in log
