@@ -43,11 +43,25 @@ def fused_decode_support(model, kv_dtype: str, device: str, attention_backend: s
         return f"device is {device}; the fused decode step is a CPU kernel"
     if attention_backend not in (None, "cpu"):
         return f"attention_backend is {attention_backend}; the fused decode step has the cpu kernel inside"
-    if not isinstance(model, LlamaForCausalLM):
-        return f"{type(model).__name__} is not the native decoder"
-    if kv_dtype != "float32" or model.embed_tokens.weight.dtype != paddle.float32:
+    if kv_dtype != "float32":
+        return f"dtype is {kv_dtype}; the fused decode step computes in float32"
+    decoder = decoder_of(model)
+    if isinstance(decoder, str):
+        return decoder
+    if decoder.embed_tokens.weight.dtype != paddle.float32:
         return f"dtype is {kv_dtype}; the fused decode step computes in float32"
     return None
+
+
+def decoder_of(model):
+    """What the fused step reads: the native model itself, or a borrowed model's description of its
+    decoder (its ``fused_decoder``: ``engine.fallback.captured``); else the reason there is none."""
+    if isinstance(model, LlamaForCausalLM):
+        return model
+    decoder = getattr(model, "fused_decoder", None)
+    if decoder is None:
+        return f"{type(model).__name__} is not the native decoder"
+    return decoder
 
 
 def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
@@ -60,6 +74,7 @@ class FusedDecode:
     """Runs decode-only steps of a native model on its paged KV cache in one kernel call."""
 
     def __init__(self, model: LlamaForCausalLM, kv_caches):
+        model = decoder_of(model)
         cfg = model.cfg
         self.cfg = cfg
         single_threaded_blas()  # the kernel's work items already use every core

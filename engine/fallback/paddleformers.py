@@ -29,7 +29,9 @@ import paddle
 
 from ..attention import every_layer_attends
 from . import attention_adapter
+from .captured import capture
 from .fixups import apply_fixups
+from .fusion import FusedLinear, fuse_projections
 from .hf_config import paddleformers_class, paddleformers_config
 from .speedups import apply_speedups
 from .step_context import bind_step
@@ -59,6 +61,19 @@ class PaddleFormersModel:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.softcap = getattr(config, "final_logit_softcapping", None)
         self.lm_head_blocks = None  # LM head in quantized blocks (engine.block_linear), set by the builder
+        self.fused_linears = [layer for layer in model.sublayers() if isinstance(layer, FusedLinear)]
+        self._captured = None  # DecoderView or the reason there is none, on first use (`fused_decoder`)
+
+    @property
+    def fused_decoder(self):
+        """The model's decoder as the engine's fused CPU decode step reads it (``engine.fallback.captured``:
+        the captured decode step), or the reason it cannot be; worked out (and checked on a probe) once."""
+        if self._captured is None:
+            self._captured = capture(self)
+            if isinstance(self._captured, str):
+                logger.info("PaddleFormers %s: decode steps stay eager (%s)", type(self.model).__name__,
+                            self._captured)
+        return self._captured
 
     def kv_layout(self) -> tuple[int, int, int]:
         return self.num_layers, self.num_kv_heads, self.head_dim
@@ -73,6 +88,8 @@ class PaddleFormersModel:
                 use_cache=False,
                 return_dict=False,
             )
+        for fused in self.fused_linears:
+            fused.forget()
         hidden = out[0] if isinstance(out, (tuple, list)) else out
         return hidden.squeeze(0)
 
@@ -119,10 +136,14 @@ def build_paddleformers_model(checkpoint, dtype: str, device: str, blocks: dict 
     if dtype != "float32":
         model.to(dtype=dtype)
     model.eval()
-    wrapped = PaddleFormersModel(model, fixups=fixups, faster=tuple(faster))
+    head_blocks = None
     if blocks and dtype == "float32":
         attach_hf_blocks(model, blocks, num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads)
-        wrapped.lm_head_blocks = lm_head_blocks(blocks, bool(checkpoint.config.get("tie_word_embeddings")))
+        head_blocks = lm_head_blocks(blocks, bool(checkpoint.config.get("tie_word_embeddings")))
+    fused = fuse_projections(model)  # after the blocks: fused with the float weights
+    faster += [f"{name} x{n}" for name, n in fused.items() if n]
+    wrapped = PaddleFormersModel(model, fixups=fixups, faster=tuple(faster))
+    wrapped.lm_head_blocks = head_blocks
     with paddle.no_grad():
         wrapped.forward(*_probe_step(wrapped))  # fails now, not mid-generation, if attention bypasses the engine
     logger.info("PaddleFormers %s on the engine's paged attention (fixups: %s; faster forwards: %s)",
