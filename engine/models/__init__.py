@@ -38,7 +38,9 @@ NATIVE_ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Ernie4_5ForCausalLM": LlamaForCausalLM,  # Llama with interleaved RoPE: Q/K rows permuted at load
 }
+INTERLEAVED_ROPE = ("Ernie4_5ForCausalLM",)
 
 _FUSED = {  # HF projection -> (our fused parameter, position among its parts)
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -60,6 +62,10 @@ def build_native_model(architecture: str, hf_config: dict, weights, dtype: str,
         )
     cfg = DecoderConfig.from_hf(architecture, hf_config)
     model = NATIVE_ARCHITECTURES[architecture](cfg)
+    if architecture in INTERLEAVED_ROPE:
+        weights = interleaved_to_half(weights, cfg.head_dim)
+        blocks = {name: map_rows(b, _rope_rows(name, cfg.head_dim)) if _rope_rows(name, cfg.head_dim) is not None
+                  else b for name, b in (blocks or {}).items()}
     load_hf_weights(model, weights)
     if dtype != "float32":
         model.to(dtype=dtype)
@@ -67,6 +73,40 @@ def build_native_model(architecture: str, hf_config: dict, weights, dtype: str,
         attach_native_blocks(model, blocks)
     model.eval()
     return model
+
+
+_QK = re.compile(r"^model\.layers\.\d+\.self_attn\.(q|k)_proj\.(weight|bias)$")
+
+
+def _rope_rows(name: str, head_dim: int) -> np.ndarray | None:
+    """For a Q/K projection, the row order that turns interleaved RoPE into rotate-half, else None.
+
+    Interleaved RoPE rotates the pairs ``(2i, 2i + 1)`` of each head by frequency ``i``; rotate-half
+    rotates ``(i, i + head_dim/2)``. Taking each head's even rows first, then its odd ones, makes the
+    second the first: Q and K get the same permutation, so every score ``q . k`` is unchanged.
+    """
+    if not _QK.match(name):
+        return None
+    return np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])
+
+
+def interleaved_to_half(weights, head_dim: int):
+    """HF ``(name, array)`` pairs with the Q/K rows of every head permuted (`_rope_rows`)."""
+    for name, array in weights:
+        order = _rope_rows(name, head_dim)
+        if order is not None:
+            heads = array.shape[0] // head_dim
+            array = array.reshape(heads, head_dim, *array.shape[1:])[:, order].reshape(array.shape)
+        yield name, array
+
+
+def map_rows(blocks, order: np.ndarray):
+    """The same per-head row permutation on block-quantized weights (rows are outputs)."""
+    from ..loader.gguf_blocks import combine_rows
+
+    head_dim = len(order)
+    return combine_rows([blocks], lambda a: a.reshape(a.shape[0] // head_dim, head_dim, *a.shape[1:])[:, order]
+                        .reshape(a.shape))
 
 
 def load_hf_weights(model: LlamaForCausalLM, weights) -> None:

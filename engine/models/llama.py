@@ -4,6 +4,7 @@
 |---|---|
 | ``Qwen2ForCausalLM`` | bias on the Q/K/V projections |
 | ``Qwen3ForCausalLM`` | RMSNorm on each head of Q and K before RoPE; explicit ``head_dim`` |
+| ``Ernie4_5ForCausalLM`` | interleaved ("GLM-style") RoPE, served as rotate-half on Q/K rows permuted at load (`engine.models.interleaved_to_half`); tied embeddings by default |
 
 Q/K/V are one fused projection and gate/up another, so a layer runs two
 matmuls where HF runs five. Weights are stored Paddle-style, ``[in, out]``.
@@ -46,6 +47,10 @@ class DecoderConfig:
 
     @classmethod
     def from_hf(cls, architecture: str, c: dict) -> "DecoderConfig":
+        ernie = architecture == "Ernie4_5ForCausalLM"
+        if ernie and c.get("use_bias"):
+            raise ValueError("Ernie4_5ForCausalLM with use_bias=true (biased linears and norms) has no native "
+                             "implementation; use model_impl='paddleformers'")
         heads = c["num_attention_heads"]
         return cls(
             vocab_size=c["vocab_size"],
@@ -59,7 +64,7 @@ class DecoderConfig:
             rope_theta=c.get("rope_theta", 10000.0),
             rope_scaling=c.get("rope_scaling"),
             max_position_embeddings=c.get("max_position_embeddings", 4096),
-            tie_word_embeddings=c.get("tie_word_embeddings", False),
+            tie_word_embeddings=c.get("tie_word_embeddings", ernie),  # ERNIE 4.5's config defaults to tied
             qkv_bias=architecture == "Qwen2ForCausalLM" or c.get("attention_bias", False),
             qk_norm=architecture == "Qwen3ForCausalLM",
         )
