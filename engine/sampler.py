@@ -181,8 +181,8 @@ def sample_row(logits: np.ndarray, params: SamplingParams, rng: np.random.Genera
     _, best, _, _, _ = _scan(row, -1)
     if params.greedy:
         return int(best)
-    return int(_pick(row, row[best], 1.0 / params.temperature, params.top_k, params.top_p, params.min_p,
-                     rng.random()))
+    top_k = min(params.top_k, row.size)         # any larger k keeps every token (and fits in int64)
+    return int(_pick(row, row[best], 1.0 / params.temperature, top_k, params.top_p, params.min_p, rng.random()))
 
 
 class LogitsAdjust:
