@@ -55,7 +55,8 @@ class _Died:
 
 class _Sink:
     """Stands where a request's queue would (``LLM.submit``): hands each delta to a callback. Its
-    first failure is logged with the traceback, later ones at debug level (as for listeners)."""
+    first failure (any ``BaseException``: the callback is user code) is logged with the traceback,
+    later ones at debug level (as for listeners); it never reaches the thread delivering."""
 
     def __init__(self, on_delta):
         self.on_delta = on_delta
@@ -64,7 +65,8 @@ class _Sink:
     def put(self, item) -> None:
         try:
             self.on_delta(item.error() if isinstance(item, _Died) else item)
-        except Exception:  # noqa: BLE001  (a failing receiver must not stop the engine thread)
+        except BaseException:  # noqa: BLE001  (a failing receiver -- KeyboardInterrupt, SystemExit
+            # included -- must not stop the engine thread: its failure stays with its request)
             if self._failed:
                 logger.debug("on_delta callback %r failed again", self.on_delta, exc_info=True)
             else:
@@ -92,6 +94,7 @@ class LLM:
         self._thread: threading.Thread | None = None
         self._dead: str | None = None              # why the engine thread stopped, once it has
         self._outbox = Outbox()                    # events and deltas, delivered outside the lock
+        self._pause_owner: int | None = None       # the thread inside ``with paused()``, if any
         # Stop the engine thread before interpreter shutdown freezes it mid-step.
         atexit.register(_shutdown_if_alive, weakref.ref(self))
 
@@ -158,6 +161,8 @@ class LLM:
 
     def abort(self, request_id: str) -> bool:
         """Finish a request with ``finish_reason="abort"`` (between steps). False if it is not live."""
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string; got {_describe(request_id)}")
         with self._lock:
             delta = self.engine.abort(request_id)
             if delta is not None:
@@ -199,9 +204,16 @@ class LLM:
     @contextlib.contextmanager
     def paused(self):
         """Hold the engine between two steps while the ``with`` body runs: steps, submissions, aborts
-        and snapshots from other threads wait, so requests submitted meanwhile start in one step."""
+        and snapshots from other threads wait, so requests submitted meanwhile start in one step.
+        On the thread that holds it, ``submit``/``abort``/``snapshot`` work, but waiting for tokens
+        (``generate``/``chat``/``stream``) raises ``RuntimeError``: no step can run until the
+        ``with`` block ends."""
         with self._lock:
-            yield
+            outer, self._pause_owner = self._pause_owner, threading.get_ident()
+            try:
+                yield
+            finally:
+                self._pause_owner = outer
 
     def reset_prefix_cache(self) -> int:
         with self._lock:
@@ -232,11 +244,19 @@ class LLM:
 
     def _check_can_wait(self, name: str) -> None:
         self._check_alive()
+        self._check_not_paused_here(name)
         if self._outbox.delivering:
             raise RuntimeError(
                 f"LLM.{name}() was called from a subscribe() callback: callbacks run between engine steps, so "
                 "waiting there for tokens would deadlock. Hand the work to another thread; a callback may "
                 "call abort() and snapshot().")
+
+    def _check_not_paused_here(self, name: str) -> None:
+        if self._pause_owner == threading.get_ident():
+            raise RuntimeError(
+                f"LLM.{name}() was called inside `with llm.paused():` on the same thread: the engine cannot "
+                "step until that block ends, so waiting for tokens there would deadlock every caller. Wait "
+                "after the block, or submit with submit(..., on_delta=...) / from another thread.")
 
     def _submit(self, ids: list[int], params: SamplingParams, request_id: str | None):
         return self._submit_all([(ids, params, request_id)])[0]
@@ -280,7 +300,12 @@ class LLM:
         idle = 0
         while True:
             try:
-                item = q.get(timeout=1.0)
+                item = q.get_nowait()
+            except queue.Empty:
+                self._check_not_paused_here("stream")  # a stream opened before the block, read inside it
+                item = None
+            try:
+                item = item if item is not None else q.get(timeout=1.0)
             except queue.Empty:
                 self._check_alive()
                 thread = self._thread  # a live request always has an engine thread (maybe about to start)
@@ -374,7 +399,8 @@ def _check_text(prompt) -> None:
     elif isinstance(prompt, dict):
         texts = [("prompt", prompt.get("prompt"))]
     elif isinstance(prompt, (list, tuple)):
-        texts = [(f"message {i} content", m.get("content")) for i, m in enumerate(prompt) if isinstance(m, dict)]
+        texts = [(f"message {i} {key}", m.get(key)) for i, m in enumerate(prompt) if isinstance(m, dict)
+                 for key in ("role", "content")]
     else:
         return
     for what, text in texts:

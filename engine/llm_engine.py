@@ -7,11 +7,14 @@ Not thread-safe by itself; ``engine.llm.LLM`` drives it from one thread.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import logging
 import numbers
 import os
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import paddle
@@ -86,6 +89,7 @@ class LLMEngine:
         self._detok: dict[str, object] = {}
         self._sent: dict[str, int] = {}  # characters of output_text already handed out in deltas
         self._adjust: dict[str, LogitsAdjust] = {}  # only requests with penalties or min_tokens
+        self._stops: dict[str, _StopMatcher] = {}   # only requests with stop strings
         self._events: list[EngineEvent] = []
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
@@ -98,8 +102,14 @@ class LLMEngine:
         """Validate everything first, then queue: a bad request raises and leaves no trace."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams; got {type(params).__name__}")
-        if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__iter__"):
-            raise ValueError(f"prompt_token_ids must be a list of token ids; got {type(prompt_token_ids).__name__}")
+        # Frozen and checked again here: a field changed after construction (in place, too) cannot
+        # reach the engine unchecked, nor change a request once it is queued.
+        params = dataclasses.replace(params)
+        if isinstance(prompt_token_ids, (str, bytes)) or not (
+                isinstance(prompt_token_ids, Sequence) or (isinstance(prompt_token_ids, np.ndarray)
+                                                            and prompt_token_ids.ndim == 1)):
+            raise ValueError("prompt_token_ids must be a list of token ids (an ordered sequence); got "
+                             f"{type(prompt_token_ids).__name__}")
         ids = list(prompt_token_ids)
         if not ids:
             raise ValueError("prompt is empty; give at least one token")
@@ -114,7 +124,10 @@ class LLMEngine:
             )
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise ValueError(f"request_id must be a non-empty string or None; got {request_id!r}")
-        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+            while request_id in self.requests:      # automatic ids skip ids a caller chose
+                request_id = f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**63))
@@ -135,6 +148,8 @@ class LLMEngine:
         self._rngs[request_id], self._detok[request_id], self._sent[request_id] = rng, detok, 0
         if adjust is not None:
             self._adjust[request_id] = adjust
+        if params.stop_strings:
+            self._stops[request_id] = _StopMatcher(params.stop_strings)
         self.scheduler.add_request(req)
         self._emit("request_added", request_id=request_id, num_prompt_tokens=len(ids))
         return request_id
@@ -223,20 +238,24 @@ class LLMEngine:
         text_before = len(req.output_text)
         req.output_text += piece
         reason = None
-        if req.num_output_tokens <= p.min_tokens:
-            pass  # as vLLM: no stop token (they are masked until then) and no stop string yet
+        early = req.num_output_tokens <= p.min_tokens  # as vLLM: no stop token (they are masked until
+        matcher = self._stops.get(req.request_id)     # then) and no stop string completed before that
+        if early:
+            if matcher is not None:
+                matcher.feed(req.output_text, text_before, report=False)
         elif token in req.eos_token_ids or token in p.stop_token_ids:
             reason, req.stop_reason = "stop", token
-        elif p.stop_strings:
-            stop = self._apply_stop_strings(req, text_before)
-            if stop is not None:
+        elif matcher is not None:
+            found = matcher.feed(req.output_text, text_before)
+            if found is not None:
+                at, stop = found
+                req.output_text = req.output_text[:at + len(stop) if p.include_stop_str_in_output else at]
                 reason, req.stop_reason = "stop", stop
         if reason is None and (req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len):
             reason = "length"
         # Text that could still grow into a stop string is held back until it cannot (unless the
         # stop string is to be kept in the output anyway).
-        held = 0 if reason is not None or p.include_stop_str_in_output else _stop_prefix_len(
-            req.output_text, p.stop_strings)
+        held = 0 if reason is not None or p.include_stop_str_in_output or matcher is None else matcher.held
         delta = StreamDelta(
             request_id=req.request_id, text=self._take_text(req, len(req.output_text) - held), token_ids=[token],
             logprobs=[logprobs] if logprobs is not None else [],
@@ -255,21 +274,6 @@ class LLMEngine:
         self._sent[req.request_id] = end
         return req.output_text[sent:end]
 
-    @staticmethod
-    def _apply_stop_strings(req: Request, text_before: int) -> str | None:
-        """Cut the output at the earliest stop string that the new text completed: before it, or
-        right after it with ``include_stop_str_in_output`` (vLLM's ``check_stop_strings``)."""
-        stops = req.sampling_params.stop_strings
-        start = max(0, text_before - max(map(len, stops)) + 1)
-        found = [(at, stop) for stop in stops if (at := req.output_text.find(stop, start)) >= 0]
-        if not found:
-            return None
-        at, stop = min(found)
-        if req.sampling_params.include_stop_str_in_output:
-            at += len(stop)
-        req.output_text = req.output_text[:at]
-        return stop
-
     def fail_all(self, error: str) -> list[StreamDelta]:
         """Finish every live request with ``finish_reason="error"`` (blocks are released)."""
         return [self._finish(r, "error", error=error) for r in list(self.requests.values())]
@@ -284,6 +288,7 @@ class LLMEngine:
         self._detok.pop(req.request_id, None)
         self._sent.pop(req.request_id, None)
         self._adjust.pop(req.request_id, None)
+        self._stops.pop(req.request_id, None)
         self._publish_block_events()
         self._emit("request_finished", request_id=req.request_id, finish_reason=reason,
                    num_output_tokens=req.num_output_tokens, error=error)
@@ -324,12 +329,58 @@ class LLMEngine:
         self._events.append(EngineEvent(kind, self.step_count, data))
 
 
-def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest end of ``text`` that is the start of a stop string."""
-    best = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:n]):
-                best = n
-                break
-    return best
+class _StopMatcher:
+    """One request's stop strings, matched as its text grows at a cost of O(new text) per step.
+
+    One Knuth-Morris-Pratt automaton per stop string: its state is the length of the longest
+    prefix of that stop string the text ends with, so a step reads only its new characters (a
+    stop string whose first character is not among them and whose state is 0 is skipped in C), and
+    the text to hold back (the longest end of the text that could still grow into a stop string)
+    is the largest state. The old rescans cost (text length)^2 per stop string per token."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.tables = [_failure(s) for s in stops]
+        self.states = [0] * len(stops)
+
+    @property
+    def held(self) -> int:
+        return max(self.states)
+
+    def feed(self, text: str, start: int, report: bool = True) -> tuple[int, str] | None:
+        """Read ``text[start:]``. With ``report``: of the stop strings completed in it, the one
+        that starts first (then the shortest) as ``(index in text, stop string)``; else None."""
+        new = text[start:]
+        best = None
+        for i, stop in enumerate(self.stops):
+            k = self.states[i]
+            if not k and stop[0] not in new:
+                continue
+            fail, n = self.tables[i], len(stop)
+            for j in range(start, len(text)):
+                c = text[j]
+                while k and stop[k] != c:
+                    k = fail[k - 1]
+                if stop[k] == c:
+                    k += 1
+                if k == n:
+                    if report:
+                        found = (j + 1 - n, j)
+                        best = found + (stop,) if best is None or found < best[:2] else best
+                        break
+                    k = fail[k - 1]
+            self.states[i] = k
+        return None if best is None else (best[0], best[2])
+
+
+@functools.lru_cache(maxsize=512)
+def _failure(stop: str) -> tuple[int, ...]:
+    """KMP's failure function: for each prefix of ``stop``, the length of its longest proper border."""
+    table, k = [0] * len(stop), 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = table[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        table[i] = k
+    return tuple(table)
