@@ -14,10 +14,15 @@ request, the engine's own exceptions (``ValueError`` for a bad request,
 order and before the step's tokens reach their streams.
 
 The two processes talk over one ``multiprocessing`` pipe (pickled tuples):
-``(op, call_id, ...)`` from the client; ``("result" | "error", call_id, value)``,
-``("delta", call_id, StreamDelta)``, ``("event", None, EngineEvent)`` back. If
-the child dies, every waiting caller gets ``EngineDeadError``, and so does
-every later call. Blocks of a snapshot equal to the previous snapshot's keep
+``(op, call_id, pickled arguments)`` from the client -- the arguments pickled
+apart, so one the engine process cannot unpickle (an object of a class defined
+in the caller's ``__main__``) fails that call with a ``ValueError`` and nothing
+else; ``("result" | "error", call_id, value)``, ``("delta", call_id,
+StreamDelta)``, ``("event", None, EngineEvent)``, ``("heartbeat", None, None)``
+back. If the child dies, or sends nothing (not even its heartbeat, once a
+second) for ``heartbeat_timeout`` seconds -- frozen (``SIGSTOP``) or stuck --
+it is killed, every waiting caller gets ``EngineDeadError``, and so does every
+later call. Blocks of a snapshot equal to the previous snapshot's keep
 that snapshot's ``BlockInfo`` objects, as ``LLM.snapshot`` does, so views can
 find the changed blocks by identity.
 """
@@ -30,9 +35,11 @@ import itertools
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -45,13 +52,21 @@ from .sampling_params import SamplingParams
 logger = logging.getLogger("engine")
 
 _CALLS = ("generate", "chat", "abort", "snapshot", "reset_prefix_cache")   # run in the child, answer once
+HEARTBEAT_INTERVAL = 1.0   # seconds between the engine process's signs of life
 
 
 class LLMProcess:
     """``LLMProcess(model=..., **engine_args)``: ``LLM(**engine_args)`` started in a child process;
-    returns once the model is loaded there (its load error, if any, is raised here)."""
+    returns once the model is loaded there (its load error, if any, is raised here). A child that
+    sends nothing for ``heartbeat_timeout`` seconds once loaded is taken for dead and killed."""
 
-    def __init__(self, model: str | None = None, *, start_timeout: float = 600.0, **engine_args):
+    def __init__(self, model: str | None = None, *, start_timeout: float = 600.0, heartbeat_timeout: float = 30.0,
+                 **engine_args):
+        if isinstance(heartbeat_timeout, bool) or not isinstance(heartbeat_timeout, (int, float)) or not (
+                2 * HEARTBEAT_INTERVAL <= heartbeat_timeout < float("inf")):
+            raise ValueError(f"heartbeat_timeout must be a number of seconds >= {2 * HEARTBEAT_INTERVAL}; "
+                             f"got {heartbeat_timeout!r}")
+        self._heartbeat_timeout = float(heartbeat_timeout)
         if model is not None:
             engine_args["model"] = model
         spawn = mp.get_context("spawn")
@@ -67,6 +82,7 @@ class LLMProcess:
         self._events: queue.SimpleQueue = queue.SimpleQueue()   # events and stream messages, in order
         self._dead: str | None = None
         self._last_blocks: tuple = ()
+        self._paused_by: dict[int, list[int]] = {}        # thread id -> call ids of its ``with paused()``
         if not parent.poll(start_timeout):
             self._process.kill()
             raise TimeoutError(f"the engine process did not load the model in {start_timeout:.0f} s")
@@ -114,7 +130,11 @@ class LLMProcess:
             self._send(("stream", cid, prompt, sampling_params, request_id))
             prompt_token_ids = None
             while not finished:
-                kind, value = answers.get()
+                try:
+                    kind, value = answers.get_nowait()
+                except queue.Empty:
+                    self._check_not_paused_here("stream")   # opened before the block, read inside it
+                    kind, value = answers.get()
                 if kind == "error":
                     raise value
                 if value.prompt_token_ids is None:     # sent with the first delta only
@@ -157,14 +177,23 @@ class LLMProcess:
 
     @contextlib.contextmanager
     def paused(self):
-        """As ``LLM.paused``: the engine holds between two steps while the ``with`` body runs."""
+        """As ``LLM.paused``: the engine holds between two steps while the ``with`` body runs. On the
+        thread that holds it, ``stream`` submits, ``abort``/``snapshot`` answer (the engine process
+        runs them on the thread that holds its pause), and waiting for tokens raises RuntimeError."""
         cid, answers = self._open()
+        me = threading.get_ident()
         try:
             self._send(("pause", cid))
             kind, value = answers.get()     # held
             if kind == "error":
                 raise value
-            yield
+            self._paused_by.setdefault(me, []).append(cid)
+            try:
+                yield
+            finally:
+                self._paused_by[me].pop()
+                if not self._paused_by[me]:
+                    del self._paused_by[me]
         finally:
             self._waiting.pop(cid, None)
             if self._dead is None:
@@ -189,8 +218,16 @@ class LLMProcess:
         if self._dead is not None:
             raise EngineDeadError(f"{self._dead}; this LLMProcess cannot serve requests any more, create a new one")
 
+    def _check_not_paused_here(self, name: str) -> None:
+        if threading.get_ident() in self._paused_by:
+            raise RuntimeError(
+                f"LLMProcess.{name}() was called inside `with llm.paused():` on the same thread: the engine "
+                "cannot step until that block ends, so waiting for tokens there would deadlock every caller. "
+                "Wait after the block, or from another thread.")
+
     def _check_can_wait(self, name: str) -> None:
         self._check_alive()
+        self._check_not_paused_here(name)
         if threading.current_thread() is self._dispatcher:
             raise RuntimeError(f"LLMProcess.{name}() was called from a subscribe() callback: waiting there "
                                "would stop every later event; hand the work to another thread")
@@ -222,9 +259,21 @@ class LLMProcess:
         return value
 
     def _send(self, message: tuple) -> None:
+        """Send ``(op, cid, *args)`` as ``(op, cid, pickled args, pause)``: an argument that does not
+        pickle here is this caller's ``ValueError``, and the engine process unpickles the arguments
+        apart from the message, so it can answer that call with the error if they do not unpickle
+        there. A call from a thread inside ``paused()`` names that pause (its call id): the engine
+        process runs it on the thread that holds the pause."""
+        op, cid, *args = message
+        pauses = self._paused_by.get(threading.get_ident())
+        try:
+            payload = pickle.dumps(tuple(args)) if args else None
+        except Exception as exc:  # noqa: BLE001  (pickling runs the arguments' own code)
+            raise ValueError(f"the arguments of {op}() cannot be sent to the engine process: "
+                             f"{type(exc).__name__}: {exc}") from None
         try:
             with self._send_lock:
-                self._conn.send(message)
+                self._conn.send((op, cid, payload, pauses[-1] if pauses else None))
         except (OSError, ValueError) as exc:    # the pipe is closed: the child is gone
             self._fail_all(f"the engine process is gone ({type(exc).__name__}: {exc})")
             raise EngineDeadError(self._dead) from None
@@ -234,7 +283,12 @@ class LLMProcess:
         callback may call ``snapshot``), events and stream messages to the event thread in order."""
         try:
             while True:
+                if not self._conn.poll(self._heartbeat_timeout):
+                    self._stopped_answering()
+                    return
                 kind, cid, value = message = self._conn.recv()
+                if kind == "heartbeat":
+                    continue
                 if kind == "event" or cid in self._streams:
                     self._events.put(message)
                     continue
@@ -244,6 +298,16 @@ class LLMProcess:
         except (EOFError, OSError):
             code = self._process.exitcode
             self._fail_all("the engine process exited" + ("" if code is None else f" with code {code}"))
+
+    def _stopped_answering(self) -> None:
+        """No message, not even a heartbeat, for ``heartbeat_timeout`` s: the engine process is frozen
+        (``SIGSTOP``) or stuck. It is killed (a stopped process too), and every caller fails now."""
+        reason = (f"the engine process stopped answering (nothing for {self._heartbeat_timeout:g} s: frozen or "
+                  f"stuck) and was killed")
+        logger.error("%s (pid %s)", reason, self._process.pid)
+        with contextlib.suppress(OSError):
+            self._process.kill()
+        self._fail_all(reason)
 
     def _dispatch(self) -> None:
         """Call the callbacks for each event, and pass each stream message on after the events that
@@ -291,6 +355,8 @@ def _serve(conn, engine_args: dict) -> None:
     send_lock = threading.Lock()
 
     def send(message: tuple) -> None:
+        if message[0] == "error":
+            message = (message[0], message[1], _portable(message[2]))
         try:
             with send_lock:
                 conn.send(message)
@@ -308,6 +374,13 @@ def _serve(conn, engine_args: dict) -> None:
     send(("ready", 0, {"config": llm.config, "model_name": llm.model_name, "model_impl": llm.model_impl,
                        "tokenizer": llm.get_tokenizer()}))
     llm.subscribe(lambda event: send(("event", None, event)))
+    stopping = threading.Event()
+
+    def heartbeat() -> None:
+        while not stopping.wait(HEARTBEAT_INTERVAL):
+            send(("heartbeat", None, None))
+
+    threading.Thread(target=heartbeat, name="engine-core-heartbeat", daemon=True).start()
     lock = threading.Lock()
     live: dict[int, _Stream] = {}       # streams not yet finished, by call id
 
@@ -355,43 +428,91 @@ def _serve(conn, engine_args: dict) -> None:
         if stream is not None and stream.submitted:
             llm.abort(stream.request_id)
 
-    resumed: dict[int, threading.Event] = {}
+    held: dict[int, queue.SimpleQueue] = {}    # pause call id -> work for the thread holding it (None: resume)
 
     def pause(cid: int) -> None:
-        with llm.paused():
-            send(("result", cid, None))
-            resumed[cid].wait()
-        resumed.pop(cid, None)
+        """Hold the engine, and run the calls the client makes from inside its ``with paused()`` here,
+        on the thread that holds the (re-entrant) lock, until it resumes."""
+        work = held[cid]
+        try:
+            with llm.paused():
+                send(("result", cid, None))
+                for target, targs in iter(work.get, None):
+                    target(*targs)
+        finally:
+            held.pop(cid, None)
+
+    def handle(op, cid, payload, in_pause) -> bool:
+        """Start the work of one message; False for ``shutdown``."""
+        try:
+            args = pickle.loads(payload) if payload is not None else ()
+        except Exception as exc:  # noqa: BLE001  (any class the caller had and this process has not)
+            send(("error", cid, ValueError(
+                f"the engine process cannot read the arguments of {op}(): {type(exc).__name__}: {exc}; pass "
+                "built-in types and engine classes (an object of a class defined in the caller's __main__, "
+                "e.g. a notebook, does not exist in the engine process)")))
+            return True
+        if op == "shutdown":
+            return False
+        if op == "resume":
+            if cid in held:
+                held[cid].put(None)
+            return True
+        if op == "close":   # the client closed a stream before its end: abort it
+            target, targs = close, (cid,)
+        elif op == "stream":
+            prompt, params, request_id = args
+            stream = _Stream(f"req-{uuid.uuid4().hex}" if request_id is None else request_id)
+            with lock:
+                live[cid] = stream
+            target, targs = submit, (cid, prompt, params, stream)
+        elif op == "pause":
+            held[cid] = queue.SimpleQueue()
+            target, targs = pause, (cid,)
+        elif op in _CALLS:
+            target, targs = call, (op, cid, tuple(args))
+        else:
+            send(("error", cid, ValueError(f"unknown operation {op!r}; accepted: stream, close, pause, resume, "
+                                           f"shutdown, {', '.join(_CALLS)}")))
+            return True
+        if in_pause in held:    # from the client's thread inside that pause: run it where the pause is held
+            held[in_pause].put((target, targs))
+        else:
+            threading.Thread(target=target, args=targs, name=f"engine-core-{op}-{cid}", daemon=True).start()
+        return True
 
     try:
         while True:
-            op, cid, *args = conn.recv()
-            if op == "shutdown":
-                break
-            if op == "resume":
-                resumed[cid].set()
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                raise
+            except Exception:  # noqa: BLE001  (a message that does not unpickle: it names no call to fail)
+                logger.exception("engine process: a message from the client could not be read")
                 continue
-            if op == "close":   # the client closed a stream before its end: abort it
-                target, targs = close, (cid,)
-            elif op == "stream":
-                prompt, params, request_id = args
-                stream = _Stream(f"req-{uuid.uuid4().hex}" if request_id is None else request_id)
-                with lock:
-                    live[cid] = stream
-                target, targs = submit, (cid, prompt, params, stream)
-            elif op == "pause":
-                resumed[cid] = threading.Event()
-                target, targs = pause, (cid,)
-            elif op in _CALLS:
-                target, targs = call, (op, cid, tuple(args))
-            else:
-                send(("error", cid, ValueError(f"unknown operation {op!r}; accepted: stream, close, pause, resume, shutdown, "
-                                               f"{', '.join(_CALLS)}")))
-                continue
-            threading.Thread(target=target, args=targs, name=f"engine-core-{op}-{cid}", daemon=True).start()
+            try:
+                op, cid, payload, in_pause = message
+                if not handle(op, cid, payload, in_pause):
+                    break
+            except Exception as exc:  # noqa: BLE001  (one bad message fails its call, not the engine)
+                logger.exception("engine process: message %.80r failed", message)
+                cid = message[1] if isinstance(message, tuple) and len(message) > 1 else None
+                send(("error", cid, RuntimeError(f"the engine process could not handle this call: "
+                                                 f"{type(exc).__name__}: {exc}")))
     except (EOFError, OSError):
         pass
     finally:
-        for event in list(resumed.values()):   # a pause the client can no longer end
-            event.set()
+        stopping.set()
+        for work in list(held.values()):   # a pause the client can no longer end
+            work.put(None)
         llm.shutdown()
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling (so the client can raise it), else a ``RuntimeError`` that says
+    what it was: an exception whose class or arguments do not unpickle must not stop the client."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001
+        return RuntimeError(f"{type(exc).__name__}: {exc}")

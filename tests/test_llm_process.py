@@ -8,6 +8,7 @@ every caller at once instead of leaving it waiting.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -260,3 +261,99 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+# -- issue 31, "Reliability v2" -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_remote(tiny):
+    llm = LLMProcess(model=tiny, kv_cache_memory=8 * 1024**2)
+    yield llm
+    llm.shutdown()
+
+
+TINY_GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+def _only_here():
+    """A SamplingParams subclass from a module that exists in this process only, as a class defined
+    in a notebook's ``__main__`` is: it pickles here and cannot be unpickled in the engine process."""
+    import types
+
+    module = types.ModuleType("only_in_the_client")
+    exec("from engine import SamplingParams\nclass Mine(SamplingParams):\n    pass\n", module.__dict__)
+    sys.modules[module.__name__] = module
+    return module.Mine(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+def test_an_argument_the_engine_process_cannot_unpickle_fails_that_call_only(tiny_remote):
+    """Issue 31 item 2: the child's ``recv()`` raised ``ModuleNotFoundError`` and the engine process
+    ended for every caller. Now that call gets a ValueError saying why; the engine keeps serving."""
+    expected = tiny_remote.generate("w1 w2 w3", TINY_GREEDY)[0].outputs[0].token_ids
+    mine = _only_here()
+    for call in (lambda: tiny_remote.generate("w1 w2 w3", mine), lambda: list(tiny_remote.stream("w1", mine))):
+        with pytest.raises(ValueError, match="cannot read the arguments.*only_in_the_client"):
+            call()
+    with pytest.raises(ValueError, match="cannot be sent to the engine process"):
+        tiny_remote.generate(lambda: None)                   # does not even pickle here
+    assert tiny_remote._process.is_alive()
+    assert tiny_remote.generate("w1 w2 w3", TINY_GREEDY)[0].outputs[0].token_ids == expected
+    assert not tiny_remote.snapshot().requests
+
+
+def test_waiting_for_tokens_inside_paused_on_the_same_thread_is_refused(tiny_remote):
+    """Issue 31 item 1: ``generate()`` inside ``with llm.paused()`` on the same thread waited for
+    tokens that could not come until the block ended: every caller hung."""
+    box = {}
+
+    def inside():
+        try:
+            with tiny_remote.paused():
+                for call in (lambda: tiny_remote.generate("w1", TINY_GREEDY),
+                             lambda: next(tiny_remote.stream("w1", TINY_GREEDY))):
+                    with pytest.raises(RuntimeError, match="paused"):
+                        call()
+                box["snapshot"] = tiny_remote.snapshot()     # what does not wait still works
+        except BaseException as exc:  # noqa: BLE001
+            box["error"] = exc
+
+    t = threading.Thread(target=inside, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "generate() inside paused() hung"
+    assert "error" not in box, box.get("error")
+    assert tiny_remote.generate("w1", TINY_GREEDY)[0].outputs[0].finish_reason == "length"
+
+
+def test_a_frozen_engine_process_is_detected_and_fails_every_caller(tiny):
+    """Issue 31 item 6: a child stopped with SIGSTOP kept its pipe open, so only an exited child was
+    noticed and callers waited for ever. Now its silence (no heartbeat) fails them, and it is killed."""
+    with pytest.raises(ValueError, match="heartbeat_timeout"):
+        LLMProcess(model=tiny, heartbeat_timeout=0)
+    llm = LLMProcess(model=tiny, kv_cache_memory=8 * 1024**2, heartbeat_timeout=3)
+    try:
+        stream = llm.stream("hello", SamplingParams(max_tokens=10_000, ignore_eos=True))
+        next(stream)
+        os.kill(llm.pid, signal.SIGSTOP)
+        box = {}
+
+        def drain():
+            try:
+                for _ in stream:
+                    pass
+            except BaseException as exc:  # noqa: BLE001
+                box["error"] = exc
+
+        t = threading.Thread(target=drain, daemon=True)
+        t.start()
+        t.join(120)
+        assert not t.is_alive(), "the stream still waits on a frozen engine process"
+        assert isinstance(box.get("error"), EngineDeadError) and "stopped answering" in str(box["error"])
+        llm._process.join(30)
+        assert not llm._process.is_alive()
+        with pytest.raises(EngineDeadError):
+            llm.generate("hi")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(llm.pid, signal.SIGCONT)
+        llm.shutdown()
