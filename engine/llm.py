@@ -107,6 +107,11 @@ class LLM:
     def model_name(self) -> str:
         return self.engine.model_name
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence served (prompt + output): the setting, bounded by the model and the cache."""
+        return self.engine.max_model_len
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -99,6 +99,7 @@ class LLMProcess:
         self.model_name: str = value["model_name"]
         self.model_impl: str = value["model_impl"]
         self._tokenizer = value["tokenizer"]
+        self.max_model_len: int = value["max_model_len"]
         self._receiver = threading.Thread(target=self._receive, name="engine-client-recv", daemon=True)
         self._dispatcher = threading.Thread(target=self._dispatch, name="engine-client-events", daemon=True)
         self._receiver.start()
@@ -372,7 +373,7 @@ def _serve(conn, engine_args: dict) -> None:
         send(("error", 0, exc))
         return
     send(("ready", 0, {"config": llm.config, "model_name": llm.model_name, "model_impl": llm.model_impl,
-                       "tokenizer": llm.get_tokenizer()}))
+                       "tokenizer": llm.get_tokenizer(), "max_model_len": llm.max_model_len}))
     llm.subscribe(lambda event: send(("event", None, event)))
     stopping = threading.Event()
 

@@ -166,6 +166,24 @@ class Tokenizer:
         context.update(extra)
         return _compile_template(source).render(**context)
 
+    # -- the wire -------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """Everything needed to rebuild this tokenizer elsewhere (``from_dict``): the
+        ``tokenizers`` JSON, the special ids and the chat templates."""
+        return {"tokenizer_json": self.backend.to_str(), "bos_token_id": self.bos_token_id,
+                "eos_token_ids": [self._primary_eos] + sorted(self.eos_token_ids - {self._primary_eos})
+                if self._primary_eos is not None else [],
+                "pad_token_id": self.pad_token_id, "unk_token_id": self.unk_token_id,
+                "chat_template": self.chat_template, "fallback_chat_template": self.fallback_chat_template,
+                "name": self.name}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Tokenizer":
+        return cls(tokenizers.Tokenizer.from_str(data["tokenizer_json"]), bos_token_id=data["bos_token_id"],
+                   eos_token_ids=data["eos_token_ids"], pad_token_id=data["pad_token_id"],
+                   unk_token_id=data["unk_token_id"], chat_template=data["chat_template"],
+                   fallback_chat_template=data["fallback_chat_template"], name=data["name"])
+
     def __repr__(self) -> str:
         return (f"Tokenizer({self.name!r}, vocab_size={self.vocab_size}, bos={self.bos_token_id}, "
                 f"eos={sorted(self.eos_token_ids)}, chat_template={self.chat_template is not None})")

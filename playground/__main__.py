@@ -42,6 +42,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     web.add_argument("--allow-engine-admin", action="store_true",
                      help="enable actions that affect every visitor (reset the prefix cache, load a second "
                           "backend for the consistency check)")
+    web.add_argument("--server", metavar="URL", default=None,
+                     help="use the engine of a server started with python -m engine.entrypoints.openai.api_server "
+                          "(e.g. http://gpu-box:8000) instead of loading a model here; engine flags are then ignored")
+    web.add_argument("--api-key", default=None, help="the key of --server, if it has one")
     web.add_argument("--in-process", action="store_true",
                      help="run the engine in the server's process (by default it runs in a process of its "
                           "own: the server's threads then never hold up a decode step)")
@@ -88,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if not {"-h", "--help"} & set(argv):
         _say("Starting the Fleet Playground: importing PaddlePaddle and Gradio ...")
     from engine import LLM, LLMProcess, config_from_args
+    from engine.llm import EngineDeadError
 
     from .app import build_app, launch
 
@@ -100,19 +105,28 @@ def main(argv: list[str] | None = None) -> int:
     demo = llm = None
     try:
         try:    # a model or engine setting that cannot work: its message, not a traceback
-            config = config_from_args(args)
-            _say(f"Loading {config.model} (model_impl={config.model_impl}, device={config.device}); the first "
-                 "run after an install also compiles the attention kernels ...")
             t0 = time.perf_counter()
-            llm = (LLM if args.in_process else LLMProcess)(**vars(config))
-        except (FileNotFoundError, ValueError, NotImplementedError) as exc:
+            if args.server:
+                from engine.client import connect
+
+                _say(f"Connecting to the engine at {args.server} ...")
+                llm = connect(args.server, api_key=args.api_key)
+            else:
+                config = config_from_args(args)
+                _say(f"Loading {config.model} (model_impl={config.model_impl}, device={config.device}); the first "
+                     "run after an install also compiles the attention kernels ...")
+                llm = (LLM if args.in_process else LLMProcess)(**vars(config))
+        except (FileNotFoundError, ValueError, NotImplementedError, EngineDeadError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        _say(f"Loaded {llm.model_name} with model_impl={llm.model_impl} in {time.perf_counter() - t0:.1f} s")
-        _say("Warming up: a short and a long request through the engine, and the libraries the first chat loads ...")
-        t0 = time.perf_counter()
-        _warm_up(llm)
-        _say(f"Warmed up in {time.perf_counter() - t0:.1f} s")
+        _say(f"{'Connected to' if args.server else 'Loaded'} {llm.model_name} with model_impl={llm.model_impl} in "
+             f"{time.perf_counter() - t0:.1f} s")
+        if not args.server:     # a server's engine is warm, and its prefix cache is its users'
+            _say("Warming up: a short and a long request through the engine, and the libraries the first chat "
+                 "loads ...")
+            t0 = time.perf_counter()
+            _warm_up(llm)
+            _say(f"Warmed up in {time.perf_counter() - t0:.1f} s")
         limits = Limits(max_input_chars=args.max_input_chars, max_batch=args.max_batch)
         demo = build_app(llm, limits=limits, queue_size=args.queue_size,
                          allow_engine_admin=args.allow_engine_admin)

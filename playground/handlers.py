@@ -95,8 +95,7 @@ class Handlers:
         self.vocab_size = int(self.tokenizer.vocab_size)
         self.aligner = Aligner(llm)
         self.colors = OwnerColors()
-        engine = getattr(llm, "engine", None)
-        self.max_model_len = getattr(engine, "max_model_len", None) or getattr(llm.config, "max_model_len", None)
+        self.max_model_len = llm.max_model_len
         self.default_mode = default_mode(self.tokenizer)
         self.tabs = Tabs(on_close=self._tab_closed)
         # The block map's own route (every ``map_every`` s per open tab), not a Gradio event.

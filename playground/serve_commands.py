@@ -26,14 +26,13 @@ VLLM_IMPL = {"native": "vllm", "paddleformers": "transformers", "paddlefleet": "
 
 def _settings(llm: Any) -> dict:
     config = llm.config
-    engine = getattr(llm, "engine", None)
     return {
         "model": HF_REPOS.get(str(config.model), str(config.model)),
         "block_size": config.block_size,
         "prefix": bool(config.enable_prefix_caching),
         "max_num_seqs": config.max_num_seqs,
         "max_num_batched_tokens": getattr(config, "max_num_batched_tokens", None),
-        "max_model_len": getattr(engine, "max_model_len", None) or config.max_model_len,
+        "max_model_len": llm.max_model_len,
         "impl": llm.model_impl,
     }
 

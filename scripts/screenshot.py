@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT))   # this checkout's packages, whatever is installe
 from playwright.sync_api import expect, sync_playwright  # noqa: E402
 
 from engine import LLMProcess  # noqa: E402
+from engine.client import connect  # noqa: E402
 from playground.app import build_app, launch  # noqa: E402
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
@@ -57,8 +58,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=str(ROOT / "docs" / "playground.png"))
     parser.add_argument("--chromium", default="/usr/bin/chromium")
     parser.add_argument("--width", type=int, default=1400)
+    parser.add_argument("--server", metavar="URL", help="the engine of a running engine server (as python -m "
+                        "playground --server URL) instead of one loaded here")
     args = parser.parse_args(argv)
-    llm = LLMProcess()   # as python -m playground runs it
+    llm = connect(args.server) if args.server else LLMProcess()   # as python -m playground runs it
     demo = build_app(llm)
     _, url, _ = launch(demo, prevent_thread_lock=True, quiet=True)
     try:

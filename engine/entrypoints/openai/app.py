@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .engine_routes import add_engine_routes
 from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, ValidationError, validation_error
 
 logger = logging.getLogger("engine.server")
@@ -85,7 +86,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.middleware("http")
     async def authorize(request: Request, call_next):
-        if state.api_keys and request.url.path.startswith("/v1"):
+        if state.api_keys and request.url.path.startswith(("/v1", "/engine")):
             given = request.headers.get("authorization", "")
             token = given[7:] if given.lower().startswith("bearer ") else ""
             if not any(hmac.compare_digest(token, k) for k in state.api_keys):
@@ -153,6 +154,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     if state.metrics_on_main:
         _add_metrics_route(app, state)
+    add_engine_routes(app, state)
     return app
 
 

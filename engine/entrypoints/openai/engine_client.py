@@ -21,10 +21,10 @@ class AsyncEngine:
     def __init__(self, llm):
         self.llm = llm
 
-    async def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                     into: asyncio.Queue, key) -> str:
-        """Queue one request; its deltas arrive in ``into`` as ``(key, delta)``, an engine that died
-        under it as ``(key, EngineDeadError)``. A bad request raises ``ValueError`` here."""
+    async def submit(self, prompt, params: SamplingParams, request_id: str | None, into: asyncio.Queue, key) -> str:
+        """Queue one request (``prompt`` in any form ``LLM`` takes); its deltas arrive in ``into`` as
+        ``(key, delta)``, an engine that died under it as ``(key, EngineDeadError)``. A bad request
+        raises ``ValueError`` here."""
         loop = asyncio.get_running_loop()
 
         def on_delta(delta) -> None:
@@ -33,17 +33,15 @@ class AsyncEngine:
             except RuntimeError:        # the loop is closed: the server is gone, nobody reads this
                 pass
 
-        return await asyncio.to_thread(self.llm.submit, {"prompt_token_ids": prompt_token_ids}, params,
-                                       request_id, on_delta=on_delta)
+        return await asyncio.to_thread(self.llm.submit, prompt, params, request_id, on_delta=on_delta)
 
     async def abort(self, request_id: str) -> None:
         await asyncio.to_thread(self.llm.abort, request_id)
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[StreamDelta]:
+    async def generate(self, prompt, params: SamplingParams, request_id: str | None) -> AsyncIterator[StreamDelta]:
         """One request's deltas, the last one ``finished``; aborted if the caller stops early."""
         into: asyncio.Queue = asyncio.Queue()
-        rid = await self.submit(prompt_token_ids, params, request_id, into, None)
+        rid = await self.submit(prompt, params, request_id, into, None)
         finished = False
         try:
             while not finished:

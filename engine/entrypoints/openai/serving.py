@@ -212,7 +212,8 @@ class _Run:
         params = self.req.sampling_params(self.max_tokens, self.logprobs, seed_offset=index % self.req.n)
         rid = self.base if self.single else f"{self.base}-{index}"
         try:
-            self.live[index] = await self.engine.submit(self.prompts[c.prompt][0], params, rid, self.into, index)
+            self.live[index] = await self.engine.submit({"prompt_token_ids": self.prompts[c.prompt][0]}, params, rid,
+                                                        self.into, index)
         except ValueError as exc:
             raise ApiError(str(exc), param=_param_of(str(exc))) from None
 
