@@ -60,13 +60,19 @@ class LLMEngine:
 
         num_layers, num_kv_heads, head_dim = model.kv_layout()
         per_block = kv_block_bytes(config.block_size, num_layers, num_kv_heads, head_dim, self.dtype)
+        positions = checkpoint.config.get("max_position_embeddings")
+        wanted_len = config.max_model_len
+        if wanted_len and positions and wanted_len > positions:
+            logger.warning("max_model_len=%d is more than the model's %d positions; serving %d", wanted_len,
+                           positions, positions)
+            wanted_len = positions
+        need = -(-wanted_len // config.block_size) if wanted_len else 2
         weight_bytes = paddle.device.cuda.memory_allocated() if self.device == "gpu" else 0
-        kv_bytes = config.kv_cache_bytes(self.device, _total_memory_bytes(self.device), weight_bytes)
+        kv_bytes = config.kv_cache_bytes(self.device, _total_memory_bytes(self.device), weight_bytes,
+                                         min_bytes=need * per_block)
         num_blocks = kv_bytes // per_block
-        need = -(-config.max_model_len // config.block_size) if config.max_model_len else 2
         if num_blocks < need:
-            what = (f"one sequence of max_model_len={config.max_model_len} tokens" if config.max_model_len
-                    else "the engine")
+            what = (f"one sequence of max_model_len={wanted_len} tokens" if wanted_len else "the engine")
             raise ValueError(
                 f"kv_cache_memory={config.kv_cache_memory!r} gives {kv_bytes:,} bytes = {num_blocks} KV blocks of "
                 f"{config.block_size} tokens ({per_block:,} bytes each); {what} needs {need} blocks: set "
@@ -264,7 +270,7 @@ class LLMEngine:
         )
         if reason is not None:
             final = self._finish(req, reason)
-            delta.finished, delta.finish_reason = True, final.finish_reason
+            delta.finished, delta.finish_reason, delta.prompt_logprobs = True, final.finish_reason, final.prompt_logprobs
         return delta
 
     def _take_text(self, req: Request, end: int) -> str:
@@ -296,6 +302,7 @@ class LLMEngine:
             request_id=req.request_id, text=text, token_ids=[], finished=True, finish_reason=reason,
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=max(req.num_cached_tokens, 0),
             prompt_token_ids=req.prompt_token_ids, metrics=req.metrics, error=error,
+            prompt_logprobs=list(req.prompt_logprobs) if req.sampling_params.prompt_logprobs is not None else None,
         )
 
     # -- observability ----------------------------------------------------------

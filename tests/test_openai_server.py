@@ -108,6 +108,20 @@ def test_logprobs_as_openai_gives_them(client, smollm2_llm):
     assert all(e.top_logprobs == [] for e in alone.choices[0].logprobs.content)
 
 
+def test_prompt_logprobs_and_token_ids(server, smollm2_llm):
+    body = {"messages": QUESTION, "max_tokens": 3, "temperature": 0, "prompt_logprobs": 2, "return_token_ids": True}
+    reply = httpx.post(server + "/v1/chat/completions", json=body, timeout=60).json()
+    want = smollm2_llm.chat(QUESTION, SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=2))[0]
+    assert reply["prompt_token_ids"] == want.prompt_token_ids
+    assert reply["choices"][0]["token_ids"] == want.outputs[0].token_ids
+    got = reply["prompt_logprobs"]
+    assert len(got) == len(want.prompt_token_ids) and got[0] is None
+    for position, (entries, expected) in enumerate(zip(got[1:], want.prompt_logprobs[1:]), start=1):
+        token = want.prompt_token_ids[position]
+        assert entries[str(token)]["rank"] == expected[token].rank
+        assert entries[str(token)]["logprob"] == pytest.approx(expected[token].logprob, abs=1e-3)
+
+
 def test_completions_prompt_forms_echo_and_n(client, smollm2_llm):
     tok = smollm2_llm.get_tokenizer()
     ids = tok.encode("The capital of France is", add_special_tokens=True)
