@@ -51,6 +51,11 @@ class DecoderConfig:
         if ernie and c.get("use_bias"):
             raise ValueError("Ernie4_5ForCausalLM with use_bias=true (biased linears and norms) has no native "
                              "implementation; use model_impl='paddleformers'")
+        windowed = _sliding_layers(c)
+        if windowed:
+            raise ValueError(f"{architecture} with sliding-window layers ({windowed[:4]}..., sliding_window="
+                             f"{c.get('sliding_window')}) has no native implementation: the native decoder "
+                             f"attends to the whole context")
         heads = c["num_attention_heads"]
         return cls(
             vocab_size=c["vocab_size"],
@@ -68,6 +73,20 @@ class DecoderConfig:
             qkv_bias=architecture == "Qwen2ForCausalLM" or c.get("attention_bias", False),
             qk_norm=architecture == "Qwen3ForCausalLM",
         )
+
+
+def _sliding_layers(c: dict) -> list[int]:
+    """Layers an HF config makes attend through a sliding window (Qwen2's ``use_sliding_window``,
+    ``max_window_layers``, ``layer_types``), as HF transformers decides them."""
+    if not c.get("sliding_window"):
+        return []
+    types = c.get("layer_types")
+    if types:
+        return [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if not c.get("use_sliding_window"):
+        return []
+    n = c["num_hidden_layers"]
+    return [i for i in range(n) if i >= c.get("max_window_layers", n)]
 
 
 class Linear(nn.Layer):
