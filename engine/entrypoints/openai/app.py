@@ -9,6 +9,8 @@ parameter (FastAPI's 422 included), 401 without the key, 404 for an unknown mode
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -64,6 +66,24 @@ class ServerState:
         return self.serving
 
 
+class _ApiKeys:
+    """401 for ``/v1`` and ``/engine`` without a key of ``--api-key``. A plain ASGI middleware:
+    Starlette's ``BaseHTTPMiddleware`` would hide a client's disconnect from the routes."""
+
+    def __init__(self, app, state: "ServerState"):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.state.api_keys and scope["path"].startswith(("/v1", "/engine")):
+            given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            token = given[7:] if given.lower().startswith("bearer ") else ""
+            if not any(hmac.compare_digest(token.encode(), k.encode()) for k in self.state.api_keys):
+                response = _error(ApiError("missing or wrong API key: send 'Authorization: Bearer <key>'", status=401))
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def _error(exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
@@ -84,14 +104,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def http_error(request, exc):
         return _error(ApiError(str(exc.detail), status=exc.status_code))
 
-    @app.middleware("http")
-    async def authorize(request: Request, call_next):
-        if state.api_keys and request.url.path.startswith(("/v1", "/engine")):
-            given = request.headers.get("authorization", "")
-            token = given[7:] if given.lower().startswith("bearer ") else ""
-            if not any(hmac.compare_digest(token, k) for k in state.api_keys):
-                return _error(ApiError("missing or wrong API key: send 'Authorization: Bearer <key>'", status=401))
-        return await call_next(request)
+    app.add_middleware(_ApiKeys, state=state)
 
     @app.get("/health")
     @app.get("/ping")
@@ -134,7 +147,7 @@ def build_app(state: ServerState) -> FastAPI:
         state.in_flight += 1
         try:
             serving, req = await body_of(request, model)
-            result = await getattr(serving, handler)(req)
+            result = await _unless_disconnected(request, getattr(serving, handler)(req))
         except BaseException:
             state.in_flight -= 1
             raise
@@ -156,6 +169,25 @@ def build_app(state: ServerState) -> FastAPI:
         _add_metrics_route(app, state)
     add_engine_routes(app, state)
     return app
+
+
+async def _unless_disconnected(request: Request, work):
+    """Run ``work``; a client that goes away meanwhile cancels it (its engine requests are aborted and
+    their blocks freed), as for a stream. Streams themselves are cancelled by Starlette."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                raise ApiError("the client went away", status=499)
+    finally:
+        if not task.done():
+            task.cancel()
 
 
 async def _counted(stream, state: ServerState):
