@@ -16,6 +16,7 @@ so a busy port fails at once. Binds 127.0.0.1 unless ``--host`` says otherwise; 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import logging
 import os
@@ -97,11 +98,23 @@ def main(argv: list[str] | None = None) -> int:
 
     from .app import ServerState, build_app
 
+    class _Server(uvicorn.Server):
+        """Ctrl-C and SIGTERM shut the server down and it exits 0 (uvicorn raises the signal again
+        after its shutdown, which would end the process with 128 + the signal's number)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                yield
+                if self._captured_signals:
+                    logger.info("stopped by signal %d", self._captured_signals[-1])
+                self._captured_signals.clear()
+
     state = ServerState(served_model_name=args.served_model_name or config.model or DEFAULT_MODEL,
                         api_keys=keys, max_concurrency=args.max_concurrency, max_logprobs=args.max_logprobs,
                         metrics_on_main=metrics_sock is None)
     app = build_app(state)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    server = _Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
     servers = [server]
     if metrics_sock is not None:
         from .app import build_metrics_app
