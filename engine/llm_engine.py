@@ -79,6 +79,9 @@ class LLMEngine:
                 f"kv_cache_memory to at least {need * per_block:,} bytes" +
                 (" or lower max_model_len" if config.max_model_len else ""))
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        rope = getattr(model, "rope", None)    # tables for the positions served, before the runner views them
+        if hasattr(rope, "resize"):
+            rope.resize(min(wanted_len or num_blocks * config.block_size, num_blocks * config.block_size))
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype,  # owns the KV tensors
                                   kernels_backend, config.cpu_decode, self.device)
         warm_up(self.runner, self.device)  # a broken device/backend fails here, with its cause

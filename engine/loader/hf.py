@@ -24,7 +24,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer as HFTokenizer
 
 from ..tokenizer import Tokenizer
-from .checkpoint import Checkpoint, check_finite, numpy_dtype, validate_config
+from .checkpoint import Checkpoint, check_dtype, check_finite, numpy_dtype, validate_config
 from .gguf_tokenizer import GEMMA_CHAT_TEMPLATE
 from .progress import load_progress
 
@@ -38,6 +38,8 @@ def _read_json(path: str) -> dict:
             value = json.load(fh)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise ValueError(f"{path} is nested too deeply to be a config file") from None
     if not isinstance(value, dict):
         raise ValueError(f"{path} must hold a JSON object; it holds a {type(value).__name__}")
     return value
@@ -73,7 +75,10 @@ def tokenizer_from_hf_dir(directory: str, config: dict) -> Tokenizer:
     path = os.path.join(directory, "tokenizer.json")
     if not os.path.isfile(path):
         raise ValueError(f"{directory} has no tokenizer.json (the engine needs the fast-tokenizer file)")
-    backend = HFTokenizer.from_file(path)
+    try:
+        backend = HFTokenizer.from_file(path)
+    except Exception as exc:  # the tokenizers library raises a bare Exception naming no file
+        raise ValueError(f"{path} is not a readable tokenizer file: {exc}") from None
     tok_config = _read_json(os.path.join(directory, "tokenizer_config.json"))
     gen_config = _read_json(os.path.join(directory, "generation_config.json"))
 
@@ -85,6 +90,12 @@ def tokenizer_from_hf_dir(directory: str, config: dict) -> Tokenizer:
     if bos_id is None and tok_config.get("bos_token") is None:
         bos_id = config.get("bos_token_id")
     eos_ids: list[int] = []
+    vocab = config.get("vocab_size")
+    for where, values in (("config.json", config.get("eos_token_id")),
+                          ("generation_config.json", gen_config.get("eos_token_id"))):
+        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in _as_list(values)):
+            raise ValueError(f"{os.path.join(directory, where)}: eos_token_id must be a token id (or a list of "
+                             f"them) in [0, vocab_size={vocab}); got {values!r:.80}")
     for candidate in ([token_id("eos_token")] + _as_list(config.get("eos_token_id"))
                       + _as_list(gen_config.get("eos_token_id"))):
         if candidate is not None and candidate not in eos_ids:
@@ -147,12 +158,15 @@ def _open_safetensors(path: str):
 
 
 def tensor_shapes(files: list[str]) -> dict[str, tuple[int, ...]]:
-    """Every tensor's shape, from the safetensors headers (no tensor data is read)."""
+    """Every tensor's shape, from the safetensors headers (no tensor data is read); a model weight
+    whose header names a non-float dtype is a ValueError naming the file and tensor."""
     shapes = {}
     for path in files:
         with _open_safetensors(path) as fh:
             for key in fh.keys():
-                shapes[key] = tuple(fh.get_slice(key).get_shape())
+                piece = fh.get_slice(key)
+                check_dtype(path, key, piece.get_dtype())
+                shapes[key] = tuple(piece.get_shape())
     return shapes
 
 
