@@ -16,10 +16,12 @@ so a busy port fails at once. Binds 127.0.0.1 unless ``--host`` says otherwise; 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import ipaddress
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -65,6 +67,14 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _reclaim_signals() -> None:
+    """Install the Python-level SIGINT/SIGTERM handlers (uvicorn's) again, at the C level too."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(sig)
+        if callable(handler):
+            signal.signal(sig, handler)
+
+
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -102,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         """Ctrl-C and SIGTERM shut the server down and it exits 0 (uvicorn raises the signal again
         after its shutdown, which would end the process with 128 + the signal's number)."""
 
+        async def startup(self, sockets=None):
+            self.loop = asyncio.get_running_loop()
+            await super().startup(sockets=sockets)
+
         @contextlib.contextmanager
         def capture_signals(self):
             with super().capture_signals():
@@ -123,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     def load() -> None:
         try:
             state.load(config)
+            # Loading imported Paddle (and PaddleFormers) on this thread, and they put C++ SIGTERM
+            # handlers in place of uvicorn's: take the signals back, on the main thread.
+            loop = getattr(server, "loop", None)
+            if loop is not None:
+                loop.call_soon_threadsafe(_reclaim_signals)
             logger.info("ready: http://%s:%d/v1 serves %s (model_impl=%s)", args.host, args.port,
                         state.served_model_name, state.llm.model_impl)
         except Exception as exc:    # noqa: BLE001  (a model that cannot load ends the server, with its message)
