@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shlex
 import signal
@@ -52,6 +51,46 @@ def conversations(n: int) -> list[list[dict]]:
     users = list(PROMPTS) + poem_prompts(len(TOPICS))
     return [[{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}, {"role": "user", "content": users[i % len(users)]}]
             for i in range(n)]
+
+
+def machine_busy_s() -> float:
+    """CPU seconds spent by the whole machine, all cores (Linux /proc/stat, idle and iowait left out)."""
+    with open("/proc/stat") as fh:
+        v = [int(x) for x in fh.readline().split()[1:9]]
+    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """Cores used over one setting by the server, by this process (the clients) and by everything else
+    on the machine -- the last says whether the numbers were taken on a quiet machine."""
+
+    def __init__(self, server_pid: int | None):
+        from benchmarks.playground import cpu_s
+
+        self.cpu_s, self.pid = cpu_s, server_pid
+        self.start = (time.perf_counter(), machine_busy_s(), self._server(), time.process_time())
+
+    def _server(self) -> float:
+        return (self.cpu_s(self.pid) or 0.0) if self.pid else 0.0
+
+    def cores(self) -> dict:
+        t, busy, server, client = (b - a for a, b in zip(self.start, (time.perf_counter(), machine_busy_s(),
+                                                                       self._server(), time.process_time())))
+        return {"server_cores": server / t, "client_cores": client / t, "others_cores": (busy - server - client) / t}
+
+
+def wait_quiet(below: float, timeout: float) -> float:
+    """Wait until the machine's busy cores over 5 s drop below ``below`` (at most ``timeout`` s);
+    the last reading. Nothing of this benchmark runs meanwhile, so the reading is everyone else."""
+    t0 = time.perf_counter()
+    while True:
+        b0, c0 = machine_busy_s(), time.perf_counter()
+        time.sleep(5.0)
+        busy = (machine_busy_s() - b0) / (time.perf_counter() - c0)
+        if busy < below or time.perf_counter() - t0 > timeout:
+            if busy >= below:
+                log(f"  the machine stayed busy ({busy:.2f} cores) for {timeout:.0f} s; measuring anyway")
+            return busy
 
 
 def free_port() -> int:
@@ -103,7 +142,7 @@ class Server:
                 self.proc.wait()
 
 
-def server_argv(side: str, args, port: int) -> list[str]:
+def server_argv(side: str, args, port: int | str) -> list[str]:
     if side == "ours":
         return [sys.executable, "-m", "engine.entrypoints.openai.api_server", "--model", args.model,
                 "--port", str(port), "--max-num-seqs", str(args.max_num_seqs), *shlex.split(args.ours_args)]
@@ -138,9 +177,10 @@ def measure_server(side: str, args, log_dir: Path, plan: list[dict], seed: int) 
             raise RuntimeError(f"{side}: warm-up request failed: {warm.error}")
         out = {"ready_s": ready_s, "model_id": model}
         for s in plan:
-            records, duration = asyncio.run(run_load(url, model, conversations(s["n"]), args.max_tokens,
-                                                     s["concurrency"], s["rate"], seed))
-            out[s["label"]] = summarize(records, duration)
+            chats, meter = conversations(s["n"]), CpuMeter(server.proc.pid)
+            records, duration = asyncio.run(run_load(url, model, chats, args.max_tokens, s["concurrency"], s["rate"],
+                                                     seed))
+            out[s["label"]] = {**summarize(records, duration), **meter.cores()}
             log(f"  {side:12s} {s['label']:10s} {brief(out[s['label']])}")
         return out
     finally:
@@ -159,8 +199,9 @@ def measure_in_process(llm, args, n: int) -> dict:
     from engine import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    records, t0 = [], time.perf_counter()
-    for messages in conversations(n):
+    chats = conversations(n)
+    records, t0, meter = [], time.perf_counter(), CpuMeter(None)
+    for messages in chats:
         record = RequestRecord(start=time.perf_counter())
         for delta in llm.stream(messages, params):
             if delta.text:
@@ -169,7 +210,9 @@ def measure_in_process(llm, args, n: int) -> dict:
             record.prompt_tokens = delta.num_prompt_tokens or record.prompt_tokens
             record.error = delta.error or ""
         records.append(record)
-    result = summarize(records, time.perf_counter() - t0)
+    cores = meter.cores()
+    cores["server_cores"] = cores["client_cores"]     # the engine is this process
+    result = {**summarize(records, time.perf_counter() - t0), **cores}
     log(f"  {'in-process':12s} {'c=1':10s} {brief(result)}")
     return result
 
@@ -178,7 +221,8 @@ def brief(m: dict) -> str:
     f = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
     return (f"{m['request_throughput']:.2f} req/s  {m['output_tok_s']:.1f} tok/s  TTFT p50/p99 {f(m['ttft_ms_p50'])}/"
             f"{f(m['ttft_ms_p99'])} ms  ITL p50/p99 {f(m['itl_ms_p50'])}/{f(m['itl_ms_p99'])} ms  "
-            f"errors {m['errors']}")
+            f"errors {m['errors']}  cores: server {m['server_cores']:.2f} client {m['client_cores']:.2f} "
+            f"others {m['others_cores']:.2f}")
 
 
 def pooled(rounds: list[dict]) -> dict:
@@ -192,7 +236,9 @@ def pooled(rounds: list[dict]) -> dict:
             "request_throughput": statistics.median(r["request_throughput"] for r in rounds),
             "output_tok_s": statistics.median(r["output_tok_s"] for r in rounds),
             "ttft_ms_p50": ms(ttft, 50), "ttft_ms_p99": ms(ttft, 99), "itl_ms_p50": ms(itl, 50),
-            "itl_ms_p99": ms(itl, 99), "requests": sum(r["completed"] + r["errors"] for r in rounds)}
+            "itl_ms_p99": ms(itl, 99), "requests": sum(r["completed"] + r["errors"] for r in rounds),
+            "server_cores": statistics.median(r["server_cores"] for r in rounds),
+            "others_cores_max": max(r["others_cores"] for r in rounds)}
 
 
 def log(msg: str) -> None:
@@ -208,7 +254,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-in-process", dest="in_process", action="store_false",
                    help="skip the in-process LLM.stream at one stream (the HTTP overhead)")
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16, 32])
-    p.add_argument("--request-rate", type=float, default=1.0, help="Poisson requests/s of the rate setting; 0: none")
+    p.add_argument("--request-rate", type=float, default=0.5, help="Poisson requests/s of the rate setting; 0: none")
     p.add_argument("--rate-prompts", type=int, default=32, help="requests sent at the request rate")
     p.add_argument("--num-prompts", type=int, default=0, help="requests per setting (0: 2 x concurrency, >= 8)")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -222,8 +268,11 @@ def main(argv=None) -> int:
     p.add_argument("--ctx", type=int, default=32768, help="llama-server -c (shared by the slots)")
     p.add_argument("--llama-args", default="", help="more flags for llama-server")
     p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.add_argument("--quiet-below", type=float, default=0.0,
+                   help="before each side, wait until other processes use fewer cores than this (0: don't)")
+    p.add_argument("--quiet-timeout", type=float, default=600.0, help="the longest such wait (s)")
     p.add_argument("--quick", action="store_true",
-                   help="one round, concurrency 1 and 16, 48 tokens, 16 requests at 1/s; writes build/serving-quick")
+                   help="one round, concurrency 1 and 16, 48 tokens, 16 requests at the rate; writes build/serving-quick")
     p.add_argument("--out", default=None, help="path stem of the .json and .md (default benchmarks/results/serving)")
     args = p.parse_args(argv)
     if args.quick:
@@ -241,6 +290,8 @@ def main(argv=None) -> int:
     for r in range(args.rounds):
         log(f"round {r + 1}/{args.rounds}")
         for side in (sides if r % 2 == 0 else sides[::-1]):
+            if args.quiet_below:
+                raw[side].setdefault("_busy_before", []).append(wait_quiet(args.quiet_below, args.quiet_timeout))
             if side == "in-process":
                 if llm is None:
                     from engine import LLM
@@ -259,7 +310,7 @@ def main(argv=None) -> int:
 
     summary = {side: {label: pooled(rounds) for label, rounds in by.items() if not label.startswith("_")}
                for side, by in raw.items()}
-    write(out, args, plan, sides, raw, summary, {s: shlex.join(server_argv(s, args, 0)) for s in args.servers})
+    write(out, args, plan, sides, raw, summary, {s: shlex.join(server_argv(s, args, "PORT")) for s in args.servers})
     log("\n" + Path(f"{out}.md").read_text())
     log(f"wrote {out}.json and {out}.md")
     return 0

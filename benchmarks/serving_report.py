@@ -57,14 +57,20 @@ def markdown(args, plan: list[dict], summary: dict, env: dict | None = None, com
     for side, cmd in (commands or {}).items():
         lines.append(f"- {side}: `{cmd}`")
     lines += ["", "| setting | requests | req/s ours | req/s llama-server | output tok/s ours | output tok/s llama-server "
-              "| ours / llama-server | errors ours / llama-server |", "|---|---|---|---|---|---|---|---|"]
+              "| ours / llama-server | errors ours / llama-server | server cores ours / llama-server |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for s in plan:
         g = lambda side, key: _get(summary, side, s["label"], key)  # noqa: E731
         lines.append(f"| {s['label']} | {s['n']} | {_num(g('ours', 'request_throughput'), 2)} | "
                      f"{_num(g(PEER, 'request_throughput'), 2)} | {_num(g('ours', 'output_tok_s'))} | "
                      f"{_num(g(PEER, 'output_tok_s'))} | {_ratio(g('ours', 'output_tok_s'), g(PEER, 'output_tok_s'))} | "
                      f"{g('ours', 'errors') if g('ours', 'errors') is not None else '-'} / "
-                     f"{g(PEER, 'errors') if g(PEER, 'errors') is not None else '-'} |")
+                     f"{g(PEER, 'errors') if g(PEER, 'errors') is not None else '-'} | "
+                     f"{_num(g('ours', 'server_cores'), 2)} / {_num(g(PEER, 'server_cores'), 2)} |")
+    others = [m["others_cores_max"] for by in summary.values() for m in by.values()]
+    if others:
+        lines += ["", f"Other processes on the machine used up to {max(others):.2f} cores during a setting "
+                  "(0 on a quiet machine; `others_cores` in the JSON, per round)."]
     lines += ["", "Latency (ms; lower is better; the ratio is ours / llama-server):", "",
               "| setting | TTFT p50 ours | llama-server | TTFT p99 ours | llama-server | ratio p99 "
               "| ITL p50 ours | llama-server | ITL p99 ours | llama-server |", "|---|---|---|---|---|---|---|---|---|---|"]
