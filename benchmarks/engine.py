@@ -37,7 +37,7 @@ import statistics
 import subprocess
 import time
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, add_engine_args, config_from_args
 
 from . import fallback as bench_fallback
 from . import llama_cpp as peer
@@ -72,14 +72,14 @@ NEW_MESSAGES = ("And which comes last?", "How many notes mention the sea?", "Is 
                 "Name three topics.", "Which topic is most frequent?")
 
 
-def new_message_ttft(model: str, enable_prefix_caching: bool, repeats: int = 3) -> dict:
+def new_message_ttft(engine_args: dict, enable_prefix_caching: bool, repeats: int = 3) -> dict:
     """TTFT of a *new* user message after a first turn on a long shared prefix.
 
     Turn one (system notes + a question) is answered first, so with prefix
     caching its blocks are cached; each measured turn appends a different new
     message, so only the shared prefix can come from the cache.
     """
-    llm = LLM(model=model, enable_prefix_caching=enable_prefix_caching, max_num_batched_tokens=2048)
+    llm = LLM(**{**engine_args, "enable_prefix_caching": enable_prefix_caching, "max_num_batched_tokens": 2048})
     conv = long_conversation()
     first = llm.chat(conv, SamplingParams(max_tokens=8, temperature=0))[0]
     conv = conv + [{"role": "assistant", "content": first.outputs[0].text}]
@@ -114,8 +114,9 @@ def decode_only_tok_s(outs) -> float:
 class EngineSide:
     """A fresh ``LLM`` measured the same way as the peer: prefill, single-stream and multi-stream decode."""
 
-    def __init__(self, model: str, cpu_decode: str, prompt: list[int]):
-        self.llm = LLM(model=model, cpu_decode=cpu_decode, enable_prefix_caching=False, max_num_batched_tokens=2048)
+    def __init__(self, engine_args: dict, cpu_decode: str, prompt: list[int]):
+        self.llm = LLM(**{**engine_args, "cpu_decode": cpu_decode, "enable_prefix_caching": False,
+                          "max_num_batched_tokens": 2048})
         self.runner = bench_fallback.EngineRunner(self.llm)
         self.runner.generate([prompt], 2)  # warm up: kernels compiled
 
@@ -188,7 +189,8 @@ class PeerSide:
         self.peer.close()
 
 
-def peer_section(model: str, tokens: int, streams: int, repeats: int, prefill_tokens: int) -> dict:
+def peer_section(engine_args: dict, tokens: int, streams: int, repeats: int, prefill_tokens: int) -> dict:
+    model = engine_args["model"]
     from engine.loader import load_checkpoint
 
     checkpoint = load_checkpoint(model)
@@ -201,7 +203,7 @@ def peer_section(model: str, tokens: int, streams: int, repeats: int, prefill_to
         print(f"llama.cpp column skipped: llama_cpp is not installed; install it with {peer.INSTALL}")
     load_start = os.getloadavg()[0]
     # llama.cpp and the default engine run round by round; the engine's Paddle decode path after them
-    sides = {"engine, cpu_decode=fused": EngineSide(model, "fused", prompt)}
+    sides = {"engine, cpu_decode=fused": EngineSide(engine_args, "fused", prompt)}
     if version is not None:
         sides = {lc_name: PeerSide(checkpoint.path, threads, prompt), **sides}
     rows = interleaved(sides, text, prompt, tokens, repeats, streams)
@@ -209,7 +211,7 @@ def peer_section(model: str, tokens: int, streams: int, repeats: int, prefill_to
         path = side.close()
         if path:
             rows[name]["decode_path"] = path
-    paddle_side = EngineSide(model, "paddle", prompt)
+    paddle_side = EngineSide(engine_args, "paddle", prompt)
     rows["engine, cpu_decode=paddle"] = interleaved({"paddle": paddle_side}, text, prompt, tokens, repeats,
                                                     streams)["paddle"]
     rows["engine, cpu_decode=paddle"]["decode_path"] = paddle_side.close()
@@ -267,7 +269,7 @@ def environment() -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.engine", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    add_engine_args(parser)   # the engine's own flags (FastDeploy's names too); sections override what they compare
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--peer", choices=PEERS, default=None, help="run the peer section against this engine")
@@ -276,6 +278,7 @@ def main(argv=None) -> int:
                         help="comma-separated subset of: peer, model_impl, concurrency, prefix")
     parser.add_argument("--json", default="benchmark-engine.json", help="where to write the results")
     args = parser.parse_args(argv)
+    engine_args = vars(config_from_args(args))
     sections = set(args.sections.split(","))
     if args.peer:
         sections.add("peer")
@@ -286,7 +289,7 @@ def main(argv=None) -> int:
           f"Paddle {env['versions']['paddle']}, commit {env['versions']['commit']}\n")
 
     if "peer" in sections:
-        results["peer"] = peer_section(args.model, args.tokens, 16, args.repeats, args.prefill_tokens)
+        results["peer"] = peer_section(engine_args, args.tokens, 16, args.repeats, args.prefill_tokens)
         print()
 
     if "model_impl" in sections:
@@ -295,7 +298,7 @@ def main(argv=None) -> int:
         results["model_impl"] = {"rows": [r.__dict__ for r in rows], "outputs_agree": agree}
 
     if "concurrency" in sections:
-        llm = LLM(model=args.model)
+        llm = LLM(**engine_args)
         agg = concurrency(llm, args.tokens, repeats=args.repeats)
         llm.shutdown()
         print(f"concurrency — native engine, {args.tokens} tokens per request")
@@ -305,8 +308,8 @@ def main(argv=None) -> int:
         results["concurrency"] = {str(n): v for n, v in agg.items()}
 
     if "prefix" in sections:
-        on = new_message_ttft(args.model, True)
-        off = new_message_ttft(args.model, False)
+        on = new_message_ttft(engine_args, True)
+        off = new_message_ttft(engine_args, False)
         print(f"prefix caching — a new message on a shared chat prefix ({on['prompt_tokens']} prompt tokens)")
         for label, r in (("cache on ", on), ("cache off", off)):
             print(f"  {label}: TTFT {r['ttft_s'] * 1000:8.1f} ms ({r['cached_tokens']} shared-prefix tokens from "

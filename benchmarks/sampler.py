@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, add_engine_args, config_from_args
 from engine.sampling_reference import NumpySampler
 
 SETTINGS = {"greedy": dict(temperature=0.0), "T 0.7, top-p 0.9": dict(temperature=0.7, top_p=0.9)}
@@ -55,12 +55,12 @@ def decode_tok_s(llm, prompts: list[str], params: SamplingParams) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.sampler", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    add_engine_args(parser)
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    llm = LLM(args.model)
+    llm = LLM(**vars(config_from_args(args)))
     compiled = llm.engine.sampler
     numpy_sampler = NumpySampler(compiled.decode_token)
     pair = (("compiled", compiled), ("NumPy", numpy_sampler))
