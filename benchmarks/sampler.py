@@ -33,9 +33,9 @@ class Recorder:
     def __init__(self, sampler):
         self.sampler, self.rows = sampler, []
 
-    def sample(self, row, params, rng):
+    def sample(self, row, params, rng, adjust=None):
         self.rows.append(np.array(row))
-        return self.sampler.sample(row, params, rng)
+        return self.sampler.sample(row, params, rng, adjust)
 
 
 def per_row_us(sampler, rows: np.ndarray, params: SamplingParams) -> float:
