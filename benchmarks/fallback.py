@@ -8,26 +8,32 @@ All run the same SmolLM2 weights (float32, CPU, one process, one run):
 * **native, float matmuls** — the same with ``quantization="none"``: every
   matmul on the dequantized float32 weights, like ``generate``;
 * **PaddleFormers backend** — ``LLM(model_impl="paddleformers")``: PaddleFormers'
-  ``LlamaForCausalLM`` on the engine's paged KV cache and kernels (and the same
-  with ``quantization="none"``);
+  ``LlamaForCausalLM`` on the engine's paged KV cache and kernels, Q/K/V and
+  gate/up fused, decode steps *captured* (``engine.fallback.captured``: the
+  borrowed layers' parameters run by the engine's fused CPU decode step); and
+  the same with ``quantization="none"``;
+* **PF backend, eager** — the same with ``cpu_decode="paddle"``: every step
+  runs the library's eager Paddle forward (FastDeploy's plain backend);
 * **PaddleFormers generate** — the same class with its own attention (``sdpa``)
   and its own KV cache, driven by its ``generate`` (greedy).
 
-Each engine runs twice, with quantized matmuls (the default) and with float
-matmuls (``quantization="none"``), so that every comparison with ``generate``
-(always float) exists float against float. Each is loaded, measured over
-``repeats`` rounds and released before the next (five models at once would
-not fit in a small machine's memory):
+The engines run with quantized matmuls (the default) and with float matmuls
+(``quantization="none"``), so that every comparison with ``generate`` (always
+float) exists float against float. All are loaded at once and measured
+*interleaved*, round by round (each round runs every one of them once, in
+turn), so that a busy neighbour on a shared machine slows all of them alike
+within a round; ratios are taken within each round and reported as the median
+over rounds with their spread (min–max):
 
 * **single-stream decode tok/s** — one request of N tokens; ``1 / median``
   of the intervals between consecutive generated tokens (the prefill is not
   an interval). For the engines an interval is the time between two streamed
   tokens; for ``generate`` the time between two calls of the model's forward
   (one per token), so both include everything done per token. The median
-  shrugs off the steps a busy neighbour on a shared machine slowed down.
+  shrugs off the steps a busy neighbour slowed down.
 * **16-stream aggregate tok/s** — 16 different prompts submitted together
   (continuous batching for the engines, one left-padded batch for
-  ``generate``): ``16 × N / T``, best round.
+  ``generate``): ``16 × N / T``.
 
 Greedy decoding that does not stop at EOS, so every run generates exactly N tokens.
 """
@@ -54,8 +60,10 @@ def poem_prompts(n: int) -> list[str]:
 @dataclass(frozen=True)
 class Result:
     name: str
-    single_tok_s: float
-    multi_tok_s: float
+    single_tok_s: float             # median over rounds
+    multi_tok_s: float              # median over rounds
+    single_rounds: tuple = ()       # per round, in round order
+    multi_rounds: tuple = ()
 
 
 class EngineRunner:
@@ -121,42 +129,53 @@ class PaddleFormersGenerate:
 
 
 def run(model: str = "smollm2-135m-instruct", tokens: int = 64, streams: int = 16, repeats: int = 3,
-        log=print) -> tuple[list[Result], bool]:
-    """Measure them all; returns the results and whether their single-stream greedy outputs agree."""
+        log=print, only: list[str] | None = None) -> tuple[list[Result], bool]:
+    """Measure them all, interleaved round by round; returns the results and whether their
+    single-stream greedy outputs agree."""
     from engine import LLM
     from engine.loader import load_checkpoint
 
     checkpoint = load_checkpoint(model)
-    engine = lambda impl, quantization: lambda: EngineRunner(LLM(
-        model=model, model_impl=impl, dtype="float32", device="cpu", quantization=quantization))
+    engine = lambda impl, quantization, cpu_decode="fused": lambda: EngineRunner(LLM(
+        model=model, model_impl=impl, dtype="float32", device="cpu", quantization=quantization,
+        cpu_decode=cpu_decode))
     factories = {
         "native engine": engine("native", "auto"),
         "native, float matmuls": engine("native", "none"),
         "PaddleFormers backend": engine("paddleformers", "auto"),
+        "PF backend, eager": engine("paddleformers", "auto", "paddle"),
         "PF backend, float matmuls": engine("paddleformers", "none"),
         "PaddleFormers generate": lambda: PaddleFormersGenerate(checkpoint),
     }
+    if only:  # a subset, e.g. to repeat the engines' rounds without generate's long ones
+        factories = {name: f for name, f in factories.items() if name in only}
     encode = lambda text: checkpoint.tokenizer.encode(text, add_special_tokens=True)
     single = encode(STORY)
     multi = [encode(prompt) for prompt in poem_prompts(streams)]
-    results, outputs = [], {}
-    for name, factory in factories.items():  # one at a time: five models at once would not fit in memory
+    runners, outputs = {}, {}
+    for name, factory in factories.items():
         log(f"loading {model}: {name} ...")
-        runner = factory()
-        runner.generate([single], 2)  # warm up: kernels compiled, caches allocated
-        intervals, multi_s = [], []
-        for r in range(repeats):
+        runners[name] = factory()
+        runners[name].generate([single], 2)  # warm up: kernels compiled, caches allocated
+        if isinstance(runners[name], EngineRunner):
+            log(f"  decode path: {runners[name].llm.snapshot().decode_path}")
+    single_rounds = {name: [] for name in runners}
+    multi_rounds = {name: [] for name in runners}
+    for r in range(repeats):
+        for name, runner in runners.items():
             gaps, outputs[name] = runner.token_intervals(single, tokens)
-            intervals += gaps
             t0 = time.perf_counter()
             runner.generate(multi, tokens)
-            multi_s.append(time.perf_counter() - t0)
+            elapsed = time.perf_counter() - t0
+            single_rounds[name].append(1.0 / statistics.median(gaps))
+            multi_rounds[name].append(streams * tokens / elapsed)
             log(f"  round {r + 1}/{repeats} {name}: median {statistics.median(gaps) * 1000:.1f} ms/token "
-                f"single-stream, {streams} streams {multi_s[-1]:.2f} s")
+                f"single-stream, {streams} streams {elapsed:.2f} s")
+    for runner in runners.values():
         if isinstance(runner, EngineRunner):
             runner.llm.shutdown()
-        del runner
-        results.append(Result(name, 1.0 / statistics.median(intervals), streams * tokens / min(multi_s)))
+    results = [Result(name, statistics.median(single_rounds[name]), statistics.median(multi_rounds[name]),
+                      tuple(single_rounds[name]), tuple(multi_rounds[name])) for name in runners]
     return results, _agree(list(outputs.values()), checkpoint.tokenizer.eos_token_ids)
 
 
@@ -172,24 +191,43 @@ def _agree(outputs: list[list[int]], eos_ids) -> bool:
     return all(o[:end] == first[:end] for o in outputs)
 
 
+def _ratio(who: Result, ref: Result, attr: str) -> str:
+    """Median over rounds of the per-round ratio, with its min–max."""
+    rounds = [a / b for a, b in zip(getattr(who, attr + "_rounds"), getattr(ref, attr + "_rounds"))]
+    if not rounds:
+        return f"{getattr(who, attr + '_tok_s') / getattr(ref, attr + '_tok_s'):.2f}x"
+    return f"{statistics.median(rounds):.2f}x [{min(rounds):.2f}-{max(rounds):.2f}]"
+
+
+def _spread(values) -> str:
+    return f"[{min(values):.1f}-{max(values):.1f}]" if values else ""
+
+
 def table(results: list[Result], agree: bool, tokens: int, streams: int) -> str:
     by = {r.name: r for r in results}
-    native, backend, generate = by["native engine"], by["PaddleFormers backend"], by["PaddleFormers generate"]
-    lines = [f"fallback — SmolLM2 weights, float32, CPU, N={tokens} generated tokens per request",
-             f"{'':<24}{'single-stream decode':>22}{f'{streams}-stream aggregate':>22}",
-             f"{'':<24}{'tok/s (median)':>22}{'tok/s (best)':>22}"]
+    native, generate = by.get("native engine"), by.get("PaddleFormers generate")
+    lines = [f"fallback — SmolLM2 weights, float32, CPU, N={tokens} generated tokens per request, "
+             f"{len(results[0].single_rounds)} interleaved rounds (median [min-max])",
+             f"{'':<27}{'single-stream decode':>24}{f'{streams}-stream aggregate':>24}",
+             f"{'':<27}{'tok/s':>24}{'tok/s':>24}"]
     for r in results:
-        lines.append(f"{r.name:<24}{r.single_tok_s:>22.1f}{r.multi_tok_s:>22.1f}")
+        lines.append(f"{r.name:<27}{f'{r.single_tok_s:.1f} ' + _spread(r.single_rounds):>24}"
+                     f"{f'{r.multi_tok_s:.1f} ' + _spread(r.multi_rounds):>24}")
     lines.append("quantized rows multiply on the GGUF's Q4_1/Q8_0 blocks; float rows (and generate) on float32")
-    for who, label, ref, target in (
+    comparisons = [
         (native, "vs PF generate", generate, None),
-        (by["native, float matmuls"], "vs PF generate", generate, 1.5),
-        (backend, "vs native", native, 0.85),
-        (by["PF backend, float matmuls"], "vs PF generate", generate, 1.5),
-    ):
-        s, m = who.single_tok_s / ref.single_tok_s, who.multi_tok_s / ref.multi_tok_s
+        (by.get("native, float matmuls"), "vs PF generate", generate, 1.5),
+        (by.get("PaddleFormers backend"), "vs native", native, 0.8),
+        (by.get("PF backend, eager"), "vs native", native, None),
+        (by.get("PF backend, float matmuls"), "vs native, float", by.get("native, float matmuls"), 0.8),
+        (by.get("PF backend, float matmuls"), "vs PF generate", generate, 3.0),
+    ]
+    lines.append(f"{'ratio (per round)':<50}{'single-stream':>20}{f'{streams} streams':>22}")
+    for who, label, ref, target in comparisons:
+        if who is None or ref is None:
+            continue
         goal = f"   (target >= {target}x)" if target else ""
-        lines.append(f"{who.name + ' ' + label:<44}{s:>5.2f}x{m:>21.2f}x{goal}")
+        lines.append(f"{who.name + ' ' + label:<50}{_ratio(who, ref, 'single'):>20}{_ratio(who, ref, 'multi'):>22}{goal}")
     lines.append(f"single-stream greedy outputs all agree: {'yes' if agree else 'NO'}")
     return "\n".join(lines)
 
@@ -202,8 +240,11 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--only", action="append", metavar="NAME",
+                        help="measure only this row (repeatable), e.g. --only 'native engine' "
+                             "--only 'PaddleFormers backend'")
     args = parser.parse_args(argv)
-    results, agree = run(args.model, args.tokens, args.streams, args.repeats)
+    results, agree = run(args.model, args.tokens, args.streams, args.repeats, only=args.only)
     print(table(results, agree, args.tokens, args.streams))
     return 0
 
