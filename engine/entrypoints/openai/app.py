@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine_routes import add_engine_routes
+from .tokenize_routes import add_tokenize_routes
 from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, ValidationError, validation_error
 
 logger = logging.getLogger("engine.server")
@@ -168,6 +169,7 @@ def build_app(state: ServerState) -> FastAPI:
     if state.metrics_on_main:
         _add_metrics_route(app, state)
     add_engine_routes(app, state)
+    add_tokenize_routes(app, state)
     return app
 
 

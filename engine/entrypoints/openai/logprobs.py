@@ -20,24 +20,29 @@ def _top(entries: dict, k: int) -> list[tuple[int, object]]:
     return sorted(((t, lp) for t, lp in entries.items() if lp.rank <= k), key=lambda x: x[1].rank)[:k]
 
 
-def _token(lp, token_id: int) -> str:
+def _token(lp, token_id: int, as_ids: bool = False) -> str:
+    """The token as text, or as ``token_id:N`` with vLLM's ``return_tokens_as_token_ids``."""
+    if as_ids:
+        return f"token_id:{token_id}"
     return lp.decoded_token if lp.decoded_token is not None else f"<token {token_id}>"
 
 
-def chat_logprobs(token_ids: list[int], logprobs: list[dict], k: int) -> dict:
+def chat_logprobs(token_ids: list[int], logprobs: list[dict], k: int, *, as_ids: bool = False) -> dict:
     """``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``."""
     content = []
     for tid, entries in zip(token_ids, logprobs):
         lp = entries[tid]
-        tok = _token(lp, tid)
+        tok = _token(lp, tid, as_ids)
         content.append({"token": tok, "logprob": _finite(lp.logprob), "bytes": list(tok.encode("utf-8")),
-                        "top_logprobs": [{"token": _token(a, t), "logprob": _finite(a.logprob),
-                                          "bytes": list(_token(a, t).encode("utf-8"))} for t, a in _top(entries, k)]})
+                        "top_logprobs": [{"token": _token(a, t, as_ids), "logprob": _finite(a.logprob),
+                                          "bytes": list(_token(a, t, as_ids).encode("utf-8"))}
+                                         for t, a in _top(entries, k)]})
     return {"content": content}
 
 
 def completion_logprobs(token_ids: list[int], logprobs: list[dict], k: int, *, prompt=None,
-                        prompt_ids: list[int] | None = None, decode=None, offset: int = 0) -> dict:
+                        prompt_ids: list[int] | None = None, decode=None, offset: int = 0,
+                        as_ids: bool = False) -> dict:
     """The legacy completions shape: ``tokens``, ``token_logprobs``, ``top_logprobs`` (a dict per
     token) and ``text_offset``; with ``prompt`` (echo), the prompt's tokens first, the first of
     them with no logprob (nothing comes before it)."""
@@ -49,17 +54,17 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict], k: int, *, p
     for tid, entries in pairs:
         offsets.append(offset)
         if entries is None:     # the prompt's first token: nothing before it to predict it
-            tok = decode(tid)
+            tok = f"token_id:{tid}" if as_ids else decode(tid)
             tokens.append(tok)
             token_lps.append(None)
             tops.append(None)
             offset += len(tok)
             continue
         lp = entries[tid]
-        tok = _token(lp, tid)
+        tok = _token(lp, tid, as_ids)
         tokens.append(tok)
         token_lps.append(_finite(lp.logprob))
-        tops.append({_token(a, t): _finite(a.logprob) for t, a in _top(entries, k)})
+        tops.append({_token(a, t, as_ids): _finite(a.logprob) for t, a in _top(entries, k)})
         offset += len(tok)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 

@@ -3,9 +3,9 @@
 Field names and ranges are OpenAI's (``/v1/chat/completions``, ``/v1/completions``) plus the
 extras FastDeploy and vLLM accept (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
 ``stop_token_ids``, ``include_stop_str_in_output``, ``ignore_eos``, ``chat_template_kwargs``,
-``return_token_ids``, ``prompt_token_ids``, ``prompt_logprobs``, ``request_id``). Unknown fields
-are accepted and ignored, as vLLM does (clients send extras); ``unknown_fields`` names them so
-the server can log them. A bad value is an ``ApiError`` (HTTP 400) naming the field.
+``return_token_ids``, ``return_tokens_as_token_ids``, ``prompt_token_ids``, ``prompt_logprobs``,
+``request_id``). Unknown fields are accepted and ignored, as vLLM does (clients send extras);
+``unknown_fields`` names them so the server can log them. A bad value is an ``ApiError`` (HTTP 400) naming the field.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False    # vLLM: logprobs name tokens "token_id:N", not by text
     prompt_token_ids: list[int] | None = None
     request_id: str | None = Field(None, min_length=1, max_length=256)
     skip_special_tokens: bool = True

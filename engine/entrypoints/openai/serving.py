@@ -120,13 +120,14 @@ class OpenAIServing:
         return self._response(kind, req, prompts, run, head)
 
     def _response(self, kind, req, prompts, run, head) -> dict:
-        choices = []
+        choices, as_ids = [], req.return_tokens_as_token_ids
         for c in run.choices:
             if c.finish_reason == "error":
                 raise ApiError(f"the request failed in the engine: {c.last.error}", status=500)
             if kind == "chat":
                 choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                          "logprobs": chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0) if req.logprobs else None,
+                          "logprobs": chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0, as_ids=as_ids)
+                          if req.logprobs else None,
                           "finish_reason": c.finish_reason}
             else:
                 echo = _echo_text(self.tokenizer, prompts[c.prompt]) if req.echo else ""
@@ -134,7 +135,7 @@ class OpenAIServing:
                           "logprobs": None if req.logprobs is None else completion_logprobs(
                               c.token_ids, c.logprobs, req.logprobs, prompt=c.last.prompt_logprobs if req.echo else None,
                               prompt_ids=prompts[c.prompt][0],
-                              decode=lambda t: self.tokenizer.decode([t], skip_special_tokens=False))}
+                              decode=lambda t: self.tokenizer.decode([t], skip_special_tokens=False), as_ids=as_ids)}
                 if req.prompt_logprobs is not None and not req.echo:
                     choice["prompt_logprobs"] = prompt_logprobs_json(c.last.prompt_logprobs)
             if req.return_token_ids:
@@ -152,6 +153,7 @@ class OpenAIServing:
 
     async def _stream(self, kind, req, prompts, run, head) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        as_ids = req.return_tokens_as_token_ids
 
         def chunk(choices, **extra) -> str:
             return f"data: {json.dumps({**head, 'object': obj, 'choices': choices, **extra})}\n\n"
@@ -161,14 +163,14 @@ class OpenAIServing:
                 first = {**({"prompt_token_ids": prompts[0][0]} if req.return_token_ids else {})}
                 yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None} for c in run.choices], **first)
-            echoed = set()
+            echoed, ids_sent = set(), set()
             async for c, delta in run.deltas(self.on_finished):
                 if delta.finish_reason == "error":
                     raise ApiError(f"the request failed in the engine: {delta.error}", status=500)
                 choice = {"index": c.index}
                 if kind == "chat":
                     choice["delta"] = {"content": delta.text} if delta.text or not delta.finished else {}
-                    choice["logprobs"] = (chat_logprobs(delta.token_ids, delta.logprobs, req.top_logprobs or 0)
+                    choice["logprobs"] = (chat_logprobs(delta.token_ids, delta.logprobs, req.top_logprobs or 0, as_ids=as_ids)
                                           if req.logprobs and delta.logprobs else None)
                 else:
                     text = delta.text
@@ -176,11 +178,14 @@ class OpenAIServing:
                         echoed.add(c.index)
                         text = _echo_text(self.tokenizer, prompts[c.prompt]) + text
                     choice["text"] = text
-                    choice["logprobs"] = (completion_logprobs(delta.token_ids, delta.logprobs, req.logprobs)
+                    choice["logprobs"] = (completion_logprobs(delta.token_ids, delta.logprobs, req.logprobs, as_ids=as_ids)
                                           if req.logprobs is not None and delta.logprobs else None)
                 choice["finish_reason"] = delta.finish_reason if delta.finished else None
                 if req.return_token_ids:
                     choice["token_ids"] = delta.token_ids
+                    if kind == "completion" and c.index not in ids_sent:    # vLLM: in the choice's first chunk
+                        ids_sent.add(c.index)
+                        choice["prompt_token_ids"] = prompts[c.prompt][0]
                 if delta.finished and delta.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = prompt_logprobs_json(delta.prompt_logprobs)
                 yield chunk([choice])
