@@ -56,7 +56,7 @@ def markdown(args, plan: list[dict], summary: dict, env: dict | None = None, com
               "Metric definitions: `benchmarks/serving_load.py` (vLLM's `vllm bench serve`).", ""]
     for side, cmd in (commands or {}).items():
         lines.append(f"- {side}: `{cmd}`")
-    lines += ["", "| setting | requests | req/s ours | req/s llama-server | output tok/s ours | output tok/s llama-server "
+    lines += ["", "| setting | requests per round | req/s ours | req/s llama-server | output tok/s ours | output tok/s llama-server "
               "| ours / llama-server | errors ours / llama-server | server cores ours / llama-server |",
               "|---|---|---|---|---|---|---|---|---|"]
     for s in plan:
