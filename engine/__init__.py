@@ -25,8 +25,5 @@ def __getattr__(name: str):
     if name not in _PUBLIC:
         raise AttributeError(f"module 'engine' has no attribute {name!r}")
     value = getattr(importlib.import_module(_PUBLIC[name], __name__), name)
-    from .logs import undo_paddle_root_logging
-
-    undo_paddle_root_logging()      # Paddle's import, if that one imported it, configured the root logger
     globals()[name] = value
     return value

@@ -22,7 +22,7 @@ import signal
 import sys
 import time
 
-from .handlers import Limits
+from .inputs import Limits
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,9 +43,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="enable actions that affect every visitor (reset the prefix cache, load a second "
                           "backend for the consistency check)")
     web.add_argument("--server", metavar="URL", default=None,
-                     help="use the engine of a server started with python -m engine.entrypoints.openai.api_server "
-                          "(e.g. http://gpu-box:8000) instead of loading a model here; engine flags are then ignored")
+                     help="use the engine of a server instead of loading a model here (engine flags are then "
+                          "ignored): python -m engine.entrypoints.openai.api_server (every view), or any "
+                          "OpenAI-compatible server -- vLLM, FastDeploy, llama.cpp's llama-server -- read through "
+                          "its OpenAI routes and /metrics (no KV block map: such a server does not expose it)")
     web.add_argument("--api-key", default=None, help="the key of --server, if it has one")
+    web.add_argument("--openai-only", action="store_true",
+                     help="read --server through its standard OpenAI routes only, as any other server, even when "
+                          "it is this project's engine server")
     web.add_argument("--in-process", action="store_true",
                      help="run the engine in the server's process (by default it runs in a process of its "
                           "own: the server's threads then never hold up a decode step)")
@@ -63,6 +68,19 @@ def _stop_on_sigterm() -> None:
 
     signal.signal(signal.SIGTERM, interrupt)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _port_in_use(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on now (None when it can)."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
 
 
 def _warm_up(llm) -> None:
@@ -89,14 +107,18 @@ def _warm_up(llm) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not {"-h", "--help"} & set(argv):
-        _say("Starting the Fleet Playground: importing PaddlePaddle and Gradio ...")
+    args = parse_args(argv)
+    busy = _port_in_use(args.host, args.port)
+    if busy:    # before minutes of loading, not after
+        print(f"error: cannot listen on {args.host}:{args.port}: {busy}; is another server using that port? "
+              "Pick another with --port", file=sys.stderr)
+        return 2
+    _say("Starting the Fleet Playground: importing PaddlePaddle and Gradio ...")
     from engine import LLM, LLMProcess, config_from_args
     from engine.llm import EngineDeadError
 
     from .app import build_app, launch
 
-    args = parse_args(argv)
     # Our own records at INFO; other libraries' (httpx logs every request Gradio makes) at WARNING.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for name in ("engine", "playground"):
@@ -110,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                 from engine.client import connect
 
                 _say(f"Connecting to the engine at {args.server} ...")
-                llm = connect(args.server, api_key=args.api_key)
+                llm = connect(args.server, api_key=args.api_key, openai_only=args.openai_only)
             else:
                 config = config_from_args(args)
                 _say(f"Loading {config.model} (model_impl={config.model_impl}, device={config.device}); the first "

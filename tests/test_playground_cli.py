@@ -117,3 +117,13 @@ def test_warm_up_prefills_past_the_small_matmul_path_and_leaves_no_cached_block(
         unsubscribe()
     assert max(s["num_tokens"] for s in steps) > SMALL_T
     assert {b.state for b in smollm2_llm.snapshot().blocks} == {"free"}
+
+
+def test_a_busy_port_fails_before_anything_loads():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        out = subprocess.run([sys.executable, "-m", "playground", "--port", str(busy.getsockname()[1])], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "cannot listen on 127.0.0.1" in out.stderr and "--port" in out.stderr
+    assert "importing PaddlePaddle" not in out.stdout and "Traceback" not in out.stderr
