@@ -30,8 +30,10 @@ from .request import Request, RequestStatus
 from .sampler import LogitsAdjust, Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .logs import undo_paddle_root_logging
 from .snapshot import BlockInfos, EngineEvent, StepInfo, take_snapshot
 
+undo_paddle_root_logging()  # Paddle's import (by the modules above or earlier) set up the root logger
 logger = logging.getLogger("engine")
 
 
