@@ -257,7 +257,7 @@ class LLMEngine:
         elif token in req.eos_token_ids or token in p.stop_token_ids:
             reason, req.stop_reason = "stop", token
         elif matcher is not None:
-            found = matcher.feed(req.output_text, text_before)
+            found = matcher.feed(req.output_text, text_before, by_end=p.include_stop_str_in_output)
             if found is not None:
                 at, stop = found
                 req.output_text = req.output_text[:at + len(stop) if p.include_stop_str_in_output else at]
@@ -359,9 +359,11 @@ class _StopMatcher:
     def held(self) -> int:
         return max(self.states)
 
-    def feed(self, text: str, start: int, report: bool = True) -> tuple[int, str] | None:
+    def feed(self, text: str, start: int, report: bool = True, by_end: bool = False) -> tuple[int, str] | None:
         """Read ``text[start:]``. With ``report``: of the stop strings completed in it, the one
-        that starts first (then the shortest) as ``(index in text, stop string)``; else None."""
+        that starts first (then ends first) as ``(index in text, stop string)``, so the text cut
+        before it holds no stop string; ``by_end``: the one that ends first (then starts first), so
+        the text cut after it holds none but at its end. Else None."""
         new = text[start:]
         best = None
         for i, stop in enumerate(self.stops):
@@ -377,12 +379,14 @@ class _StopMatcher:
                     k += 1
                 if k == n:
                     if report:
-                        found = (j + 1 - n, j)
+                        found = (j, j + 1 - n) if by_end else (j + 1 - n, j)
                         best = found + (stop,) if best is None or found < best[:2] else best
                         break
                     k = fail[k - 1]
             self.states[i] = k
-        return None if best is None else (best[0], best[2])
+        if best is None:
+            return None
+        return (best[1] if by_end else best[0]), best[2]
 
 
 @functools.lru_cache(maxsize=512)

@@ -39,6 +39,11 @@ VALID = {  # every value here is accepted; a fuzzed case replaces at most one of
     "prompt_logprobs": st.one_of(st.none(), st.integers(0, 5)),
     "ignore_eos": st.booleans(),
     "skip_special_tokens": st.booleans(),
+    "presence_penalty": st.floats(-2.0, 2.0),
+    "frequency_penalty": st.floats(-2.0, 2.0),
+    "repetition_penalty": st.one_of(st.just(1.0), st.floats(0.05, 5.0)),
+    "min_tokens": st.integers(0, 3),
+    "include_stop_str_in_output": st.booleans(),
 }
 FIELDS = sorted(VALID)
 HOSTILE = st.one_of(odd, st.integers(-5, 25), st.floats(-10, 10), st.floats(allow_nan=True, allow_infinity=True),
@@ -67,7 +72,10 @@ def cases(draw):
     if bad is not None:
         kwargs[bad] = draw(HOSTILE)
     prompt = draw(st.one_of(VALID_PROMPTS, VALID_PROMPTS, VALID_PROMPTS, HOSTILE_PROMPTS))
-    return kwargs, prompt
+    # issue 31: a field set after construction, to a valid or a hostile value, must be checked too
+    mutation = draw(st.one_of(st.none(), st.tuples(st.sampled_from(FIELDS), HOSTILE),
+                              st.sampled_from(FIELDS).flatmap(lambda f: st.tuples(st.just(f), VALID[f]))))
+    return kwargs, prompt, mutation
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +96,10 @@ def check_output(out, params: SamplingParams):
     assert o.finish_reason in ("stop", "length"), (o.finish_reason, o.error)
     assert 1 <= len(o.token_ids) <= params.max_tokens and isinstance(o.text, str)
     for stop in params.stop_strings:
-        assert stop not in o.text
+        if params.include_stop_str_in_output:
+            assert stop not in o.text[:-len(stop)] if o.text.endswith(stop) else stop not in o.text
+        else:
+            assert stop not in o.text
     if params.logprobs is not None:
         assert len(o.logprobs) == len(o.token_ids)
         for lp, tok in zip(o.logprobs, o.token_ids):
@@ -104,13 +115,15 @@ def test_fuzzed_requests_get_a_clear_error_or_a_normal_finish(llm, canary):
               suppress_health_check=[HealthCheck.too_slow])
     @given(case=cases(), api=st.sampled_from(["generate", "stream", "chat"]))
     def one_case(case, api):
-        kwargs, prompt = case
+        kwargs, prompt, mutation = case
         tally["cases"] += 1
         canary_out = {}
         worker = threading.Thread(target=lambda: canary_out.update(out=llm.generate(CANARY, CANARY_PARAMS)[0]))
         worker.start()
         try:
             params = SamplingParams(**kwargs)
+            if mutation is not None:
+                setattr(params, *mutation)
             if api == "generate":
                 outs = llm.generate(prompt, params)
             elif api == "chat":

@@ -136,3 +136,56 @@ def test_a_rotary_embedding_holds_no_more_than_its_first_positions_until_resized
     assert tuple(rope.cos.shape) == (300, 64)
     small = rope_module.RotaryEmbedding(64, 300, 10000.0)
     np.testing.assert_array_equal(rope.cos.numpy(), small.cos.numpy())
+
+
+# -- the fuzz: crafted config.json, tokenizer.json and safetensors headers ---------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from engine import SamplingParams  # noqa: E402
+
+ODD = st.sampled_from([None, True, False, "x", "", [], {}, [1, "a"], {"rope_type": 3}, 0, -1, 1, 2, 3, 4, 64,
+                       10**12, -(2**70), 0.0, 1e-300, 1e300, float("nan"), float("inf"), 0.5, "silu", "gelu"])
+FIELDS = ["rope_theta", "rms_norm_eps", "hidden_act", "eos_token_id", "bos_token_id", "pad_token_id",
+          "tie_word_embeddings", "rope_scaling", "max_position_embeddings", "vocab_size", "hidden_size",
+          "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "num_hidden_layers",
+          "attention_bias", "architectures"]
+
+
+@settings(max_examples=30, deadline=None, database=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(changes=st.dictionaries(st.sampled_from(FIELDS), ODD, min_size=1, max_size=2))
+def test_fuzzed_configs_load_and_serve_or_name_the_file(pristine, tmp_path_factory, changes):
+    """A crafted config.json either is refused with a ValueError naming config.json (or the field),
+    or loads into an engine that serves a greedy request normally: no other exception, no hang."""
+    directory = _with_config(pristine, tmp_path_factory.mktemp("fuzzed"), **changes)
+    try:
+        llm = LLM(model=directory, block_size=4, max_model_len=64)
+    except ValueError as exc:
+        assert "config.json" in str(exc) or any(field in str(exc) for field in changes), (changes, exc)
+        return
+    out = llm.generate({"prompt_token_ids": [3, 4, 5]}, SamplingParams(max_tokens=3, temperature=0))[0].outputs[0]
+    assert out.finish_reason in ("stop", "length") and out.error is None, (changes, out.error)
+
+
+@settings(max_examples=25, deadline=None, database=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cut=st.floats(0.0, 0.999), dtype=st.sampled_from(["F32", "I32", "U32", "F16", "XX", ""]),
+       tensor=st.sampled_from(["model.embed_tokens.weight", "model.layers.1.self_attn.q_proj.weight",
+                               "model.norm.weight"]))
+def test_fuzzed_tokenizer_files_and_headers_are_refused_by_name(pristine, tmp_path_factory, cut, dtype, tensor):
+    directory = _copy(pristine, tmp_path_factory.mktemp("cut"))
+    path = os.path.join(directory, "tokenizer.json")
+    data = open(path, "rb").read()
+    with open(path, "wb") as fh:
+        fh.write(data[:int(len(data) * cut)])
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        load_checkpoint(directory)
+    directory = _copy(pristine, tmp_path_factory.mktemp("retyped"))
+    _retype_header(os.path.join(directory, "model.safetensors"), tensor, dtype)
+    if dtype == "F32":
+        load_checkpoint(directory)
+        return
+    with pytest.raises(ValueError, match="model.safetensors"):
+        load_checkpoint(directory)
