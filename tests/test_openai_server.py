@@ -355,3 +355,24 @@ def test_fastdeploy_command_line_serves_curl_and_metrics_port():
     assert proc.returncode == 0, log
     assert "--engine-worker-queue-port: has no meaning here" in log and "Traceback" not in log
     assert "max_model_len=32768 is more than the model's 8192 positions" in log
+
+
+def test_the_playgrounds_serve_command_runs_this_engines_settings(smollm2_llm):
+    """"Take it further": the command shown for this project's server parses to the running engine's
+    settings (it is pasted as is), and FastDeploy's is in the form FastDeploy documents."""
+    import shlex
+
+    from engine.config import config_from_args
+    from engine.entrypoints.openai.api_server import make_arg_parser
+    from playground.serve_commands import serve_commands
+
+    commands = serve_commands(smollm2_llm, port=8123)
+    words = shlex.split(commands["This engine"].replace("\\\n", " "))
+    assert words[:3] == ["python", "-m", "engine.entrypoints.openai.api_server"]
+    args = make_arg_parser().parse_args(words[3:])
+    config, running = config_from_args(args), smollm2_llm.config
+    for name in ("model", "block_size", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching"):
+        assert getattr(config, name) == getattr(running, name), name
+    assert config.max_model_len == smollm2_llm.max_model_len and args.port == 8123
+    assert commands["FastDeploy"].startswith("python -m fastdeploy.entrypoints.openai.api_server")
+    assert "http://127.0.0.1:8123/v1/chat/completions" in commands["curl"]
