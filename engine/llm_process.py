@@ -326,7 +326,8 @@ class LLMProcess:
             for callback in self._listeners:
                 try:
                     callback(value)
-                except Exception:  # noqa: BLE001  (as LLM: a failing callback is skipped and logged)
+                except BaseException:  # noqa: BLE001  (skipped and logged, KeyboardInterrupt too: this
+                    # thread hands every stream its tokens, so a callback must not end it)
                     logger.exception("subscribe() callback %r failed", callback)
 
     def _fail_all(self, reason: str) -> None:

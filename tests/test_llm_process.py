@@ -357,3 +357,23 @@ def test_a_frozen_engine_process_is_detected_and_fails_every_caller(tiny):
         with contextlib.suppress(ProcessLookupError):
             os.kill(llm.pid, signal.SIGCONT)
         llm.shutdown()
+
+
+def test_a_callback_raising_a_base_exception_does_not_stop_the_streams(tiny_remote):
+    """The client's event thread also hands every stream its tokens: a subscribe() callback raising
+    KeyboardInterrupt ended it, and every stream then waited for ever."""
+    def hostile(event):
+        if event.kind == "step":
+            raise KeyboardInterrupt("raised by a callback")
+
+    unsubscribe = tiny_remote.subscribe(hostile)
+    box = {}
+    try:
+        t = threading.Thread(target=lambda: box.update(deltas=list(tiny_remote.stream("w1 w2", TINY_GREEDY))),
+                             daemon=True)
+        t.start()
+        t.join(60)
+    finally:
+        unsubscribe()
+    assert not t.is_alive(), "the stream waited for ever"
+    assert box["deltas"][-1].finished and len([t for d in box["deltas"] for t in d.token_ids]) == 6
