@@ -251,6 +251,10 @@ class Handlers:
             reply.state = "done"
         yield self._outputs(session)
 
+    def _claim_unless_withdrawn(self, session: ChatSession, parent_id: int) -> Node | None:
+        with self._turn_lock:
+            return self._claim(session, parent_id) if parent_id in session.tree.nodes else None
+
     def _claim(self, session: ChatSession, parent_id: int, reply: Reply | None = None) -> Node | None:
         """A new reply under ``parent_id`` that holds the tab's one streaming slot, or None if it is taken.
 
@@ -264,10 +268,13 @@ class Handlers:
             session.selected = session.selected_node = None
             return node
 
-    def _wait_and_claim(self, session: ChatSession, parent_id: int, timeout: float = 600.0) -> Node:
-        """Wait for this tab's streaming reply to end, then claim the slot for a reply to ``parent_id``."""
+    def _wait_and_claim(self, session: ChatSession, parent_id: int, timeout: float = 600.0) -> Node | None:
+        """Wait for this tab's streaming reply to end, then claim the slot for a reply to ``parent_id``;
+        None if the message was withdrawn meanwhile (Stop, Clear)."""
         deadline = time.monotonic() + timeout
-        while (node := self._claim(session, parent_id)) is None:
+        while (node := self._claim_unless_withdrawn(session, parent_id)) is None:
+            if parent_id not in session.tree.nodes:
+                return None
             if time.monotonic() > deadline:
                 raise gr.Error("The reply above did not end in time; your message was not sent.")
             time.sleep(0.05)
@@ -302,6 +309,8 @@ class Handlers:
                 gr.Info("Your message is queued: it is sent when the reply above ends.")
                 yield self._outputs(session, msg="", panels=False)
                 node = self._wait_and_claim(session, user.node_id)
+                if node is None:                # withdrawn by Stop: the message went back to the box
+                    return
                 started = True
             prompt = self._prompt(session, node, system, mode)
             yield from self._run(session, node, prompt, params, self._outputs(session, msg="", reset_controls=True))
@@ -332,17 +341,32 @@ class Handlers:
         if session.active_request_id is not None:
             raise gr.Error(f"A reply is still being generated: press Stop or wait for it to end before {what}.")
 
+    def _withdraw_queued(self, session: ChatSession) -> str | None:
+        """Take back the message waiting for the streaming reply (its text), before that reply ends:
+        otherwise the waiting send would claim the freed slot and generate a reply nobody sees."""
+        with self._turn_lock:
+            queued = session.queued
+            node = session.tree.nodes.get(queued) if queued is not None else None
+            if node is None or node.children:   # gone, or already answered (its reply is the one streaming)
+                return None
+            session.queued = None
+            session.tree.remove(queued)
+            return node.content
+
     def stop(self, session: ChatSession) -> tuple:
-        """Abort this tab's running request; the reply keeps its text, marked "(stopped)"."""
+        """Abort this tab's running request (the reply keeps its text, marked "(stopped)"); a message
+        queued behind it is withdrawn and put back in the message box."""
+        withdrawn = self._withdraw_queued(session)
         rid = session.active_request_id
         if rid:
             for node in session.tree.replies():
                 if node.reply.request_id == rid:
                     node.reply.stopped = True
             self.llm.abort(rid)
-        return self._outputs(session)
+        return self._outputs(session, msg=withdrawn if withdrawn is not None else gr.skip())
 
     def clear(self, session: ChatSession) -> tuple:
+        self._withdraw_queued(session)
         if session.active_request_id:
             self.llm.abort(session.active_request_id)
         session.active_request_id = None
