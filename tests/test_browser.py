@@ -171,6 +171,35 @@ def test_typing_during_a_reply_is_kept_and_the_message_is_queued(page, paced_eng
     assert page.input_value("#msg textarea") == ""
 
 
+def test_stop_with_a_queued_follow_up_withdraws_it_and_nothing_is_left_running(page, paced_engine):
+    """Stop while a follow-up waits: the reply stops, the follow-up is taken back into the message box
+    (it used to run unseen and stay "queued" forever, then enter later prompts), and a later message
+    is answered normally."""
+    started = []
+    unsubscribe = paced_engine.subscribe(lambda e: started.append(e.data) if e.kind == "request_added" else None)
+    try:
+        greedy_long_replies(page)
+        send(page, "Count from one to two hundred in words, one number per line.")
+        bot = page.locator('#chat [data-testid="bot"]')
+        expect(bot.last.locator(".pg-state")).to_have_text("decoding", timeout=60_000)
+        send(page, "And now in French?")
+        expect(page.locator('#chat [data-testid="user"]')).to_have_count(2, timeout=5_000)
+        page.click("#stop")
+        expect(bot.last).to_contain_text("(stopped)", timeout=10_000)
+        expect(page.locator('#chat [data-testid="user"]')).to_have_count(1, timeout=10_000)
+        expect(page.locator("#msg textarea")).to_have_value("And now in French?")
+        page.wait_for_timeout(2000)         # the withdrawn message must not start meanwhile
+        assert len(started) == 1 and not paced_engine.snapshot().requests, started
+        assert "queued" not in page.inner_text("#chat")
+        send(page, "Say hi.")
+        expect(bot).to_have_count(2, timeout=60_000)
+        expect(bot.last.locator(".pg-finish")).to_have_count(1, timeout=120_000)
+        assert "And now in French" not in page.inner_text("#chat")
+    finally:
+        unsubscribe()
+    wait_engine_idle(paced_engine)
+
+
 def test_closing_the_tab_mid_stream_aborts_its_request(page, paced_engine):
     finished = []
     unsubscribe = paced_engine.subscribe(
