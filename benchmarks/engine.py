@@ -268,7 +268,8 @@ def environment() -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.engine", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.engine",
+                                     description=__doc__.split("\n\n")[0].replace("``", ""))
     add_engine_args(parser)   # the engine's own flags (FastDeploy's names too); sections override what they compare
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)

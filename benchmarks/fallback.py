@@ -235,7 +235,8 @@ def table(results: list[Result], agree: bool, tokens: int, streams: int) -> str:
 def main(argv=None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.fallback", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.fallback",
+                                     description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--streams", type=int, default=16)

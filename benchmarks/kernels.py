@@ -387,7 +387,8 @@ def bench_gpu(sweep, only=None, split_rule=False, decode_mma=False, decode_large
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels",
+                                     description=__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument("--sweep", action="store_true", help="GPU: also time kernel variants")
     parser.add_argument("--only", choices=["decode", "prefill"], help="GPU: one table only")
     parser.add_argument("--split-rule", action="store_true",

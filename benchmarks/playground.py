@@ -398,7 +398,8 @@ def _median_shares(runs: list) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.playground", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.playground",
+                                     description=__doc__.splitlines()[0].replace("``", ""))
     add_engine_args(parser)
     parser.add_argument("--tabs", type=int, default=4, help="open tabs, each streaming one chat")
     parser.add_argument("--max-tokens", type=int, default=48)

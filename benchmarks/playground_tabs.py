@@ -137,7 +137,8 @@ def run_round(tabs: list[Tab], max_tokens: int | None, interval: float, ticks: b
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.playground_tabs",
+                                     description=__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument("url")
     parser.add_argument("--interval", type=float, default=0.2)
     parser.add_argument("--prompts", nargs="+", required=True, help="one chat per tab")

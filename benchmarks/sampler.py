@@ -54,7 +54,8 @@ def decode_tok_s(llm, prompts: list[str], params: SamplingParams) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.sampler", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sampler",
+                                     description=__doc__.splitlines()[0].replace("``", ""))
     add_engine_args(parser)
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)

@@ -248,7 +248,8 @@ def log(msg: str) -> None:
 def main(argv=None) -> int:
     from benchmarks.serving_report import write
 
-    p = argparse.ArgumentParser(prog="python -m benchmarks.serving", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serving",
+                                description=__doc__.split("\n\n")[0].replace("``", ""))
     p.add_argument("--model", default="smollm2-135m-instruct", help="zoo name (its GGUF goes to llama-server)")
     p.add_argument("--servers", nargs="+", choices=SIDES, default=list(SIDES))
     p.add_argument("--no-in-process", dest="in_process", action="store_false",

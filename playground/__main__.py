@@ -28,7 +28,8 @@ from .inputs import Limits
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from engine import add_engine_args
 
-    parser = argparse.ArgumentParser(prog="python -m playground", description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(prog="python -m playground",
+                                     description=__doc__.splitlines()[0].replace("``", ""),
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_engine_args(parser)
     web = parser.add_argument_group("server")

@@ -33,7 +33,7 @@ logger = logging.getLogger("engine.server")
 
 def make_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m engine.entrypoints.openai.api_server",
-                                     description=__doc__.splitlines()[0],
+                                     description=__doc__.splitlines()[0].replace("``", ""),
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_engine_args(parser)
     s = parser.add_argument_group("server")
