@@ -68,6 +68,10 @@ def metrics(server) -> dict[str, float]:
     return out
 
 
+def metrics_of(client) -> dict[str, float]:
+    return metrics(str(client.base_url).removesuffix("/v1/"))
+
+
 def wait_idle(server, timeout=10.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
@@ -144,6 +148,13 @@ def test_completions_prompt_forms_echo_and_n(client, smollm2_llm):
     assert [c.text for c in sampled.choices] == [c.text for c in again.choices]       # seeded: repeatable
     assert len({c.text for c in sampled.choices}) > 1                                # ... and the choices differ
     assert sampled.usage.completion_tokens == 24 and sampled.usage.prompt_tokens_details is not None
+    before = metrics_of(client)["vllm:prefix_cache_hits_total"]
+    story = "Once upon a time, in a village by the sea, there lived an old fisherman and his three daughters."
+    shared = client.completions.create(model=MODEL, prompt=story, max_tokens=4, temperature=1.0, n=3, seed=1)
+    n_prompt = shared.usage.prompt_tokens
+    full_blocks = n_prompt // smollm2_llm.config.block_size * smollm2_llm.config.block_size
+    # the second and third choices found the first one's prompt blocks in the prefix cache
+    assert metrics_of(client)["vllm:prefix_cache_hits_total"] - before >= 2 * min(full_blocks, n_prompt - 1) - 32
 
 
 def test_async_client_32_concurrent_streams_are_batched_and_complete(server):
@@ -269,6 +280,34 @@ def test_bad_requests_get_openai_errors(server, body, status, param):
     if param:
         assert err["param"] == param, err
     assert wait_idle(server)["vllm:kv_cache_usage_perc"] == 0
+
+
+def test_an_oversized_body_is_refused_before_it_is_read(server):
+    r = httpx.post(server + "/v1/chat/completions", content=b'{"messages": "' + b"x" * (17 * 1024**2) + b'"}',
+                   timeout=60)
+    assert r.status_code == 413 and "at most" in r.json()["error"]["message"]
+
+
+def test_a_failure_inside_the_engine_ends_the_stream_with_an_error_event(server, smollm2_llm, monkeypatch):
+    runner = smollm2_llm.engine.runner
+    execute, calls = runner.execute, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("a broken kernel")
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", failing)
+    body = {"messages": QUESTION, "max_tokens": 20, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server + "/v1/chat/completions", json=body, timeout=60) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2][6:])["error"]
+    assert error["code"] == 500 and "a broken kernel" in error["message"]
+    monkeypatch.undo()
+    ok = httpx.post(server + "/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 3}, timeout=60)
+    assert ok.status_code == 200            # the engine goes on serving
 
 
 def test_unknown_fields_are_ignored(server):

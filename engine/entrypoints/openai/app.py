@@ -123,7 +123,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     async def body_of(request: Request, model):
         serving = state.ready()
-        raw = await request.body()
+        raw = await _body(request)
         try:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -171,6 +171,23 @@ def build_app(state: ServerState) -> FastAPI:
     add_engine_routes(app, state)
     add_tokenize_routes(app, state)
     return app
+
+
+MAX_BODY_BYTES = 16 * 1024**2     # ~100x the longest prompt this engine's context holds
+
+
+async def _body(request: Request) -> bytes:
+    """The request body, refused (413) past ``MAX_BODY_BYTES`` before it is all read."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ApiError(f"the body has {int(declared):,} bytes; at most {MAX_BODY_BYTES:,} are accepted", status=413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ApiError(f"the body is over {MAX_BODY_BYTES:,} bytes, the most accepted", status=413)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _unless_disconnected(request: Request, work):

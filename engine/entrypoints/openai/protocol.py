@@ -25,7 +25,8 @@ class ApiError(Exception):
         super().__init__(message)
         self.message, self.status, self.param = message, status, param
         self.type = type or {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                             429: "RateLimitError", 503: "ServiceUnavailableError"}.get(status, "InternalServerError")
+                             413: "RequestTooLargeError", 429: "RateLimitError",
+                             503: "ServiceUnavailableError"}.get(status, "InternalServerError")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
