@@ -48,6 +48,7 @@ from .config import EngineConfig
 from .llm import EngineDeadError, _Died
 from .outputs import RequestOutput, StreamDelta
 from .sampling_params import SamplingParams
+from .snapshot import keep_unchanged_blocks
 
 logger = logging.getLogger("engine")
 
@@ -81,7 +82,7 @@ class LLMProcess:
         self._streams: set[int] = set()                   # call ids of open streams
         self._events: queue.SimpleQueue = queue.SimpleQueue()   # events and stream messages, in order
         self._dead: str | None = None
-        self._last_blocks: tuple = ()
+        self._last_snapshot = None
         self._paused_by: dict[int, list[int]] = {}        # thread id -> call ids of its ``with paused()``
         if not parent.poll(start_timeout):
             self._process.kill()
@@ -154,12 +155,8 @@ class LLMProcess:
         return self._call("abort", request_id)
 
     def snapshot(self):
-        snap = self._call("snapshot")
-        before = self._last_blocks
-        if len(before) == len(snap.blocks):     # unchanged blocks: the previous snapshot's objects
-            object.__setattr__(snap, "blocks", tuple(a if a == b else b for a, b in zip(before, snap.blocks)))
-        self._last_blocks = snap.blocks
-        return snap
+        self._last_snapshot = keep_unchanged_blocks(self._call("snapshot"), self._last_snapshot)
+        return self._last_snapshot
 
     def subscribe(self, callback):
         """As ``LLM.subscribe``: ``callback(EngineEvent)`` for every event, in order, on this client's

@@ -117,6 +117,16 @@ class BlockInfos:
 def take_snapshot(*, step, model, model_impl, device, kv_cache_manager, requests, last_step,
                   attention_backend="cpu", decode_path="paddle", block_infos: BlockInfos | None = None
                   ) -> EngineSnapshot:
+def keep_unchanged_blocks(snapshot: EngineSnapshot, previous: EngineSnapshot | None) -> EngineSnapshot:
+    """``snapshot`` with the ``BlockInfo`` objects of ``previous`` where a block did not change, as
+    ``LLM.snapshot`` gives them: for a snapshot that crossed a process or the network, so views
+    find the changed blocks by identity there too."""
+    before = previous.blocks if previous is not None else ()
+    if len(before) == len(snapshot.blocks):
+        object.__setattr__(snapshot, "blocks", tuple(a if a == b else b for a, b in zip(before, snapshot.blocks)))
+    return snapshot
+
+
     """Build a snapshot from the KV cache manager and the live requests (O(blocks)); with
     ``block_infos`` (the engine's), unchanged blocks keep the ``BlockInfo`` of the last one."""
     bs = kv_cache_manager.block_size

@@ -28,6 +28,7 @@ from ..config import EngineConfig
 from ..llm import EngineDeadError, _conversations
 from ..outputs import CompletionOutput, RequestOutput, StreamDelta
 from ..sampling_params import SamplingParams
+from ..snapshot import keep_unchanged_blocks
 from ..tokenizer import Tokenizer
 from .wire import delta_from_dict, event_from_dict, params_to_dict, snapshot_from_dict
 
@@ -49,7 +50,7 @@ class RemoteLLM:
         known = {f.name for f in fields(EngineConfig)}
         self.config = EngineConfig(**{k: v for k, v in info["config"].items() if k in known})
         self._tokenizer = Tokenizer.from_dict(self._get("/engine/tokenizer"))
-        self._last_blocks: tuple = ()
+        self._last_snapshot = None
         self._closed = False
 
     # -- LLM's surface ----------------------------------------------------------------------------
@@ -75,11 +76,8 @@ class RemoteLLM:
 
     def snapshot(self):
         snap = snapshot_from_dict(self._get("/engine/snapshot"))
-        before = self._last_blocks
-        if len(before) == len(snap.blocks):     # unchanged blocks: the previous snapshot's objects
-            object.__setattr__(snap, "blocks", tuple(a if a == b else b for a, b in zip(before, snap.blocks)))
-        self._last_blocks = snap.blocks
-        return snap
+        self._last_snapshot = keep_unchanged_blocks(snap, self._last_snapshot)
+        return self._last_snapshot
 
     def subscribe(self, callback):
         """``callback(EngineEvent)`` for every engine event, in order, on a thread of this client's."""
