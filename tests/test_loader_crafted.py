@@ -64,6 +64,13 @@ def test_a_crafted_config_value_is_refused_naming_file_and_field(pristine, tmp_p
         assert "config.json" in str(err.value)
 
 
+def test_an_activation_the_native_decoder_does_not_compute_is_refused(pristine, tmp_path):
+    """A known activation that is not SiLU (``gelu``) used to be computed as SiLU by the native decoder."""
+    directory = _with_config(pristine, tmp_path, hidden_act="gelu")
+    with pytest.raises(ValueError, match="hidden_act='gelu' has no native implementation"):
+        LLM(model=directory, block_size=4, model_impl="native")
+
+
 def test_a_config_nested_too_deeply_names_the_file(pristine, tmp_path):
     directory = _copy(pristine, tmp_path)
     with open(os.path.join(directory, "config.json"), "w") as fh:

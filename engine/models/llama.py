@@ -56,6 +56,10 @@ class DecoderConfig:
             raise ValueError(f"{architecture} with sliding-window layers ({windowed[:4]}..., sliding_window="
                              f"{c.get('sliding_window')}) has no native implementation: the native decoder "
                              f"attends to the whole context")
+        act = c.get("hidden_act") or c.get("hidden_activation") or "silu"
+        if act not in ("silu", "swish"):
+            raise ValueError(f"{architecture} with hidden_act={act!r} has no native implementation: the native "
+                             "decoder's MLP is SiLU-gated; use model_impl='paddleformers'")
         heads = c["num_attention_heads"]
         return cls(
             vocab_size=c["vocab_size"],
