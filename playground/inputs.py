@@ -77,14 +77,17 @@ def sampling(temperature: Any, top_p: Any, top_k: Any, max_tokens: Any, seed: An
     seed = number(seed, "seed", -1, MAX_SEED, integer=True, default=-1)
     k = number(n_logprobs, "logprobs", 0, 20, integer=True, default=0)
     temperature = number(temperature, "temperature", 0.0, 2.0)
-    return SamplingParams(
-        temperature=0.0 if temperature < GREEDY_BELOW else temperature,
-        top_p=number(top_p, "top-p", 0.0, 1.0),
-        top_k=number(top_k, "top-k", 0, vocab_size, integer=True, default=0),
-        max_tokens=number(max_tokens, "max tokens", 1, max_tokens_cap, integer=True),
-        seed=None if seed < 0 else seed,
-        logprobs=k or None,
-    )
+    try:    # the engine's own checks too (top-p 0 is in the slider's range, not in SamplingParams')
+        return SamplingParams(
+            temperature=0.0 if temperature < GREEDY_BELOW else temperature,
+            top_p=number(top_p, "top-p", 0.0, 1.0),
+            top_k=number(top_k, "top-k", 0, vocab_size, integer=True, default=0),
+            max_tokens=number(max_tokens, "max tokens", 1, max_tokens_cap, integer=True),
+            seed=None if seed < 0 else seed,
+            logprobs=k or None,
+        )
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
 
 
 def alternative_tokens(value: Any, encode, vocab_size: int) -> list[int]:

@@ -239,6 +239,7 @@ BAD_VALUES = [   # (endpoint, arguments, words the error must contain): issue 13
     ("/chat", ("Hi", SYSTEM, "hot", 1.0, 0, 4, 0, 0), "temperature must be a number"),
     ("/chat", ("Hi", SYSTEM, 5.0, 1.0, 0, 4, 0, 0), "temperature must be between 0 and 2"),
     ("/chat", ("Hi", SYSTEM, 0.5, None, 0, 4, 0, 0), "top-p is missing"),
+    ("/chat", ("Hi", SYSTEM, 0.5, 0.0, 0, 4, 0, 0), "top_p must be in (0.0, 1.0]"),   # the engine's own check
     ("/chat", ("Hi", SYSTEM, 0.5, 1.0, -3, 4, 0, 0), "top-k must be between"),
     ("/chat", ("Hi", SYSTEM, 0.5, 1.0, 0, 10**6, 0, 0), "max tokens must be between 1 and 64"),
     ("/chat", ("Hi", SYSTEM, 0.5, 1.0, 0, 2.5, 0, 0), "max tokens must be a whole number"),
