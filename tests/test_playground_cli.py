@@ -34,13 +34,13 @@ def tiny(tmp_path_factory):
 
 
 class Playground:
-    """``python -m playground`` in a subprocess, its stdout lines collected as they come."""
+    """``python -m playground`` (or ``command``) in a subprocess, its stdout lines collected as they come."""
 
-    def __init__(self, model: str):
+    def __init__(self, model: str | None = None, command: list[str] | None = None, env: dict | None = None):
+        command = command or [sys.executable, "-m", "playground", "--model", model, "--port", str(_free_port())]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "playground", "--model", model, "--port", str(_free_port())],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"})
         self.lines: list[str] = []
         self._queue: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -127,3 +127,65 @@ def test_a_busy_port_fails_before_anything_loads():
                              capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "cannot listen on 127.0.0.1" in out.stderr and "--port" in out.stderr
     assert "importing PaddlePaddle" not in out.stdout and "Traceback" not in out.stderr
+
+
+def _space_env(port: int) -> dict:
+    """The environment of ``python app.py`` on ``port``, bound to 127.0.0.1 as outside a Space."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GRADIO_SERVER_NAME", "PLAYGROUND_MODEL")}
+    return {**env, "GRADIO_SERVER_PORT": str(port)}
+
+
+def _spawned_children(pid: int) -> list[int]:
+    """The processes ``pid`` started through multiprocessing's spawn (the engine's, not its resource tracker)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat, cmdline = (entry / "stat").read_text(), (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmdline:
+                found.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_the_space_fails_at_once_on_a_busy_port():
+    """``python app.py`` checks its port before the weights, Paddle and Gradio: a one-line error."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        out = subprocess.run([sys.executable, "app.py"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                             env=_space_env(busy.getsockname()[1]))
+    assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith("error: cannot listen on 127.0.0.1:")
+    assert "GRADIO_SERVER_PORT" in out.stderr
+
+
+@pytest.mark.slow
+def test_the_space_warms_up_like_the_cli_and_sigterm_stops_it_and_its_engine():
+    """How a Space is stopped: SIGTERM to ``python app.py``. It stops the server and the engine's
+    process, says so in one line and exits 0, without Paddle's C++ fatal-error trace."""
+    app = Playground(command=[sys.executable, "app.py"], env=_space_env(_free_port()))
+    engine = []
+    try:
+        app.wait_for("Ready", timeout=300)
+        engine = _spawned_children(app.proc.pid)
+    finally:
+        rc, err = app.stop(signal.SIGTERM)
+    text = "".join(app.lines)
+    assert rc == 0, (rc, text[-2000:], err[-3000:])
+    assert "Traceback" not in err and "FatalError" not in err and "Error Message Summary" not in text + err, err
+    assert engine and not [pid for pid in engine if _alive(pid)], "the engine's process outlived the app"
+    said = [next(i for i, line in enumerate(app.lines) if line.startswith(start)) for start in
+            ("Starting", "Loading", "Warming up", "Warmed up", "* Running on local URL", "Ready")]
+    assert said == sorted(said), text
+    assert [line.strip() for line in app.lines[said[-1] + 1:] if line.strip()] == ["Stopped."], text
+
