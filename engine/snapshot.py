@@ -65,6 +65,9 @@ class EngineSnapshot:
     last_step: StepInfo | None
     attention_backend: str = "cpu"   # gpu_kernels backend of the attention calls: cpu, cuda, reference
     decode_path: str = "paddle"      # what runs decode-only steps: "fused" or "paddle" (with the reason)
+    # Why ``blocks`` is empty: an engine seen only through a server's metrics (engine.client.OpenAIServer),
+    # whose ``requests`` are then the server's running/waiting counts (placeholder ids), not its requests.
+    blocks_hidden: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -114,9 +117,6 @@ class BlockInfos:
         return tuple(infos)
 
 
-def take_snapshot(*, step, model, model_impl, device, kv_cache_manager, requests, last_step,
-                  attention_backend="cpu", decode_path="paddle", block_infos: BlockInfos | None = None
-                  ) -> EngineSnapshot:
 def keep_unchanged_blocks(snapshot: EngineSnapshot, previous: EngineSnapshot | None) -> EngineSnapshot:
     """``snapshot`` with the ``BlockInfo`` objects of ``previous`` where a block did not change, as
     ``LLM.snapshot`` gives them: for a snapshot that crossed a process or the network, so views
@@ -127,6 +127,9 @@ def keep_unchanged_blocks(snapshot: EngineSnapshot, previous: EngineSnapshot | N
     return snapshot
 
 
+def take_snapshot(*, step, model, model_impl, device, kv_cache_manager, requests, last_step,
+                  attention_backend="cpu", decode_path="paddle", block_infos: BlockInfos | None = None
+                  ) -> EngineSnapshot:
     """Build a snapshot from the KV cache manager and the live requests (O(blocks)); with
     ``block_infos`` (the engine's), unchanged blocks keep the ``BlockInfo`` of the last one."""
     bs = kv_cache_manager.block_size

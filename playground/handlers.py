@@ -533,8 +533,8 @@ class Handlers:
 
     def _inspector(self, session: ChatSession, snap: dict) -> str:
         """The block inspector of ``session.inspected`` in ``snap``."""
-        if session.inspected is None:
-            return block_inspector_html(None, None)
+        if session.inspected is None:    # a server without blocks to click: the inspector says why
+            return block_inspector_html(snap if snap.get("blocks_hidden") else None, None)
         own = {n.reply.request_id: list(n.reply.prompt_token_ids) + n.reply.all_token_ids
                for n in session.tree.replies()}
         names = self.labels(session, snap)

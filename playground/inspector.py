@@ -60,6 +60,9 @@ def block_inspector_html(
             the only ones whose text may be shown.
         decode: token ids -> text.
     """
+    if snapshot is not None and snapshot.get("blocks_hidden"):
+        return (f'{_CSS}<div class="pg-panel block-inspector block-hidden"><i>No block to inspect: this server '
+                "does not expose its KV blocks (the map above says why).</i></div>")
     if snapshot is None or block_id is None:
         return f'{_CSS}<div class="pg-panel block-inspector"><i>Click a block for what it holds.</i></div>'
     block = next((b for b in snapshot.get("blocks") or [] if b.get("block_id") == block_id), None)

@@ -52,7 +52,8 @@ const draw = () => {
   const cells = map.querySelectorAll('.kv-grid .kv-cell');
   const grid = element.querySelector('.mini-grid');
   grid.style.gridTemplateColumns = `repeat(${Math.max(64, Math.ceil(cells.length / 8))}, minmax(0, 1fr))`;
-  grid.innerHTML = map.querySelector('.kv-grid').innerHTML;
+  const source = map.querySelector('.kv-grid');          // none: a server whose blocks are not exposed
+  grid.innerHTML = source ? source.innerHTML : '';
   const usage = map.querySelector('.pg-head span');
   element.querySelector('.mini-usage').textContent = usage ? usage.textContent.replace(' blocks', '') : '';
 };

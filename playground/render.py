@@ -130,6 +130,8 @@ def block_map_html(
     Each cell is a ``div.kv-cell.kv-<kind>`` with ``data-block``,
     ``data-ref`` and ``data-owners`` attributes and a hover ``title``.
     """
+    if snapshot.get("blocks_hidden"):
+        return _hidden_map(snapshot, css)
     all_blocks = snapshot.get("blocks") or []
     labels = labels or {}
     request_order = owner_order(snapshot)
@@ -166,6 +168,22 @@ def block_map_html(
         f'{_CSS if css else ""}<div class="pg-panel kv-map" data-step="{_e(snapshot.get("step", 0))}">{head}'
         f'<div class="kv-grid" style="grid-template-columns:repeat({cols},minmax(0,1fr))">'
         f'{cells}</div><div class="kv-legend">{"".join(legend)}</div></div>'
+    )
+
+
+def _hidden_map(snapshot: Mapping[str, Any], css: bool) -> str:
+    """The map's place when the engine's blocks cannot be seen (a server read through its metrics):
+    why, and what is known instead."""
+    requests = snapshot.get("requests") or ()
+    running = sum(r.get("status") == "running" for r in requests)
+    n = snapshot.get("num_blocks") or 0
+    pool = f' of {n} blocks × {_e(snapshot.get("block_size"))} tokens' if n else ""
+    return (
+        f'{_CSS if css else ""}<div class="pg-panel kv-map kv-hidden" data-step="{_e(snapshot.get("step", 0))}">'
+        f'<div class="pg-head"><span>KV usage <b>{float(snapshot.get("kv_usage", 0.0)) * 100:.1f}%</b>{pool}</span>'
+        f'<span><b>{running}</b> running</span><span><b>{len(requests) - running}</b> waiting</span></div>'
+        f'<div class="kv-why" style="padding:10px 12px;border:1px dashed #94a3b8;border-radius:6px;color:#334155;'
+        f'background:#f8fafc"><b>No block map for this server.</b> {_e(snapshot["blocks_hidden"])}</div></div>'
     )
 
 
@@ -322,8 +340,8 @@ def prefix_cache_html(
         ("hit tokens", stats.get("hits", 0)),
         ("hit rate", f"{float(stats.get('hit_rate', 0.0)) * 100:.1f}%"),
         ("KV usage", f"{float(snapshot.get('kv_usage', 0.0)) * 100:.1f}%"),
-        ("cached blocks", kinds.count("cached")),
-        ("resets", stats.get("reset_count", 0)),
+        ("cached blocks", "not exposed" if snapshot.get("blocks_hidden") else kinds.count("cached")),
+        ("resets", "not exposed" if snapshot.get("blocks_hidden") else stats.get("reset_count", 0)),
     ]
     parts.append('<div class="pg-sub">Engine-wide (since start or last reset)</div><table class="pg-stats">')
     parts.extend(f'<tr data-stat="{_e(k)}"><td>{_e(k)}</td><td><b>{_e(v)}</b></td></tr>' for k, v in rows)
@@ -453,6 +471,8 @@ def engine_panel_html(
     ttft = last.get("ttft")
     tps = last.get("decode_tps")
     running = sum(1 for r in snapshot.get("requests") or [] if r.get("status") == "running")
+    # a server read through its metrics has no steps to show: each poll of its /metrics stands for one
+    polled = bool(snapshot.get("blocks_hidden"))
     cards = [
         _card("model", str(snapshot.get("model", "?")), "model", wide=True),
         _card("backend (model_impl)", str(snapshot.get("model_impl", "?")), "model_impl"),
@@ -461,9 +481,11 @@ def engine_panel_html(
         _card("decode", "–" if tps is None else f"{tps:.1f} tok/s", "decode_tps"),
         _card("running requests", str(running), "running"),
         _card("KV usage", f"{float(snapshot.get('kv_usage', 0.0)) * 100:.1f}%", "kv_usage"),
-        _card("engine step", str(snapshot.get("step", 0)), "step"),
+        _card("polls with work" if polled else "engine step", str(snapshot.get("step", 0)), "step"),
     ]
     values = [int(s.get("batch_size", 0)) for s in steps]
+    title = ("Requests running at each poll of the server's /metrics that saw work" if polled
+             else "Batch size per engine step")
     colors = ["#d97706" if s.get("num_prefill") else "#6366f1" for s in steps]
     titles = []
     for s in steps:
@@ -477,7 +499,8 @@ def engine_panel_html(
     chart = bar_chart_svg(
         values, labels=[str(s.get("step", "")) for s in steps], titles=titles, colors=colors,
         # an even y_max gives an integer middle label
-        y_max=float(-(-max(values + [4]) // 2) * 2), x_caption="engine step", css_class="pg-chart batch-chart",
+        y_max=float(-(-max(values + [4]) // 2) * 2), x_caption="poll" if polled else "engine step",
+        css_class="pg-chart batch-chart",
         empty_text="no engine steps yet", height=120,
     )
     legend = (
@@ -487,7 +510,7 @@ def engine_panel_html(
     )
     return (
         f'{_CSS}<div class="pg-panel engine-panel"><div class="pg-cards">{"".join(cards)}</div>'
-        f'<div class="pg-sub">Batch size per engine step</div>{chart}{legend}</div>'
+        f'<div class="pg-sub">{title}</div>{chart}{legend}</div>'
     )
 
 
@@ -558,4 +581,5 @@ def engine_badges(snapshot: Mapping[str, Any]) -> list[str]:
     implementation, device, attention kernels, decode path, KV pool size. Plain text; escape it."""
     return [str(snapshot.get("model")), str(snapshot.get("model_impl")), str(snapshot.get("device")),
             f"attention: {snapshot.get('attention_backend')}", f"decode: {snapshot.get('decode_path')}",
-            f"{snapshot.get('num_blocks')} KV blocks × {snapshot.get('block_size')} tokens"]
+            f"{snapshot.get('num_blocks')} KV blocks × {snapshot.get('block_size')} tokens"
+            if snapshot.get("num_blocks") or not snapshot.get("blocks_hidden") else "KV blocks not exposed"]

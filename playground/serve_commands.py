@@ -51,7 +51,9 @@ def serve_commands(llm: Any, port: int = 8000) -> dict[str, str]:
         common.append(f"--max-num-batched-tokens {s['max_num_batched_tokens']}")
     prefix = "--enable-prefix-caching" if s["prefix"] else "--no-enable-prefix-caching"
     ours = ["python -m engine.entrypoints.openai.api_server", f"--model {s['zoo']}", f"--port {port}", *common,
-            prefix, f"--model-impl {s['impl']}"]
+            prefix]
+    if s["impl"] in ("native", "paddleformers", "paddlefleet"):     # not another server's (engine.client.OpenAIServer)
+        ours.append(f"--model-impl {s['impl']}")
     fastdeploy = ["python -m fastdeploy.entrypoints.openai.api_server", f"--model {s['model']}", f"--port {port}",
                   f"--metrics-port {port + 1}", f"--engine-worker-queue-port {port + 2}", *common, prefix,
                   "--enable-logprob"]
