@@ -72,6 +72,11 @@ def test_greedy_chat_and_logprobs_as_in_process(client, smollm2_llm):
     deltas = list(client.stream(CONVERSATION, params))
     assert [t for d in deltas for t in d.token_ids] == want.outputs[0].token_ids and deltas[-1].finished
     assert deltas[-1].prompt_token_ids == want.prompt_token_ids
+    scored = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=3)     # the prompt view's request
+    got, want = (llm.generate({"prompt_token_ids": want.prompt_token_ids}, scored)[0] for llm in (client, smollm2_llm))
+    assert got.prompt_logprobs[0] is None and len(got.prompt_logprobs) == len(want.prompt_logprobs)
+    for a, b in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]):
+        assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-3 for t in a)
     text = client.generate("The capital of France is", SamplingParams(max_tokens=4, temperature=0))[0]
     assert text.outputs[0].text == smollm2_llm.generate("The capital of France is",
                                                         SamplingParams(max_tokens=4, temperature=0))[0].outputs[0].text
@@ -250,6 +255,8 @@ def test_chat_through_llama_server(llama_server, smollm2_llm):
         branch = list(c.stream({"prompt_token_ids": last.prompt_token_ids + ids[:1] + [forced]},
                                SamplingParams(max_tokens=3, temperature=0, logprobs=2)))
         assert branch[-1].finish_reason == "length" and len([t for d in branch for t in d.token_ids]) == 3
+        scored = c.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
+        assert "does not return prompt logprobs" in scored.error    # the prompt view says why
         snap = c.snapshot()
         assert snap.prefix_cache.queries > 0 and snap.prefix_cache.hits > 0
         assert "no KV-usage gauge" in snap.blocks_hidden

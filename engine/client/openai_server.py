@@ -220,6 +220,8 @@ class OpenAIServer:
             finish = "abort"
         elif error is None and finish is None:
             error = "the server closed the stream before the request finished"
+        elif error is None and params.prompt_logprobs is not None and prompt_lps is None:
+            error = f"{self.server} does not return prompt logprobs (vLLM's prompt_logprobs extra)"
         metrics.finished_time = time.time()
         if finish == "stop" and last and last[1] and not last[0] and not (params.stop or params.stop_token_ids):
             # ended by a token without text and no stop the caller set: the model's end of turn (vLLM-like
