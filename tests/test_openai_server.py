@@ -72,7 +72,7 @@ def metrics_of(client) -> dict[str, float]:
     return metrics(str(client.base_url).removesuffix("/v1/"))
 
 
-def wait_idle(server, timeout=10.0) -> dict:
+def wait_idle(server, timeout=30.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         m = metrics(server)
@@ -353,8 +353,8 @@ def test_busy_port_and_impossible_settings_fail_before_loading():
         busy.listen()
         out = run_cli("--port", str(busy.getsockname()[1]))
     assert out.returncode != 0 and "cannot listen on 127.0.0.1" in out.stderr and "loading" not in out.stderr
-    out = run_cli("--tensor-parallel-size", "2")
-    assert out.returncode == 2 and "tensor parallelism is not available" in out.stderr
+    out = run_cli("--tensor-parallel-size", "999")
+    assert out.returncode == 2 and "tensor_parallel_size=999 is more ranks than" in out.stderr
 
 
 @pytest.mark.slow

@@ -51,9 +51,9 @@ class ServerState:
         from .serving import OpenAIServing
 
         self.metrics = ServerMetrics(llm, self.served_model_name)
-        self.serving = OpenAIServing(AsyncEngine(llm), llm.get_tokenizer(), model_name=self.served_model_name,
-                                     max_model_len=llm.engine.max_model_len, max_logprobs=self.max_logprobs,
-                                     on_finished=self.metrics.on_finished)
+        self.serving = OpenAIServing(AsyncEngine(llm, observe=self.metrics.observe), llm.get_tokenizer(),
+                                     model_name=self.served_model_name, max_model_len=llm.max_model_len,
+                                     max_logprobs=self.max_logprobs)
         self.llm = llm
 
     def shutdown(self) -> None:

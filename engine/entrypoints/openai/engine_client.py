@@ -18,8 +18,12 @@ from ...sampling_params import SamplingParams
 
 
 class AsyncEngine:
-    def __init__(self, llm):
-        self.llm = llm
+    """``observe(delta)``, when given, sees every delta of every request on the engine's thread as
+    it is produced (the server's metrics: tokens counted per step, as vLLM does, and requests whose
+    client went away counted too); it must be quick."""
+
+    def __init__(self, llm, observe=None):
+        self.llm, self.observe = llm, observe
 
     async def submit(self, prompt, params: SamplingParams, request_id: str | None, into: asyncio.Queue, key) -> str:
         """Queue one request (``prompt`` in any form ``LLM`` takes); its deltas arrive in ``into`` as
@@ -27,7 +31,11 @@ class AsyncEngine:
         raises ``ValueError`` here."""
         loop = asyncio.get_running_loop()
 
+        observe = self.observe
+
         def on_delta(delta) -> None:
+            if observe is not None and not isinstance(delta, BaseException):
+                observe(delta)
             try:
                 loop.call_soon_threadsafe(into.put_nowait, (key, delta))
             except RuntimeError:        # the loop is closed: the server is gone, nobody reads this

@@ -27,7 +27,7 @@ FD_TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75
 
 
 class ServerMetrics:
-    """The server's Prometheus registry; ``on_finished(delta)`` for each finished request."""
+    """The server's Prometheus registry; ``observe(delta)`` for every delta the engine produces."""
 
     def __init__(self, llm, model_name: str):
         disable_created_metrics()       # as vLLM: no *_created series beside each counter and histogram
@@ -76,10 +76,22 @@ class ServerMetrics:
             with self._lock:
                 self.preemptions += 1
 
-    def on_finished(self, delta) -> None:
+    def observe(self, delta) -> None:
+        """Every delta as the engine produces it: tokens counted as they come (a smooth rate, as
+        vLLM's per-step counters), latencies and outcomes when the request finishes."""
         m = delta.metrics
         if m is None:
             return
+        if delta.token_ids:
+            for c in self.generation_tokens:
+                c.inc(len(delta.token_ids))
+            if m.num_output_tokens == len(delta.token_ids):     # its first tokens: the prompt is read
+                for c in self.prompt_tokens:
+                    c.inc(delta.num_prompt_tokens)
+        if delta.finished:
+            self._finished(delta, m)
+
+    def _finished(self, delta, m) -> None:
         if m.ttft is not None:
             for h in self.ttft:
                 h.observe(m.ttft)
@@ -89,10 +101,6 @@ class ServerMetrics:
         if m.finished_time is not None:
             for h in self.e2e:
                 h.observe(m.finished_time - m.arrival_time)
-        for c in self.prompt_tokens:
-            c.inc(delta.num_prompt_tokens)
-        for c in self.generation_tokens:
-            c.inc(m.num_output_tokens)
         if delta.finish_reason in ("stop", "length", "abort"):
             self.vllm_success.labels(**self._labels, finished_reason=delta.finish_reason).inc()
             if delta.finish_reason != "abort":

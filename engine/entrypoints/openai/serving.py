@@ -50,11 +50,9 @@ class _Choice:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len: int, max_logprobs: int,
-                 on_finished=None):
+    def __init__(self, engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len: int, max_logprobs: int):
         self.engine, self.tokenizer = engine, tokenizer
         self.model_name, self.max_model_len, self.max_logprobs = model_name, max_model_len, max_logprobs
-        self.on_finished = on_finished or (lambda delta: None)
 
     # -- the two endpoints -----------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest):
@@ -114,7 +112,7 @@ class OpenAIServing:
         if req.stream:
             return self._stream(kind, req, prompts, run, head)
         try:
-            await run.drain(self.on_finished)
+            await run.drain()
         finally:
             await run.close()
         return self._response(kind, req, prompts, run, head)
@@ -164,7 +162,7 @@ class OpenAIServing:
                 yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None} for c in run.choices], **first)
             echoed, ids_sent = set(), set()
-            async for c, delta in run.deltas(self.on_finished):
+            async for c, delta in run.deltas():
                 if delta.finish_reason == "error":
                     raise ApiError(f"the request failed in the engine: {delta.error}", status=500)
                 choice = {"index": c.index}
@@ -230,7 +228,7 @@ class _Run:
             await self.close()
             raise
 
-    async def deltas(self, on_finished) -> AsyncIterator[tuple[_Choice, StreamDelta]]:
+    async def deltas(self) -> AsyncIterator[tuple[_Choice, StreamDelta]]:
         remaining = len(self.choices)
         while remaining:
             index, delta = await self.into.get()
@@ -249,11 +247,10 @@ class _Run:
                 c.finish_reason = delta.finish_reason
                 self.live.pop(index, None)
                 remaining -= 1
-                on_finished(delta)
             yield c, delta
 
-    async def drain(self, on_finished) -> None:
-        async for _ in self.deltas(on_finished):
+    async def drain(self) -> None:
+        async for _ in self.deltas():
             pass
 
     async def close(self) -> None:
