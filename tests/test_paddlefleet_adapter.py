@@ -16,11 +16,21 @@ PaddlePaddle/PaddleFleet (``src/paddlefleet/``) and FastDeploy:
   ``scale_mask_softmax = FusedScaleMaskSoftmax(scale=that layer number or None,
   sliding_window=config.sliding_window if is_layer_window_attention(...))``; its
   fp32 path computes ``softmax(scale * (softmax_scale * q.k))``;
-* ``fusions/fused_softmax.py`` @ 3ca20b50f66310b722b2b507d54830b82da1c950:
-  ``FusedScaleMaskSoftmax`` keeps ``scale`` and ``sliding_window``;
-* ``transformer/utils.py`` @ 1ca69ff4469e45b03d0a85a4ed210f7f8602d714:
+* ``fusions/fused_softmax.py`` @ 751ba01542a382a802055a82b7cc1b77bdeb3950:
+  ``FusedScaleMaskSoftmax`` keeps ``scale`` and ``sliding_window``; its forward scales the
+  scores by ``scale``, masks them with ``get_sliding_window_causal_mask(sq, sk, sliding_window)``
+  when there is a window (else the causal mask when ``sq > 1``) through ``attention_mask_func``
+  (``masked_fill_(mask, -10000.0)``), then softmax;
+* ``transformer/utils.py`` @ d2a7743e5c125c706fcc4b988fde056ab05d367e:
   ``is_layer_window_attention`` (0-based layer number, ``window_attn_skip_freq``);
-  an int window ``W`` is "HF causal one-sided", ``(left, right)`` two-sided, ``left < 0`` infinite;
+  ``get_sliding_window_causal_mask`` reads an int ``W`` as ``(left=W, right=0)``, masks (True)
+  all but ``triu(diagonal=skv - sq - left)`` and ``tril(diagonal=skv - sq + right)``, and skips
+  the ``triu`` for ``left < 0``; ``startend_row_indices_add_sliding_window`` takes
+  ``left`` of either form (``get_sliding_window_left_size``), returns the rows unchanged for
+  ``left <= 0``, else caps each key column's lower-triangle start row at ``column + left``;
+* Paddle 3.3.1 ``paddle/nn/functional/flash_attention.py`` (installed), ``flashmask_attention``:
+  with ``causal=True`` and one row index per key column ``j``, rows from
+  ``startend_row_indices[..., j, 0]`` down are masked (its ``flashmask_to_densemask``);
 * ``models/gpt/gpt_model.py`` @ 0031070c7db389c69c1d913272f893f666e910e5: ``run_function``
   is embedding, head empty layers, transformer layers, final norm, (MTP), LM head;
 * ``models/gpt/gpt_embedding.py`` @ 016a57d186b3b2c6c64ea70001383d2b9de78a16:
@@ -43,7 +53,6 @@ import numpy as np
 import paddle
 import pytest
 
-from engine.attention import dense_causal_attention
 from engine.fallback.paddlefleet import PaddleFleetModel, patch_core_attention
 from engine.models import EngineModel
 from tiny_models import packed_prefill_step
@@ -59,13 +68,53 @@ def is_layer_window_attention(sliding_window, window_attn_skip_freq, layer_numbe
     return bool(window_attn_skip_freq[layer_number])
 
 
+def sliding_window_causal_mask(sq, skv, sliding_window):
+    """``get_sliding_window_causal_mask`` in NumPy: ``[sq, skv]``, True where masked."""
+    left, right = (sliding_window, 0) if isinstance(sliding_window, int) else sliding_window
+    m = np.ones((sq, skv), dtype=bool)
+    mu = m if left < 0 else np.triu(m, k=skv - sq - left)
+    return ~np.tril(mu, k=skv - sq + right)
+
+
+def default_causal_mask(sq):
+    """``get_default_causal_mask``: True above the diagonal."""
+    return np.triu(np.ones((sq, sq), dtype=bool), k=1)
+
+
+def flashmask_sliding_window_mask(seq, sliding_window, lts=None):
+    """The dense mask (True where masked) of ``startend_row_indices_add_sliding_window`` applied to
+    causal ``[..., seq, 1]`` row indices ``lts`` (default ``seq``: nothing below the diagonal), as
+    ``flashmask_attention`` reads them with ``causal=True``."""
+    lts = np.full(seq, seq, dtype=np.int64) if lts is None else np.asarray(lts)
+    left = sliding_window if isinstance(sliding_window, int) else sliding_window[0]
+    if sliding_window and left > 0:
+        lts = np.minimum(lts, np.arange(left, seq + left))
+    mask = default_causal_mask(seq)
+    for j in range(seq):
+        mask[lts[j]:, j] = True
+    return mask
+
+
 class FusedScaleMaskSoftmax:
     def __init__(self, scale, sliding_window=None):
         self.scale, self.sliding_window = scale, sliding_window
 
+    def __call__(self, scores):  # [np, sq, sk] float32, the fp32 path
+        if self.scale is not None:
+            scores = scores * self.scale
+        sq, sk = scores.shape[1:]
+        if self.sliding_window is not None:
+            mask = sliding_window_causal_mask(sq, sk, self.sliding_window)
+        else:
+            mask = default_causal_mask(sq) if sq > 1 else None
+        if mask is not None:
+            scores = np.where(mask, np.float32(-10000.0), scores)
+        e = np.exp(scores - scores.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
 
 class DotProductAttention:
-    """The library's core attention (fp32 path, no window): what an unpatched layer computes."""
+    """The library's core attention (fp32 path, window included): what an unpatched layer computes."""
 
     def __init__(self, config, layer_number, softmax_scale=None):
         self.config = config
@@ -85,10 +134,12 @@ class DotProductAttention:
         self.scale_mask_softmax = FusedScaleMaskSoftmax(coeff, window)
 
     def __call__(self, query, key, value, attention_mask, *args, **kwargs):
-        assert self.scale_mask_softmax.sliding_window is None
-        scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1)
-        out = dense_causal_attention(query[0], key[0], value[0], scale=scale)
-        return out.reshape([1, out.shape[0], -1])
+        q, k, v = (t.numpy()[0].transpose(1, 0, 2) for t in (query, key, value))  # [heads, s, D]
+        groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        k, v = np.repeat(k, groups, axis=0), np.repeat(v, groups, axis=0)  # repeat_interleave on heads
+        probs = self.scale_mask_softmax(self.softmax_scale * (q @ k.transpose(0, 2, 1)))
+        out = (probs @ v).transpose(1, 0, 2)  # [s, heads, D]
+        return paddle.to_tensor(out.reshape(1, out.shape[0], -1).astype(np.float32))
 
 
 class SelfAttention:
@@ -189,11 +240,52 @@ def test_query_key_layer_scaling_is_multiplied_back_like_the_layers_softmax():
     assert [a.scale for a in patch_core_attention(model)] == pytest.approx([8 ** -0.5] * 3)
 
 
-@pytest.mark.parametrize("window, expected", [(3, [None, 3, None, 3]), ((2, 0), [None, 3, None, 3]),
-                                              ((-1, 0), [None] * 4)])
+@pytest.mark.parametrize("window, expected", [(3, [None, 4, None, 4]), ((3, 0), [None, 4, None, 4]),
+                                              (2, [None, 3, None, 3]), ((2, 0), [None, 3, None, 3]),
+                                              (-1, [None] * 4), ((-1, 0), [None] * 4)])
 def test_sliding_window_is_read_as_each_layer_decided(window, expected):
+    """An int ``W`` and ``(W, 0)`` are the same window of ``W + 1`` keys (the engine's ``w``: keys > p - w)."""
     model = GPTModel(4, sliding_window=window, window_attn_skip_freq=2)  # layers 1 and 3 slide
     assert [a.sliding_window for a in patch_core_attention(model)] == expected
+
+
+def test_a_window_that_sees_later_keys_is_refused():
+    with pytest.raises(NotImplementedError, match=r"\(2, 1\) lets queries see 1 later keys"):
+        patch_core_attention(GPTModel(2, sliding_window=(2, 1)))
+
+
+def test_fleet_mask_rules_window_forms_and_key_counts():
+    """Both forms of a window give one mask in each of PaddleFleet's paths: the fp32 mask keeps the query
+    and the ``W`` keys before it, the flashmask row indices keep ``W`` keys (Paddle's own sliding-window
+    example: row indices ``j + 3`` keep 3 keys); the adapter follows the fp32 mask its
+    ``DotProductAttention`` applies."""
+    fp32 = sliding_window_causal_mask(4, 4, 2)
+    np.testing.assert_array_equal(~fp32, [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 1, 1, 1]])
+    np.testing.assert_array_equal(sliding_window_causal_mask(2, 4, 1), [[1, 0, 0, 1], [1, 1, 0, 0]])  # sq < skv
+    np.testing.assert_array_equal(sliding_window_causal_mask(4, 4, (-1, 0)), default_causal_mask(4))
+    paddle_example = [[1, 0, 0, 0, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0, 0, 0],
+                      [1, 1, 1, 0, 0, 0, 0, 0, 0, 0]] + [[0] * (i - 2) + [1, 1, 1] + [0] * (9 - i) for i in range(3, 10)]
+    np.testing.assert_array_equal(~flashmask_sliding_window_mask(10, 3), paddle_example)
+    for w in (1, 2, 5):
+        np.testing.assert_array_equal(sliding_window_causal_mask(8, 8, w), sliding_window_causal_mask(8, 8, (w, 0)))
+        np.testing.assert_array_equal(flashmask_sliding_window_mask(8, w), flashmask_sliding_window_mask(8, (w, 0)))
+        assert (~sliding_window_causal_mask(8, 8, w)).sum(-1)[-1] == w + 1
+        assert (~flashmask_sliding_window_mask(8, w)).sum(-1)[-1] == w
+        (adapter,) = patch_core_attention(GPTModel(1, sliding_window=w))
+        assert adapter.sliding_window == w + 1
+
+
+@pytest.mark.parametrize("window", [2, (2, 0), 4])
+def test_windowed_packed_batch_matches_the_library_fp32_mask(window):
+    """Every layer slides; the sequences are longer than the window, so the window cuts keys off."""
+    lengths, ids = [6, 9], [[3, 9, 1, 4, 4, 8], [7, 7, 2, 30, 5, 11, 0, 19, 6]]
+    expected = np.concatenate([_library_hidden(GPTModel(2, sliding_window=window), s) for s in ids])
+    unwindowed = np.concatenate([_library_hidden(GPTModel(2), s) for s in ids])
+    assert np.abs(expected - unwindowed).max() > 1e-3  # the window changes the output
+    wrapped = PaddleFleetModel(GPTModel(2, sliding_window=window), vocab_size=30)
+    meta, caches = packed_prefill_step(lengths, 2, 8, layers=2)
+    hidden = wrapped.forward(paddle.to_tensor(np.concatenate(ids).astype(np.int64)), meta.positions, meta, caches)
+    np.testing.assert_allclose(hidden.numpy(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_layers_that_cannot_map_to_caches_are_refused():

@@ -23,8 +23,16 @@ needs from the layers themselves:
   layer number and its fp32 softmax multiplies it back (FastDeploy passes the
   divided scale on);
 * **the sliding window** the layer decided (``scale_mask_softmax.sliding_window``,
-  from ``is_layer_window_attention``): an int ``W`` is HF's one-sided window,
-  ``(left, 0)`` Fleet's two-sided form with ``left`` keys before the query.
+  from ``is_layer_window_attention``), as the fp32 path of ``FusedScaleMaskSoftmax``
+  masks with it: ``get_sliding_window_causal_mask`` (``src/paddlefleet/transformer/utils.py``
+  @ d2a7743e5c125c706fcc4b988fde056ab05d367e) reads an int ``W`` as ``(left=W, right=0)``
+  and lets the query at position ``p`` see keys ``p - left .. p + right``, so ``W`` and
+  ``(W, 0)`` are one window of ``W + 1`` keys (the ``W`` keys before the query and the
+  query); ``left < 0`` is no window. (The flashmask path's
+  ``startend_row_indices_add_sliding_window``, same file, caps each key column's
+  masked-from row at ``column + W`` for both forms alike, which by Paddle's
+  ``flashmask_attention`` row-index rule keeps ``W`` keys: one fewer than the fp32
+  mask. The adapter replaces ``DotProductAttention``, whose mask is the fp32 one.)
 
 The model is fed the way FastDeploy feeds it: token embeddings from
 ``get_input_embeddings()`` as ``decoder_input`` of the ``GPTEmbedding``, with
@@ -63,15 +71,18 @@ def paddlefleet_available() -> bool:
 
 
 def _window(sliding_window) -> int | None:
-    """HF-style window (a query at p sees keys > p - w) from Fleet's int or ``(left, right)`` form."""
+    """The engine's window ``w`` (a query at ``p`` sees keys ``> p - w``) for a Fleet window, int ``W`` or
+    ``(left, right)``, as ``get_sliding_window_causal_mask`` masks: int ``W`` is ``(W, 0)``, and
+    ``(left, 0)`` lets the query see ``left`` keys before it and itself, ``w = left + 1``."""
     if sliding_window is None:
         return None
-    if isinstance(sliding_window, (tuple, list)):
-        left, right = sliding_window
-        if right not in (0, None):
-            raise NotImplementedError(f"sliding window {tuple(sliding_window)} is not a causal left window")
-        return None if left is None or left < 0 else int(left) + 1  # (left, 0): `left` keys, then the query
-    return int(sliding_window) if sliding_window > 0 else None
+    left, right = tuple(sliding_window) if isinstance(sliding_window, (tuple, list)) else (sliding_window, 0)
+    if right not in (0, None):
+        raise NotImplementedError(f"sliding window {sliding_window!r} lets queries see {right} later keys; "
+                                  "the engine's attention is causal")
+    if left is None or left < 0:  # Fleet's infinite window: a plain causal mask
+        return None
+    return int(left) + 1
 
 
 def cache_index(transformer_layer) -> int:
