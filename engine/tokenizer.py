@@ -81,7 +81,7 @@ class Tokenizer:
         chat_template: Jinja2 source, or ``None``.
         fallback_chat_template: used, with a one-time warning, when the
             checkpoint has no template but its architecture has a well-known
-            turn format (Gemma).
+            turn format (Gemma, ERNIE 4.5).
         name: what to call the model in messages.
     """
 
@@ -137,8 +137,8 @@ class Tokenizer:
                             **extra) -> str:
         """Render `messages` ([{"role": ..., "content": ...}]) into the prompt text.
 
-        Uses the checkpoint's template; for Gemma checkpoints without one, the
-        Gemma turn format (with a warning, once).  Other checkpoints without a
+        Uses the checkpoint's template; for Gemma and ERNIE 4.5 checkpoints without
+        one, their own tokenizer's turn format (with a warning, once).  Other checkpoints without a
         template raise `ValueError`.  Encode the result with
         ``add_special_tokens=False``: the template already placed BOS etc.
         """
@@ -149,8 +149,11 @@ class Tokenizer:
                     f"{self.name} has no chat template (it is probably a base model): "
                     "use plain-text generation instead of chat")
             if not self._warned_fallback:
-                logger.warning("%s has no chat template; using Gemma's turn format "
-                               "(<start_of_turn>role ... <end_of_turn>)", self.name)
+                sample = _compile_template(self.fallback_chat_template).render(
+                    messages=[{"role": "user", "content": "..."}], add_generation_prompt=True,
+                    bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                logger.warning("%s has no chat template; using its architecture's turn format, a user "
+                               "turn rendered as %r", self.name, sample)
                 self._warned_fallback = True
             source = self.fallback_chat_template
         if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) for m in messages):

@@ -173,3 +173,32 @@ def test_native_matches_hf_transformers_ernie(ernie_dir, transformers):
             ours = native.compute_logits(native(x, paddle.arange(len(ids), dtype="int64"))).numpy()
         assert np.abs(ours - theirs).max() <= 1e-4
         assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+
+
+def test_a_checkpoint_without_a_template_chats_in_ernies_turn_format(tmp_path, caplog):
+    """ERNIE 4.5's tokenizer_config template (huggingface/transformers
+    ``src/transformers/models/ernie4_5/convert_ernie4_5_tokenizer.py`` @ 0bbbf64fb93addfd4d24af8d4c8fd20aa5881091,
+    ``DEFAULT_CHAT_TEMPLATE``): the ``<|begin_of_sentence|>`` prefix, a system message then ``\\n``,
+    ``User: ...\\n``, ``Assistant: ...<|end_of_sentence|>``, and ``Assistant: `` to prompt -- PaddleFormers'
+    ``ernie_nothink`` SFT template (``paddleformers/datasets/template/template.py``) lays turns out the same."""
+    from engine.loader.hf import tokenizer_from_hf_dir
+
+    directory = make_tiny_ernie(str(tmp_path))
+    path = os.path.join(directory, "tokenizer_config.json")
+    with open(path) as fh:
+        tok_config = json.load(fh)
+    tok_config.pop("chat_template")
+    with open(path, "w") as fh:
+        json.dump(tok_config, fh)
+    with open(os.path.join(directory, "config.json")) as fh:
+        tok = tokenizer_from_hf_dir(directory, json.load(fh))
+    assert tok.chat_template is None
+    messages = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "How are you?"}]
+    with caplog.at_level("WARNING", logger="engine"):
+        text = tok.apply_chat_template(messages)
+        assert tok.apply_chat_template(messages[1:2], add_generation_prompt=False) == "<|begin_of_sentence|>User: Hi\n"
+    assert text == ("<|begin_of_sentence|>You are helpful.\nUser: Hi\nAssistant: Hello<|end_of_sentence|>"
+                    "User: How are you?\nAssistant: ")
+    warnings = [r.getMessage() for r in caplog.records if "no chat template" in r.getMessage()]
+    assert len(warnings) == 1 and "User: ...\\nAssistant: " in warnings[0]

@@ -37,7 +37,7 @@ _REGEX_BY_PRE = {"llama-bpe": _LLAMA3_REGEX, "llama3": _LLAMA3_REGEX, "smaug-bpe
                  "qwen2": _QWEN2_REGEX, "deepseek-r1-qwen": _QWEN2_REGEX}
 
 # Tokens that end an assistant turn in common chat formats.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>")
+END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "<|end_of_sentence|>")
 
 # Gemma's turn format, for Gemma checkpoints whose GGUF carries no template.
 GEMMA_CHAT_TEMPLATE = (
@@ -55,6 +55,35 @@ GEMMA_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
 )
+
+# ERNIE 4.5's turn format, for ERNIE 4.5 checkpoints that carry no template: the ``chat_template`` that
+# huggingface/transformers' src/transformers/models/ernie4_5/convert_ernie4_5_tokenizer.py
+# @ 0bbbf64fb93addfd4d24af8d4c8fd20aa5881091 writes into ERNIE 4.5's tokenizer_config.json
+# (DEFAULT_CHAT_TEMPLATE, from baidu/ERNIE-4.5-0.3B-Base-PT; the same string as the tokenizer_config of
+# ERNIE-4.5-0.3B-PT recorded in tokenization_ernie4_5.py @ b33edd1c3847633508c323482ed346e8983c2e14).
+# paddleformers 1.2's Ernie4_5Tokenizer is HF's LlamaTokenizer and brings no template of its own.
+ERNIE4_5_CHAT_TEMPLATE = (
+    '{%- if not add_generation_prompt is defined -%}\n    {%- set add_generation_prompt = true -%}\n'
+    '{%- endif -%}\n{%- if not cls_token is defined -%}\n    {%- set cls_token = "<|begin_of_sentence|>" -%}\n'
+    '{%- endif -%}\n{%- if not sep_token is defined -%}\n    {%- set sep_token = "<|end_of_sentence|>" -%}\n'
+    '{%- endif -%}\n{{- cls_token -}}\n{%- for message in messages -%}\n'
+    '    {%- if message["role"] == "user" -%}\n        {{- "User: " + message["content"] + "\\n" -}}\n'
+    '    {%- elif message["role"] == "assistant" -%}\n'
+    '        {{- "Assistant: " + message["content"] + sep_token -}}\n'
+    '    {%- elif message["role"] == "system" -%}\n        {{- message["content"] + "\\n" -}}\n'
+    '    {%- endif -%}\n{%- endfor -%}\n{%- if add_generation_prompt -%}\n    {{- "Assistant: " -}}\n'
+    '{%- endif -%}'
+)
+
+
+def fallback_chat_template(architecture: str) -> str | None:
+    """The turn format of an architecture whose own tokenizer has a well-known one (GGUF
+    ``general.architecture`` or HF ``model_type``): Gemma's, ERNIE 4.5's; else ``None``."""
+    if architecture.startswith("gemma"):
+        return GEMMA_CHAT_TEMPLATE
+    if architecture.startswith("ernie4_5"):
+        return ERNIE4_5_CHAT_TEMPLATE
+    return None
 
 
 def _spm_merges(tokens: list[str], scores: np.ndarray, types: np.ndarray) -> list[tuple[str, str]]:
@@ -156,7 +185,7 @@ def tokenizer_from_gguf(f: GGUFFile) -> Tokenizer:
                  bool(f.get("tokenizer.ggml.add_eos_token", False)))
 
     template = f.get("tokenizer.chat_template")
-    fallback = GEMMA_CHAT_TEMPLATE if template is None and f.architecture.startswith("gemma") else None
+    fallback = fallback_chat_template(f.architecture) if template is None else None
     turn_format = template or fallback or ""
     eos_ids = [] if eos_id is None else [eos_id]
     for token in END_OF_TURN_TOKENS:

@@ -25,7 +25,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from ..tokenizer import Tokenizer
 from .checkpoint import Checkpoint, check_dtype, check_finite, numpy_dtype, validate_config
-from .gguf_tokenizer import GEMMA_CHAT_TEMPLATE
+from .gguf_tokenizer import fallback_chat_template
 from .progress import load_progress
 
 
@@ -102,7 +102,7 @@ def tokenizer_from_hf_dir(directory: str, config: dict) -> Tokenizer:
             eos_ids.append(int(candidate))
     pad_id = token_id("pad_token")
     template = _chat_template(directory, tok_config)
-    fallback = GEMMA_CHAT_TEMPLATE if template is None and config.get("model_type", "").startswith("gemma") else None
+    fallback = fallback_chat_template(config.get("model_type") or "") if template is None else None
     return Tokenizer(backend, bos_token_id=bos_id, eos_token_ids=eos_ids,
                      pad_token_id=pad_id if pad_id is not None else config.get("pad_token_id"),
                      unk_token_id=token_id("unk_token"), chat_template=template,
