@@ -6,12 +6,18 @@ The public names are imported on first use (PEP 562), so ``engine.config`` and a
 """
 
 import importlib
+import sys
 import warnings
 
 # Importing Paddle warns "No ccache found" (about building C++ extensions, which this project
 # never does) on every start; that one message is silenced, before the first Paddle import.
 warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning,
                         module=r"paddle\.utils\.cpp_extension")
+
+if "paddle" in sys.modules:     # imported before the engine: take back its root-logger setup now
+    from .logs import undo_paddle_root_logging
+
+    undo_paddle_root_logging()      # (engine.llm_engine does it where the engine itself imports Paddle)
 
 _PUBLIC = {
     "LLM": ".llm", "LLMProcess": ".llm_process", "SamplingParams": ".sampling_params", "EngineConfig": ".config",
