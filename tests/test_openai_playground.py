@@ -149,7 +149,7 @@ def test_snapshot_and_events_from_metrics(client, smollm2_llm):
             time.sleep(0.05)
         assert any(e.kind == "step" and e.data["batch_size"] == 1 and e.data["polled"] for e in events)
         assert list(stream)[-1].finish_reason == "length"
-        # the tokens generated reach the step events when the server counts them (ours: as a request ends)
+        # the tokens generated reach the step events as the server counts them (ours: as they are produced)
         while sum(len(e.data["decode"]) for e in events if e.kind == "step") < 60 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert sum(len(e.data["decode"]) for e in events if e.kind == "step") >= 60

@@ -193,13 +193,13 @@ class MetricsPoller:
     def subscribe(self, callback):
         with self._lock:
             self._listeners.append(callback)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._poll, name="server-metrics", daemon=True)
+            if self._thread is None:    # the counters now are the baseline: work from here on is counted
+                self._thread = threading.Thread(target=self._poll, args=(self.read(),), name="server-metrics",
+                                                daemon=True)
                 self._thread.start()
         return lambda: self._listeners.remove(callback) if callback in self._listeners else None
 
-    def _poll(self) -> None:
-        before = None
+    def _poll(self, before) -> None:
         while not self._stop.wait(self.poll_s):
             with self._lock:
                 now = self._reading = self.read()
