@@ -10,7 +10,7 @@ extras FastDeploy and vLLM accept (``top_k``, ``min_p``, ``repetition_penalty``,
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError  # noqa: F401  (re-exported)
 
@@ -92,7 +92,7 @@ class _Request(BaseModel):
                 logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens, **given, **extras)
         except (TypeError, ValueError) as exc:
-            raise ApiError(str(exc), param=_field_named_in(str(exc))) from None
+            raise ApiError(str(exc), param=param_named_in(str(exc))) from None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -159,10 +159,7 @@ class CompletionRequest(_Request):
         return list(p)
 
 
-Endpoint = Literal["chat", "completion"]
-
-
-def _field_named_in(message: str) -> str | None:
+def param_named_in(message: str) -> str | None:
     """``"temperature must be ..."`` -> ``"temperature"`` (the engine's messages start with the field)."""
     head = message.split(" ", 1)[0]
     return head if head.isidentifier() else None

@@ -31,7 +31,7 @@ from ...llm import EngineDeadError
 from ...outputs import StreamDelta
 from .engine_client import AsyncEngine
 from .logprobs import chat_logprobs, completion_logprobs, prompt_logprobs_json
-from .protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, param_named_in
 
 logger = logging.getLogger("engine.server")
 
@@ -218,7 +218,7 @@ class _Run:
             self.live[index] = await self.engine.submit({"prompt_token_ids": self.prompts[c.prompt][0]}, params, rid,
                                                         self.into, index)
         except ValueError as exc:
-            raise ApiError(str(exc), param=_param_of(str(exc))) from None
+            raise ApiError(str(exc), param=param_named_in(str(exc))) from None
 
     async def start(self) -> None:
         try:
@@ -271,8 +271,3 @@ class _Run:
 def _echo_text(tokenizer, prompt) -> str:
     ids, text = prompt
     return text if text is not None else tokenizer.decode(ids, skip_special_tokens=False)
-
-
-def _param_of(message: str) -> str | None:
-    head = message.split(" ", 1)[0]
-    return head if head.isidentifier() else None
