@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import time
 
@@ -24,7 +23,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine_routes import add_engine_routes
 from .tokenize_routes import add_tokenize_routes
-from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, ValidationError, validation_error
+from .protocol import (ApiError, ChatCompletionRequest, CompletionRequest, ValidationError, read_json_object,
+                       validation_error)
 
 logger = logging.getLogger("engine.server")
 
@@ -123,13 +123,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     async def body_of(request: Request, model):
         serving = state.ready()
-        raw = await _body(request)
-        try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(f"the body is not valid JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise ApiError(f"the body must be a JSON object; got {type(data).__name__}")
+        data = await read_json_object(request)
         try:
             req = model.model_validate(data)
         except ValidationError as exc:
@@ -171,23 +165,6 @@ def build_app(state: ServerState) -> FastAPI:
     add_engine_routes(app, state)
     add_tokenize_routes(app, state)
     return app
-
-
-MAX_BODY_BYTES = 16 * 1024**2     # ~100x the longest prompt this engine's context holds
-
-
-async def _body(request: Request) -> bytes:
-    """The request body, refused (413) past ``MAX_BODY_BYTES`` before it is all read."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise ApiError(f"the body has {int(declared):,} bytes; at most {MAX_BODY_BYTES:,} are accepted", status=413)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise ApiError(f"the body is over {MAX_BODY_BYTES:,} bytes, the most accepted", status=413)
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 async def _unless_disconnected(request: Request, work):

@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from ...llm import EngineDeadError
-from .protocol import ApiError
+from .protocol import ApiError, read_json_object
 from ...client.wire import delta_to_dict, params_from_dict
 
 _SSE = {"media_type": "text/event-stream", "headers": {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}}
@@ -74,7 +74,7 @@ def add_engine_routes(app: FastAPI, state) -> None:
     @app.post("/engine/generate")
     async def generate(request: Request):
         state.ready()
-        body = await _json_object(request)
+        body = await read_json_object(request)
         params = _params(body.get("sampling_params") or {})
         prompt = body.get("prompt")
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) and prompt:
@@ -105,7 +105,7 @@ def add_engine_routes(app: FastAPI, state) -> None:
     @app.post("/engine/abort")
     async def abort(request: Request):
         state.ready()
-        rid = (await _json_object(request)).get("request_id")
+        rid = (await read_json_object(request)).get("request_id")
         if not isinstance(rid, str):
             raise ApiError("request_id must be a string", param="request_id")
         return {"aborted": await asyncio.to_thread(state.llm.abort, rid)}
@@ -114,16 +114,6 @@ def add_engine_routes(app: FastAPI, state) -> None:
     async def reset_prefix_cache():
         state.ready()
         return {"freed": await asyncio.to_thread(state.llm.reset_prefix_cache)}
-
-
-async def _json_object(request: Request) -> dict:
-    try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(f"the body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise ApiError(f"the body must be a JSON object; got {type(body).__name__}")
-    return body
 
 
 def _params(data):

@@ -10,6 +10,7 @@ extras FastDeploy and vLLM accept (``top_k``, ``min_p``, ``repetition_penalty``,
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError  # noqa: F401  (re-exported)
@@ -157,6 +158,30 @@ class CompletionRequest(_Request):
         if any(x == [] or x == "" for x in p):
             raise ApiError("prompt: every prompt in the list must be non-empty", param="prompt")
         return list(p)
+
+
+MAX_BODY_BYTES = 16 * 1024**2     # ~100x the longest prompt this engine's context holds
+
+
+async def read_json_object(request) -> dict:
+    """A request's body as a JSON object: 413 past ``MAX_BODY_BYTES`` (before it is all read), 400 for
+    anything that is not a JSON object. Every route that takes a body reads it here."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ApiError(f"the body has {int(declared):,} bytes; at most {MAX_BODY_BYTES:,} are accepted", status=413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ApiError(f"the body is over {MAX_BODY_BYTES:,} bytes, the most accepted", status=413)
+        chunks.append(chunk)
+    try:
+        data = json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ApiError(f"the body must be a JSON object; got {type(data).__name__}")
+    return data
 
 
 def param_named_in(message: str) -> str | None:

@@ -14,28 +14,17 @@ Like vLLM's, they sit outside ``/v1`` and so need no API key.
 
 from __future__ import annotations
 
-import json
 
 from fastapi import FastAPI, Request
 
-from .protocol import ApiError, ChatMessage
-
-
-async def _body(request: Request) -> dict:
-    try:
-        data = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(f"the body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ApiError(f"the body must be a JSON object; got {type(data).__name__}")
-    return data
+from .protocol import ApiError, ChatMessage, read_json_object
 
 
 def add_tokenize_routes(app: FastAPI, state) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request):
         state.ready()
-        data, tok = await _body(request), state.llm.get_tokenizer()
+        data, tok = await read_json_object(request), state.llm.get_tokenizer()
         if "messages" in data:
             messages = data["messages"]
             if not isinstance(messages, list) or not messages:
@@ -64,7 +53,7 @@ def add_tokenize_routes(app: FastAPI, state) -> None:
     @app.post("/detokenize")
     async def detokenize(request: Request):
         state.ready()
-        data, tok = await _body(request), state.llm.get_tokenizer()
+        data, tok = await read_json_object(request), state.llm.get_tokenizer()
         ids = data.get("tokens")
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise ApiError("tokens must be a list of token ids", param="tokens")
