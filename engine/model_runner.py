@@ -23,6 +23,7 @@ import paddle
 from .attention import AttentionMetadata
 from .fused_decode import FusedDecode, fused_decode_support
 from .scheduler import SchedulerOutput
+from .step_record import StepRecord
 
 logger = logging.getLogger("engine")
 _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -65,76 +66,53 @@ class ModelRunner:
     def pack(self, batch: SchedulerOutput) -> dict[str, np.ndarray]:
         """The batch as NumPy arrays: input ids, positions, KV slots, block tables (zero-padded),
         context lengths and the row index of each scheduled chunk's start (``starts``)."""
-        bs = self.block_size
-        ids, positions, slots, starts = [], [], [], [0]
-        context_lens, tables = [], []
-        for s in batch.scheduled:
-            req, lo, hi = s.request, s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
-            table = np.asarray(s.block_ids, dtype=np.int64)
-            pos = np.arange(lo, hi, dtype=np.int64)
-            ids.append(np.asarray(req.all_token_ids[lo:hi], dtype=np.int64))
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            starts.append(starts[-1] + s.num_new_tokens)
-            context_lens.append(hi)
-            tables.append(table)
-        width = max(len(t) for t in tables)
-        padded = np.zeros((len(tables), width), dtype=np.int32)
-        for i, t in enumerate(tables):
-            padded[i, : len(t)] = t
-        return {"ids": np.concatenate(ids), "positions": np.concatenate(positions), "slots": np.concatenate(slots),
-                "block_tables": padded, "context_lens": np.asarray(context_lens, dtype=np.int32),
-                "starts": np.asarray(starts, dtype=np.int32)}
+        return StepRecord.from_batch(batch, self.block_size).packed()
 
-    def build_metadata(self, batch: SchedulerOutput, packed: dict[str, np.ndarray] | None = None):
+    def build_metadata(self, batch: SchedulerOutput | StepRecord, packed: dict[str, np.ndarray] | None = None):
         """Pack the batch: input ids, metadata, and the row index of each scheduled chunk's start."""
-        p = self.pack(batch) if packed is None else packed
+        if isinstance(batch, StepRecord):
+            p = batch.packed()
+        else:
+            p = self.pack(batch) if packed is None else packed
         meta = AttentionMetadata(
             positions=paddle.to_tensor(p["positions"]),
             slot_mapping=paddle.to_tensor(p["slots"]),
             block_tables=paddle.to_tensor(p["block_tables"]),
             context_lens=paddle.to_tensor(p["context_lens"]),
             query_start_loc=paddle.to_tensor(p["starts"]),
-            decode_only=all(s.num_new_tokens == 1 for s in batch.scheduled),
+            decode_only=bool(np.all(np.diff(p["starts"]) == 1)),
             num_tokens=int(p["starts"][-1]),
             backend=self.attention_backend,
         )
         return paddle.to_tensor(p["ids"]), meta, p["starts"].tolist()
 
-    @paddle.no_grad()
     def execute(self, batch: SchedulerOutput) -> StepLogits:
-        packed = self.pack(batch)
-        starts = packed["starts"].tolist()
-        rows, sample_ids, prompt_spans = [], [], []
-        for s, start in zip(batch.scheduled, starts):
-            req = s.request
-            k = req.sampling_params.prompt_logprobs
-            if k is not None:
-                # logits at position p predict prompt token p + 1
-                lo = s.num_computed_tokens
-                hi = min(s.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens - 1)
-                if hi > lo:
-                    prompt_spans.append((req.request_id, lo, len(rows), hi - lo))
-                    rows.extend(range(start, start + hi - lo))
-            if s.completes_sequence:
-                sample_ids.append(req.request_id)
-        sample_start = len(rows)
-        rows.extend(start + s.num_new_tokens - 1 for s, start in zip(batch.scheduled, starts) if s.completes_sequence)
+        """Run the scheduled step (as its `StepRecord`) and hand the sampler its logits."""
+        record = StepRecord.from_batch(batch, self.block_size)
+        logits = self.run(record)
+        if logits is None:
+            return StepLogits(np.zeros((0, 0), np.float32), [])
+        at = record.num_prompt_rows
+        prompt_rows = {rid: (lo, logits[row: row + n]) for rid, lo, row, n in record.prompt_spans}
+        return StepLogits(logits[at:], list(record.sample_request_ids), prompt_rows)
 
+    @paddle.no_grad()
+    def run(self, record: StepRecord) -> np.ndarray | None:
+        """One forward pass over the record's tokens on this runner's KV cache: float32 logits of
+        ``record.rows`` (None when no row needs them)."""
+        rows = record.rows
         logits = None
-        if self.fused_decode is not None and all(s.num_new_tokens == 1 for s in batch.scheduled):
+        if self.fused_decode is not None and record.decode_only:
             # the fused step reads the packed arrays as they are: no Paddle tensors on this path
             hidden, logits = self.fused_decode.step(
-                packed["ids"], packed["positions"], packed["slots"], packed["block_tables"],
-                packed["context_lens"], np.asarray(rows, dtype=np.int64))
+                record.ids, record.positions, record.slots, record.block_tables, record.context_lens, rows)
             hidden = paddle.to_tensor(hidden) if logits is None else None
         else:
-            input_ids, meta, _ = self.build_metadata(batch, packed)
+            input_ids, meta, _ = self.build_metadata(record)
             hidden = self.model.forward(input_ids, meta.positions, meta, self.kv_caches)
-        if not rows:
-            return StepLogits(np.zeros((0, 0), np.float32), [])
+        if not len(rows):
+            return None
         if logits is None:
-            selected = paddle.index_select(hidden, paddle.to_tensor(np.asarray(rows, dtype=np.int64)))
+            selected = paddle.index_select(hidden, paddle.to_tensor(rows))
             logits = self.model.compute_logits(selected).numpy()
-        prompt_rows = {rid: (lo, logits[at: at + n]) for rid, lo, at, n in prompt_spans}
-        return StepLogits(logits[sample_start:], sample_ids, prompt_rows)
+        return logits
