@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from dataclasses import MISSING, dataclass, field, fields
 
 MODEL_IMPLS = ("auto", "native", "fastdeploy", "paddleformers", "paddlefleet")
@@ -70,8 +71,11 @@ class EngineConfig:
                                                 "steps (chunked prefill, always on)")
     max_model_len: int | None = _setting(None, "longest sequence (prompt + output); default and upper bound: the "
                                                "model's positions and what the KV cache holds", metavar="TOKENS")
-    tensor_parallel_size: int = _setting(1, "ranks to shard the model over; only 1 (one process) is available",
-                                         flags=("--tensor-parallel-size", "-tp"))
+    tensor_parallel_size: int = _setting(
+        1, "ranks to shard the model over (tensor parallelism: this process is rank 0 and starts the others on "
+        "127.0.0.1, collectives over gloo; docs/DISTRIBUTED.md). N must divide the attention heads and the MLP, "
+        "and the KV heads split into N parts or divide N; on CPU at most 2 ranks a core",
+        flags=("--tensor-parallel-size", "-tp"))
     device: str = _setting("auto", "auto: the GPU when Paddle has CUDA and numba-cuda works, else the CPU",
                            choices=DEVICES)
     quantization: str = _setting("auto", "auto: CPU matmuls run on a GGUF's Q4_0/Q4_1/Q8_0 blocks; none: float "
@@ -95,9 +99,8 @@ class EngineConfig:
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: tensor parallelism is not "
-                             "available in this engine yet; use 1 (one process holds the whole model)")
+        if self.tensor_parallel_size > 1:   # the model's heads are checked against it before loading
+            check_ranks_fit(self.tensor_parallel_size, self.device)
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
         if self.kv_cache_memory is not None and (not _finite(self.kv_cache_memory) or self.kv_cache_memory <= 0):
@@ -129,6 +132,27 @@ class EngineConfig:
         if self.kv_cache_memory <= 1:
             return int(self.kv_cache_memory * device_bytes)
         return int(self.kv_cache_memory)
+
+
+RANKS_PER_CORE = 2  # CPU ranks may share a core (a rank waiting in gloo sleeps on its socket); not more
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def check_ranks_fit(world: int, device: str = "auto") -> None:
+    """A ValueError for more tensor-parallel ranks than this machine runs: on the CPU at most
+    ``RANKS_PER_CORE`` ranks a core. (Tensor parallelism runs on CPU ranks; a GPU is refused
+    where the engine resolves the device.)"""
+    cores = usable_cores()
+    if device != "gpu" and world > RANKS_PER_CORE * cores:
+        raise ValueError(f"tensor_parallel_size={world} is more ranks than this machine's {cores} usable core(s) "
+                         f"run: at most {RANKS_PER_CORE} ranks a core, so at most {RANKS_PER_CORE * cores}")
 
 
 def _finite(value) -> bool:

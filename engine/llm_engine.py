@@ -57,7 +57,14 @@ class LLMEngine:
         self.architecture = checkpoint.architecture
         self.model_name = config.model
         self.tokenizer = checkpoint.tokenizer
-        model = build_model(self.model_impl, checkpoint, self.dtype, self.device, config.quantization)
+        self.tensor_parallel = None
+        if config.tensor_parallel_size > 1:  # this process is rank 0; the others start and load their shards
+            from .parallel import TensorParallel
+
+            self.tensor_parallel = TensorParallel.start(config, checkpoint, self.model_impl, self.dtype, self.device)
+            model = self.tensor_parallel.model  # rank 0's shard: kv_layout() is a rank's share of the KV heads
+        else:
+            model = build_model(self.model_impl, checkpoint, self.dtype, self.device, config.quantization)
         logger.info("model_impl=%s serves %s", self.model_impl, checkpoint.architecture)
 
         num_layers, num_kv_heads, head_dim = model.kv_layout()
@@ -74,6 +81,8 @@ class LLMEngine:
                                          min_bytes=need * per_block)
         num_blocks = kv_bytes // per_block
         if num_blocks < need:
+            if self.tensor_parallel is not None:
+                self.tensor_parallel.close()
             what = (f"one sequence of max_model_len={wanted_len} tokens" if wanted_len else "the engine")
             raise ValueError(
                 f"kv_cache_memory={config.kv_cache_memory!r} gives {kv_bytes:,} bytes = {num_blocks} KV blocks of "
@@ -84,9 +93,13 @@ class LLMEngine:
         rope = getattr(model, "rope", None)    # tables for the positions served, before the runner views them
         if hasattr(rope, "resize"):
             rope.resize(min(wanted_len or num_blocks * config.block_size, num_blocks * config.block_size))
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype,  # owns the KV tensors
-                                  kernels_backend, config.cpu_decode, self.device)
-        warm_up(self.runner, self.device)  # a broken device/backend fails here, with its cause
+        if self.tensor_parallel is not None:  # every rank allocates its cache (same blocks) and warms up together
+            self.runner = self.tensor_parallel.make_runner(num_blocks, config.block_size, kernels_backend,
+                                                           config.cpu_decode)
+        else:
+            self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype,  # owns the KV tensors
+                                      kernels_backend, config.cpu_decode, self.device)
+            warm_up(self.runner, self.device)  # a broken device/backend fails here, with its cause
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.kv_cache_ratio)
         self.sampler = Sampler(lambda t: self.tokenizer.decode([t], skip_special_tokens=False))

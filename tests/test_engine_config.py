@@ -48,7 +48,7 @@ def test_fastdeploy_spellings():
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    ({"tensor_parallel_size": 2}, "tensor parallelism is not available"),
+    ({"tensor_parallel_size": 999}, "tensor_parallel_size=999 is more ranks than"),
     ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
     ({"kv_cache_ratio": 0}, "kv_cache_ratio"),
     ({"kv_cache_ratio": float("nan")}, "kv_cache_ratio"),

@@ -1,0 +1,223 @@
+"""Rank 0 of a tensor-parallel engine: it starts the other ranks, holds its own shard, and runs
+every step with them.
+
+Who sends what:
+
+1. ``TensorParallel.start`` (before any weight is read): the heads and MLP are checked against
+   ``N`` (`sharding.check_shardable`), ranks 1..N-1 start (`group.LocalRanks`) and each gets
+   ``("start", RankSpec)``: the engine config and the resolved model implementation and dtype.
+   All ranks join the gloo group, then each loads its own slices from the same checkpoint file
+   and says ``("ready", kv_layout)``.
+2. ``TensorParallel.make_runner``: rank 0 has sized the KV cache (one block manager, on rank 0;
+   every rank's cache has the same number of blocks, of its own KV heads) and sends
+   ``("init", num_blocks, ...)``; then ``("warm_up",)``, which every rank runs together.
+3. Every step, `TensorParallelRunner.run` sends ``("step", StepRecord)`` and runs the record
+   itself; the layers all-reduce and all-gather inside the forward pass; the gathered logits
+   are rank 0's to sample from. Workers send nothing back during a step.
+4. A failure anywhere in a step (a rank's process gone, a collective failing, a rank's
+   ``("error", text)`` report) stops every rank and fails that step and every later one with
+   `RankFailure`, whose message names the rank and how it ended.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+
+from ..config import EngineConfig
+from ..model_runner import ModelRunner
+from ..step_record import StepRecord
+from .group import STORE_TIMEOUT_S, CollectiveGroup, LocalRanks, RankFailure, describe_exits, next_group_id
+from .layers import build_sharded_model
+from .sharding import ShardPlan, check_shardable
+
+logger = logging.getLogger("engine")
+READY_TIMEOUT_S = 600.0    # loading a shard on a busy machine
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What a rank needs to load its shard: the same settings rank 0 resolved."""
+
+    config: EngineConfig
+    model_impl: str
+    dtype: str
+    device: str
+
+
+def load_rank_model(spec: RankSpec, rank: int, world: int, group, checkpoint=None):
+    """Rank ``rank``'s shard of the checkpoint (opened here unless given), built and loaded."""
+    from ..loader import load_checkpoint
+
+    checkpoint = checkpoint if checkpoint is not None else load_checkpoint(spec.config.model)
+    cfg = check_shardable(checkpoint.architecture, checkpoint.config, world, spec.model_impl)
+    plan = ShardPlan(cfg, rank, world)
+    return build_sharded_model(checkpoint.architecture, checkpoint.config, checkpoint.weights(progress=rank == 0),
+                               spec.dtype, plan, group)
+
+
+def _while_alive(ranks: LocalRanks, what: str, fn, timeout_s: float = STORE_TIMEOUT_S):
+    """``fn()`` on a helper thread (Paddle's rendezvous releases the GIL), failing as soon as a rank dies
+    or after ``timeout_s`` (gloo's rendezvous waits on the store without a limit of its own)."""
+    box = {}
+
+    def call():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001
+            box["error"] = exc
+
+    thread = threading.Thread(target=call, name=f"tp-{what}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while thread.is_alive():
+        thread.join(0.2)
+        dead = ranks.dead()
+        if dead and thread.is_alive():
+            raise RankFailure(f"{describe_exits(dead)} while {what}")
+        if time.monotonic() > deadline and thread.is_alive():
+            raise RankFailure(f"the ranks were still {what} after {timeout_s:.0f} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+class TensorParallel:
+    """Rank 0's handle on the group: the other ranks, the collectives, rank 0's shard."""
+
+    def __init__(self, world: int, ranks: LocalRanks, group: CollectiveGroup, model, spec: RankSpec):
+        self.world, self.ranks, self.group, self.model, self.spec = world, ranks, group, model, spec
+        self.runner: TensorParallelRunner | None = None
+        self._finalizer = weakref.finalize(self, _stop, ranks, group)
+
+    @classmethod
+    def start(cls, config: EngineConfig, checkpoint, model_impl: str, dtype: str, device: str) -> "TensorParallel":
+        world = config.tensor_parallel_size
+        if device != "cpu":
+            raise ValueError(f"tensor_parallel_size={world} runs CPU ranks over gloo; device={device!r} ranks "
+                             "(NCCL) are not built here (docs/DISTRIBUTED.md); use device='cpu'")
+        check_shardable(checkpoint.architecture, checkpoint.config, world, model_impl)  # before anything starts
+        if config.quantization == "auto" and checkpoint.format == "gguf" and dtype == "float32":
+            logger.info("tensor_parallel_size=%d: ranks compute on float32 slices; the GGUF's quantized blocks "
+                        "are not kept under tensor parallelism", world)
+        spec = RankSpec(config, model_impl, dtype, device)
+        t0 = time.perf_counter()
+        ranks = LocalRanks(world)
+        group = None
+        try:
+            gid = next_group_id()   # the group's id (its rendezvous keys' prefix) is rank 0's to choose
+            ranks.send_all(("start", spec, gid))
+            group = _while_alive(ranks, "joining the gloo group", lambda: CollectiveGroup(
+                0, world, ranks.store_address, ranks.store_rank, gid=gid))
+            model = load_rank_model(spec, 0, world, group, checkpoint)
+            replies = ranks.gather_reports(READY_TIMEOUT_S)
+            for rank, reply in replies.items():
+                if not (isinstance(reply, tuple) and reply[0] == "ready"):
+                    raise RankFailure(f"tensor-parallel rank {rank} failed loading its shard: "
+                                      f"{reply[1] if isinstance(reply, tuple) else reply!r}")
+        except BaseException:
+            _stop(ranks, group)
+            raise
+        logger.info("tensor_parallel_size=%d: %d ranks hold their shards (%.1f s)", world, world,
+                    time.perf_counter() - t0)
+        return cls(world, ranks, group, model, spec)
+
+    def make_runner(self, num_blocks: int, block_size: int, attention_backend, cpu_decode: str) -> "TensorParallelRunner":
+        """Every rank allocates its KV cache (``num_blocks`` of its own KV heads) and runs the warm-up
+        step together; returns rank 0's runner."""
+        from ..device import warm_up
+
+        dtype, device = self.spec.dtype, self.spec.device
+        positions = self.model.rope.positions
+        runner = TensorParallelRunner(self, num_blocks, block_size, dtype, attention_backend, device)
+        if cpu_decode == "fused":
+            runner.decode_path = (f"paddle (tensor_parallel_size={self.world}: the fused CPU decode step is one "
+                                  f"process's kernel; decode runs through the Paddle layers between the collectives)")
+        try:
+            self.ranks.send_all(("init", num_blocks, block_size, dtype, attention_backend, positions))
+            self.ranks.send_all(("warm_up",))
+            warm_up(runner, device)
+        except BaseException as exc:
+            runner.fail(exc)
+        self.runner = runner
+        return runner
+
+    def stats(self) -> dict[int, dict]:
+        """Each rank's seconds in collectives and in its steps so far (rank 0's from here)."""
+        out = {0: {"comm_s": self.group.comm_s, "calls": self.group.calls}}
+        self.ranks.send_all(("stats",))
+        for rank, reply in self.ranks.gather_reports(30).items():
+            out[rank] = reply[1]
+        return out
+
+    def close(self) -> None:
+        """Stop the other ranks and drop the group; the ports are released."""
+        self._finalizer()
+
+
+def _stop(ranks: LocalRanks, group: CollectiveGroup | None) -> None:
+    try:
+        ranks.stop()
+    finally:
+        if group is not None:
+            group.close()
+
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0's `ModelRunner`: each step's record goes to every rank, then runs here on rank 0's
+    shard. ``last_times`` splits the last step: ``compute_s`` (rank 0's own work, the record
+    included) and ``comm_s`` (sending the record and waiting in collectives, which includes
+    waiting for the slowest rank)."""
+
+    def __init__(self, tp: TensorParallel, num_blocks: int, block_size: int, kv_dtype: str, attention_backend,
+                 device: str):
+        super().__init__(tp.model, num_blocks, block_size, kv_dtype, attention_backend, "paddle", device)
+        self.tp = tp
+        self.failure: str | None = None
+        self.last_times = {"compute_s": 0.0, "comm_s": 0.0}
+        self.totals = {"steps": 0, "compute_s": 0.0, "comm_s": 0.0}
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.tp.world
+
+    def run(self, record: StepRecord):
+        if self.failure is not None:
+            raise RankFailure(self.failure)
+        group = self.tp.group
+        t0, c0 = time.perf_counter(), group.comm_s
+        try:
+            self.tp.ranks.send_all(("step", record))
+            t1 = time.perf_counter()
+            logits = super().run(record)
+        except BaseException as exc:
+            self.fail(exc)
+        total = time.perf_counter() - t0
+        comm = (t1 - t0) + group.comm_s - c0
+        self.last_times = {"compute_s": total - comm, "comm_s": comm}
+        self.totals["steps"] += 1
+        self.totals["compute_s"] += total - comm
+        self.totals["comm_s"] += comm
+        return logits
+
+    def fail(self, exc: BaseException):
+        """Stop every rank and raise `RankFailure` naming what happened (later steps raise it too)."""
+        ranks = self.tp.ranks
+        deadline = time.monotonic() + 2.0   # a killed rank's exit code arrives a moment after its sockets close
+        while not ranks.dead() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        reports = ranks.errors(wait=0.2)
+        parts = [describe_exits(ranks.dead())]
+        parts += [f"tensor-parallel rank {r} failed: {text}" for r, text in sorted(reports.items())]
+        parts.append(f"the step failed on rank 0 with {type(exc).__name__}: {exc}")
+        self.failure = ("; ".join(p for p in parts if p) + ". Every rank is stopped; the engine cannot run "
+                        "another step (start a new one)")
+        logger.error("%s", self.failure)
+        self.tp.close()
+        raise RankFailure(self.failure) from exc
+
+    def close(self) -> None:
+        self.tp.close()

@@ -1,0 +1,285 @@
+"""Tensor parallelism (engine.parallel), on 127.0.0.1 with two or three processes: the same greedy
+tokens as one process (logprobs within 1e-4: the all-reduce sums in another order) with prefix
+caching, chunked prefill and preemption at work; the checks that refuse a size before anything
+loads; a rank killed mid-request failing its request with the rank named, nothing left running
+or listening; the step record every rank runs."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine import LLM, EngineConfig, SamplingParams
+from engine.parallel import RankFailure
+from tiny_models import make_tiny_model, tiny_prompts
+
+ROOT = Path(__file__).resolve().parents[1]
+GREEDY = SamplingParams(max_tokens=16, temperature=0, logprobs=2, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    return {arch: make_tiny_model(str(root / arch), arch)
+            for arch in ("LlamaForCausalLM", "Qwen3ForCausalLM")}
+
+
+def events_of(llm):
+    seen = []
+    llm.subscribe(seen.append)
+    return seen
+
+
+def assert_same_greedy(ref, out, tol=1e-4):
+    for a, b in zip(ref, out, strict=True):
+        ca, cb = a.outputs[0], b.outputs[0]
+        assert cb.finish_reason == ca.finish_reason != "error", cb
+        assert cb.token_ids == ca.token_ids
+        la = [lp[t].logprob for lp, t in zip(ca.logprobs, ca.token_ids)]
+        lb = [lp[t].logprob for lp, t in zip(cb.logprobs, cb.token_ids)]
+        assert np.allclose(la, lb, rtol=0, atol=tol), max(abs(x - y) for x, y in zip(la, lb))
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def ports_of(llm) -> list[int]:
+    """The ports the engine's ranks listen on: the store's (hosted by rank 1). The channel's listening
+    port closes once every rank has connected."""
+    ranks = llm.engine.tensor_parallel.ranks
+    assert not listening(int(ranks.channel_address.rsplit(":", 1)[1]))
+    return [int(ranks.store_address.rsplit(":", 1)[1])]
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def test_two_ranks_give_one_process_greedy_tokens_with_caching_chunking_and_preemption(tiny_dirs, arch):
+    # 2 layers x 2 KV heads x 16 dims: a 4-token block is 2,048 bytes on one rank, 1,024 on each of
+    # two (each holds one KV head), so both caches have 24 blocks -- too few for 6 requests of
+    # ~40 tokens at once: the scheduler preempts. The shared 9-token prefix fills two blocks that
+    # later prompts find in the prefix cache; 8-token steps cut every prompt into chunks.
+    prompts = tiny_prompts(6)
+    common = dict(model=tiny_dirs[arch], block_size=4, max_num_batched_tokens=8, enable_prefix_caching=True)
+    one = LLM(kv_cache_memory=24 * 2048, **common)
+    ref = one.generate(prompts, GREEDY)
+    two = LLM(kv_cache_memory=24 * 1024, tensor_parallel_size=2, **common)
+    try:
+        seen = events_of(two)
+        assert two.engine.kv_cache_manager.num_blocks == one.engine.kv_cache_manager.num_blocks == 24
+        out = two.generate(prompts, GREEDY)
+        assert_same_greedy(ref, out)
+        kinds = [e.kind for e in seen]
+        assert "request_preempted" in kinds
+        assert two.snapshot().prefix_cache.hits > 0
+        prefill_steps = {}
+        for e in seen:
+            if e.kind == "step":
+                assert e.data["num_tokens"] <= 8
+                for rid in e.data["prefill"]:
+                    prefill_steps[rid] = prefill_steps.get(rid, 0) + 1
+        assert max(prefill_steps.values()) >= 3               # a 20-token prompt in 8-token chunks
+        assert two.snapshot().decode_path.startswith("paddle (tensor_parallel_size=2")
+        runner = two.engine.runner
+        assert runner.kv_caches[0][0].shape[1] == 1      # one KV head of the two on each rank
+        assert runner.totals["steps"] > 0 and runner.totals["comm_s"] > 0
+    finally:
+        two.engine.tensor_parallel.close()
+
+
+def test_more_ranks_than_kv_heads_replicate_them(tiny_dirs):
+    """4 query heads, 2 KV heads, 4 ranks: one query head and one (shared) KV head a rank, as
+    FastDeploy replicates KV heads; the greedy tokens stay those of one process."""
+    prompts = tiny_prompts(2)
+    common = dict(model=tiny_dirs["LlamaForCausalLM"], block_size=4, kv_cache_memory=200_000)
+    ref = LLM(**common).generate(prompts, GREEDY)
+    four = LLM(tensor_parallel_size=4, **common)
+    try:
+        assert four.engine.runner.model.plan.kv_replicas == 2
+        assert_same_greedy(ref, four.generate(prompts, GREEDY))
+    finally:
+        four.engine.tensor_parallel.close()
+
+
+@pytest.mark.slow
+def test_smollm2_on_three_ranks_gives_one_process_greedy_tokens():
+    """The default model: 9 query heads and 3 KV heads, three a rank and one a rank. Compared with
+    one process on the same float32 weights (the GGUF's blocks dequantized; the Paddle layers)."""
+    prompts = ["The capital of France is", "The capital of France is a city that", "def fibonacci(n):"]
+    common = dict(model="smollm2-135m-instruct", block_size=4, max_num_batched_tokens=8, kv_cache_memory=8_000_000)
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=2)
+    ref = LLM(quantization="none", cpu_decode="paddle", **common).generate(prompts, params)
+    three = LLM(tensor_parallel_size=3, **common)
+    try:
+        assert three.engine.runner.model.plan.heads == 3 and three.engine.runner.model.plan.kv_heads == 1
+        assert_same_greedy(ref, three.generate(prompts, params))
+        assert three.snapshot().prefix_cache.hits > 0
+    finally:
+        three.engine.tensor_parallel.close()
+
+
+# -- refused before anything loads -----------------------------------------------------------
+@pytest.fixture
+def no_ranks_start(monkeypatch):
+    import engine.parallel.runner as runner
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(runner, "LocalRanks", refuse)
+    monkeypatch.setattr(runner, "build_sharded_model", refuse)
+
+
+def test_a_size_that_does_not_split_the_heads_is_refused_before_loading(tiny_dirs, no_ranks_start):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 cannot split LlamaForCausalLM: "
+                                         r"num_attention_heads=4 is not a multiple of it.*Sizes that split it: 1, 2, 4"):
+        LLM(model=tiny_dirs["LlamaForCausalLM"], tensor_parallel_size=3)
+
+
+def test_smollm2_at_two_ranks_is_refused_naming_the_sizes_that_work(no_ranks_start):
+    with pytest.raises(ValueError, match=r"num_attention_heads=9 is not a multiple of it.*"
+                                         r"Sizes that split it: 1, 3"):
+        LLM(model="smollm2-135m-instruct", tensor_parallel_size=2)
+
+
+def test_more_ranks_than_the_cores_run_is_refused(monkeypatch):
+    import engine.config as config
+
+    monkeypatch.setattr(config, "usable_cores", lambda: 1)
+    EngineConfig(tensor_parallel_size=2)                      # two ranks may share a core
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 is more ranks than this machine's 1 usable "
+                                         r"core\(s\) run: at most 2 ranks a core"):
+        EngineConfig(tensor_parallel_size=3)
+
+
+def test_a_borrowed_model_is_refused_under_tensor_parallelism(tiny_dirs, no_ranks_start):
+    with pytest.raises(ValueError, match="has no sharded implementation yet"):
+        LLM(model=tiny_dirs["LlamaForCausalLM"], model_impl="paddleformers", tensor_parallel_size=2)
+
+
+# -- a rank dies --------------------------------------------------------------------------------
+def test_a_rank_killed_mid_request_fails_it_naming_the_rank_and_leaves_nothing_running(tiny_dirs):
+    llm = LLM(model=tiny_dirs["LlamaForCausalLM"], tensor_parallel_size=2, block_size=4, kv_cache_memory=200_000)
+    ranks = llm.engine.tensor_parallel.ranks
+    ports = ports_of(llm)
+    assert all(listening(p) for p in ports)
+    deltas = []
+
+    def consume():
+        for delta in llm.stream(tiny_prompts(1)[0], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)):
+            deltas.append(delta)
+            if len(deltas) == 3:
+                os.kill(ranks.procs[1].pid, signal.SIGKILL)
+
+    reader = threading.Thread(target=consume, daemon=True)
+    reader.start()
+    reader.join(120)      # a guard against a hang, not a speed goal
+    assert not reader.is_alive(), "the stream never ended after its rank was killed"
+    last = deltas[-1]
+    assert last.finished and last.finish_reason == "error"
+    assert "tensor-parallel rank 1 was killed by SIGKILL" in last.error and len(deltas) < 400
+    # the engine says the same at once for a later request; every rank is stopped; nothing listens
+    later = llm.generate(tiny_prompts(1), GREEDY)[0].outputs[0]
+    assert later.finish_reason == "error"
+    assert all(p.poll() is not None for p in ranks.procs.values())
+    assert not any(listening(p) for p in ports)
+    with pytest.raises(RankFailure, match="rank 1 was killed by SIGKILL"):
+        llm.engine.runner.run(None)
+
+
+def test_closing_stops_the_ranks_and_releases_the_ports(tiny_dirs):
+    llm = LLM(model=tiny_dirs["Qwen3ForCausalLM"], tensor_parallel_size=2, block_size=4, kv_cache_memory=200_000)
+    ranks = llm.engine.tensor_parallel.ranks
+    ports = ports_of(llm)
+    assert llm.generate(tiny_prompts(1), GREEDY)[0].outputs[0].finish_reason == "length"
+    stats = llm.engine.tensor_parallel.stats()
+    assert stats[1]["steps"] == llm.engine.runner.totals["steps"] and stats[1]["calls"] == stats[0]["calls"]
+    llm.engine.tensor_parallel.close()
+    assert [p.returncode for p in ranks.procs.values()] == [0]   # it left on the closed channel, not a signal
+    assert not any(listening(p) for p in ports)
+
+
+# -- the record every rank runs ----------------------------------------------------------------
+def test_the_step_record_is_plain_data_that_runs_the_same_anywhere(tiny_dirs):
+    from engine.step_record import StepRecord
+
+    llm = LLM(model=tiny_dirs["LlamaForCausalLM"], block_size=4, max_num_batched_tokens=8, kv_cache_memory=200_000)
+    engine = llm.engine
+    prompts = tiny_prompts(2)
+    for p in prompts:
+        engine.add_request(p["prompt_token_ids"], SamplingParams(max_tokens=2, prompt_logprobs=1))
+    batch = engine.scheduler.schedule()
+    record = StepRecord.from_batch(batch, 4)
+    copy = pickle.loads(pickle.dumps(record))
+    assert b"Request" not in pickle.dumps(record)
+    assert copy.num_tokens == 8 and not copy.decode_only
+    assert copy.rows.tolist() == list(range(8))            # 8 prompt-logprob rows, no request completes yet
+    assert copy.num_prompt_rows == 8 and copy.sample_request_ids == ()
+    assert np.array_equal(copy.slots, record.slots) and np.array_equal(copy.block_tables, record.block_tables)
+    logits = engine.runner.run(copy)                        # the runner needs nothing but the record
+    assert logits.shape == (8, 256) and np.isfinite(logits).all()
+    for rid in list(engine.requests):
+        engine.abort(rid)
+
+
+# -- the server ---------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_the_server_serves_with_two_ranks_and_stops_them(tiny_dirs):
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mark = f"tp-server-{os.getpid()}-{port}"   # every process of this server carries it in its environment
+    proc = subprocess.Popen([sys.executable, "-m", "engine.entrypoints.openai.api_server", "--model",
+                             tiny_dirs["LlamaForCausalLM"], "--port", str(port), "-tp", "2", "--block-size", "4",
+                             "--kv-cache-memory", "200000"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "TP_TEST_MARK": mark})
+    try:
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                if httpx.get(base + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None
+            threading.Event().wait(0.5)
+        assert len(marked(mark)) >= 2                     # the server (rank 0) and rank 1
+        prompt = tiny_prompts(1)[0]["prompt_token_ids"]
+        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0}
+        reply = httpx.post(base + "/v1/completions", json=body, timeout=120).json()
+        local = LLM(model=tiny_dirs["LlamaForCausalLM"], block_size=4, kv_cache_memory=200_000).generate(
+            [{"prompt_token_ids": prompt}], SamplingParams(max_tokens=8, temperature=0))[0].outputs[0]
+        assert reply["choices"][0]["text"] == local.text
+    finally:
+        proc.terminate()
+        log = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, log
+    for _ in range(20):          # rank 1 leaves on the closed channel
+        if not marked(mark):
+            break
+        threading.Event().wait(0.5)
+    assert not marked(mark), log
+
+
+def marked(mark: str) -> list[int]:
+    """Processes whose environment holds ``TP_TEST_MARK=mark``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as fh:
+                if f"TP_TEST_MARK={mark}".encode() in fh.read().split(b"\0"):
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
