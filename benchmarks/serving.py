@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shlex
 import signal
@@ -225,19 +226,17 @@ def brief(m: dict) -> str:
             f"others {m['others_cores']:.2f}")
 
 
-def pooled(rounds: list[dict]) -> dict:
-    """One setting over rounds: median throughputs, percentiles over every request, errors summed."""
-    from benchmarks.serving_load import percentile
+def over_rounds(rounds: list[dict]) -> dict:
+    """One setting over rounds: each metric the median of its per-round values (one round disturbed
+    by another process on a shared machine does not set the result), errors summed."""
+    def med(key):
+        values = [r[key] for r in rounds if r.get(key) is not None]
+        return statistics.median(values) if values else None
 
-    ttft = [v for r in rounds for v in r["ttft_s"]]
-    itl = [v for r in rounds for v in r["itl_s"]]
-    ms = lambda v, p: None if not v else percentile(v, p) * 1000  # noqa: E731
+    keys = ("request_throughput", "output_tok_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99",
+            "tpot_ms_p50", "server_cores")
     return {"rounds": len(rounds), "errors": sum(r["errors"] for r in rounds),
-            "request_throughput": statistics.median(r["request_throughput"] for r in rounds),
-            "output_tok_s": statistics.median(r["output_tok_s"] for r in rounds),
-            "ttft_ms_p50": ms(ttft, 50), "ttft_ms_p99": ms(ttft, 99), "itl_ms_p50": ms(itl, 50),
-            "itl_ms_p99": ms(itl, 99), "requests": sum(r["completed"] + r["errors"] for r in rounds),
-            "server_cores": statistics.median(r["server_cores"] for r in rounds),
+            "requests": sum(r["completed"] + r["errors"] for r in rounds), **{k: med(k) for k in keys},
             "others_cores_max": max(r["others_cores"] for r in rounds)}
 
 
@@ -246,6 +245,7 @@ def log(msg: str) -> None:
 
 
 def main(argv=None) -> int:
+    from benchmarks.engine import environment
     from benchmarks.serving_report import write
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.serving",
@@ -274,6 +274,8 @@ def main(argv=None) -> int:
     p.add_argument("--quiet-timeout", type=float, default=600.0, help="the longest such wait (s)")
     p.add_argument("--quick", action="store_true",
                    help="one round, concurrency 1 and 16, 48 tokens, 16 requests at the rate; writes build/serving-quick")
+    p.add_argument("--from-json", type=Path, default=None,
+                   help="no measuring: recompute the summary and the table from a results JSON's rounds")
     p.add_argument("--out", default=None, help="path stem of the .json and .md (default benchmarks/results/serving)")
     args = p.parse_args(argv)
     if args.quick:
@@ -284,6 +286,9 @@ def main(argv=None) -> int:
     log_dir = ROOT / "build" / "serving-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
 
+    if args.from_json:
+        return rewrite(args.from_json, out)
+    env = environment()
     plan = settings(args)
     sides = list(args.servers) + (["in-process"] if args.in_process and "ours" in args.servers else [])
     raw: dict[str, dict[str, list]] = {side: {} for side in sides}
@@ -298,6 +303,7 @@ def main(argv=None) -> int:
                     from engine import LLM
 
                     llm = LLM(model=args.model, max_num_seqs=args.max_num_seqs)
+                    log("")
                     measure_in_process(llm, args, 1)  # warm-up
                 n = next((s["n"] for s in plan if s["concurrency"] == 1), 8)
                 raw[side].setdefault("c=1", []).append(measure_in_process(llm, args, n))
@@ -309,11 +315,26 @@ def main(argv=None) -> int:
     if llm is not None:
         llm.shutdown()
 
-    summary = {side: {label: pooled(rounds) for label, rounds in by.items() if not label.startswith("_")}
+    summary = {side: {label: over_rounds(rounds) for label, rounds in by.items() if not label.startswith("_")}
                for side, by in raw.items()}
-    write(out, args, plan, sides, raw, summary, {s: shlex.join(server_argv(s, args, "PORT")) for s in args.servers})
+    write(out, args, plan, sides, raw, summary, {s: shlex.join(server_argv(s, args, "PORT")) for s in args.servers},
+          env)
     log("\n" + Path(f"{out}.md").read_text())
     log(f"wrote {out}.json and {out}.md")
+    return 0
+
+
+def rewrite(path: Path, out: Path) -> int:
+    """The summary, targets and markdown of an earlier run, recomputed from its per-round values."""
+    from benchmarks.serving_report import write
+
+    doc = json.loads(path.read_text())
+    args = argparse.Namespace(**doc["args"])
+    summary = {side: {label: over_rounds(rounds) for label, rounds in by.items() if not label.startswith("_")}
+               for side, by in doc["rounds"].items()}
+    write(out, args, doc["settings"], doc["sides"], doc["rounds"], summary, doc["servers"], doc["environment"],
+          command=doc["command"])
+    log(Path(f"{out}.md").read_text())
     return 0
 
 

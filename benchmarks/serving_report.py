@@ -43,16 +43,17 @@ def targets(summary: dict) -> list[tuple[str, str, bool | None]]:
              None if over is None else over <= 0.05)]
 
 
-def markdown(args, plan: list[dict], summary: dict, env: dict | None = None, commands: dict | None = None) -> str:
+def markdown(args, plan: list[dict], summary: dict, env: dict | None = None, commands: dict | None = None,
+             command: str | None = None) -> str:
     lines = ["# Serving benchmark: our OpenAI server beside llama.cpp's llama-server", ""]
     if env:
         m, v = env["machine"], env["versions"]
         lines += [f"{env['date']} · {m['cpu']}, {m['cpus']} CPUs, load average {m['load_average'][0]:.1f} at the start"
                   f" · commit {v['commit']} · Python {v['python']}, Paddle {v['paddle']}"
                   + (f" · llama-server {env['llama_server']}" if env.get("llama_server") else ""), ""]
-    lines += [f"`{shlex_argv()}`: model {args.model}, {args.max_tokens} output tokens per request (greedy, "
+    lines += [f"`{command or shlex_argv()}`: model {args.model}, {args.max_tokens} output tokens per request (greedy, "
               f"`ignore_eos`), {args.rounds} round(s), servers interleaved and started fresh each round. "
-              "Throughputs: median over rounds; percentiles: over every request of every round. "
+              "Each number is the median over rounds of that round's value (percentiles: over the round's requests). "
               "Metric definitions: `benchmarks/serving_load.py` (vLLM's `vllm bench serve`).", ""]
     for side, cmd in (commands or {}).items():
         lines.append(f"- {side}: `{cmd}`")
@@ -110,18 +111,16 @@ def llama_server_version(binary) -> str | None:
     return next((line.strip() for line in text if line.startswith("version")), text[-1] if text else None)
 
 
-def write(out: Path, args, plan, sides, raw, summary, commands: dict) -> None:
-    from benchmarks.engine import environment
-
-    env = environment()
-    if PEER in commands:
+def write(out: Path, args, plan, sides, raw, summary, commands: dict, env: dict, command: str | None = None) -> None:
+    if PEER in commands and "llama_server" not in env:
         env["llama_server"] = llama_server_version(args.llama_server)
     lean = {side: {label: [{k: v for k, v in r.items() if k not in ("ttft_s", "itl_s")} if isinstance(r, dict) else r
                            for r in rounds] for label, rounds in by.items()} for side, by in raw.items()}
     out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"environment": env, "command": shlex_argv(), "args": {k: str(v) if isinstance(v, Path) else v
+    command = command or shlex_argv()
+    doc = {"environment": env, "command": command, "args": {k: str(v) if isinstance(v, Path) else v
                                                                 for k, v in vars(args).items()},
            "servers": commands, "settings": plan, "sides": sides, "summary": summary, "rounds": lean,
            "targets": [{"target": n, "value": v, "met": ok} for n, v, ok in targets(summary)]}
     Path(f"{out}.json").write_text(json.dumps(doc, indent=1) + "\n")
-    Path(f"{out}.md").write_text(markdown(args, plan, summary, env, commands))
+    Path(f"{out}.md").write_text(markdown(args, plan, summary, env, commands, command))
