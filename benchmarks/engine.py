@@ -19,7 +19,11 @@ Sections (all on the same SmolLM2 GGUF, float32 activations, CPU):
 3. **concurrency** -- aggregate tok/s of the native engine with 1, 4 and 16
    concurrent requests (continuous batching), and the 16 : 1 ratio;
 4. **prefix** -- TTFT of a new message on a long shared chat prefix, with
-   prefix caching on vs off (the prefix and new-token counts are printed).
+   prefix caching on vs off (the prefix and new-token counts are printed);
+5. **tensor_parallel** (``--tensor-parallel 1,2``: only this section unless
+   ``--sections`` names others) -- per-step time split into compute and
+   communication at each tensor-parallel size beside TP=1
+   (`benchmarks.tensor_parallel`).
 
 Every run also writes its numbers as JSON (``--json``: date, machine,
 versions). Numbers depend on the machine and on whatever else runs on it:
@@ -275,14 +279,20 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--peer", choices=PEERS, default=None, help="run the peer section against this engine")
     parser.add_argument("--prefill-tokens", type=int, default=1000)
-    parser.add_argument("--sections", default="model_impl,concurrency,prefix",
-                        help="comma-separated subset of: peer, model_impl, concurrency, prefix")
+    parser.add_argument("--sections", default=None,
+                        help="comma-separated subset of: peer, model_impl, concurrency, prefix, tensor_parallel "
+                             "(default: model_impl,concurrency,prefix; with --tensor-parallel: tensor_parallel)")
+    parser.add_argument("--tensor-parallel", default=None, metavar="SIZES",
+                        help="run the tensor_parallel section at these sizes, e.g. 1,2 (benchmarks.tensor_parallel)")
     parser.add_argument("--json", default="benchmark-engine.json", help="where to write the results")
     args = parser.parse_args(argv)
     engine_args = vars(config_from_args(args))
-    sections = set(args.sections.split(","))
+    default = "tensor_parallel" if args.tensor_parallel else "model_impl,concurrency,prefix"
+    sections = set((args.sections or default).split(","))
     if args.peer:
         sections.add("peer")
+    if args.tensor_parallel:
+        sections.add("tensor_parallel")
     env = environment()
     results = {"environment": env, "model": args.model}
     print(f"{env['date']}  {env['machine']['cpu']}, {env['machine']['cpus']} CPUs, load "
@@ -317,6 +327,13 @@ def main(argv=None) -> int:
                   f"the cache, {r['new_tokens']} new tokens computed)")
         print(f"  on / off : {on['ttft_s'] / off['ttft_s']:.3f} (target <= 0.2)")
         results["prefix"] = {"on": on, "off": off}
+
+    if "tensor_parallel" in sections:
+        from . import tensor_parallel as bench_tp
+
+        sizes = sorted({int(n) for n in (args.tensor_parallel or "1,2").split(",")} | {1})
+        results["tensor_parallel"] = bench_tp.run(engine_args, sizes, args.tokens, args.prefill_tokens, args.repeats)
+        print(bench_tp.table(results["tensor_parallel"]) + "\n")
 
     with open(args.json, "w") as f:
         json.dump(results, f, indent=2)

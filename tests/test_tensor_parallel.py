@@ -6,6 +6,7 @@ or listening; the step record every rank runs."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import signal
@@ -208,6 +209,40 @@ def test_closing_stops_the_ranks_and_releases_the_ports(tiny_dirs):
     assert not any(listening(p) for p in ports)
 
 
+RANK0 = """
+import json, sys
+from engine import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], tensor_parallel_size=2, block_size=4, kv_cache_memory=200_000)
+out = llm.generate([{"prompt_token_ids": json.loads(sys.argv[2])}], SamplingParams(max_tokens=16, temperature=0))
+print(json.dumps(out[0].outputs[0].token_ids))
+"""
+
+
+@pytest.mark.slow
+def test_ranks_started_by_a_launcher_serve_as_those_started_by_the_engine(tiny_dirs):
+    """Two processes given only the trainer environment (what paddle.distributed.launch sets on each
+    machine, plus the step channel's address and secret), here both on 127.0.0.1: rank 0 runs the
+    engine and finds rank 1 instead of starting it; the greedy tokens are one process's."""
+    model, prompt = tiny_dirs["LlamaForCausalLM"], tiny_prompts(1)[0]["prompt_token_ids"]
+    with socket.socket() as a, socket.socket() as b:
+        a.bind(("127.0.0.1", 0))
+        b.bind(("127.0.0.1", 0))
+        store, channel = a.getsockname()[1], b.getsockname()[1]
+    env = {**os.environ, "PADDLE_TRAINERS_NUM": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store),
+           "ENGINE_TP_CHANNEL": f"127.0.0.1:{channel}", "ENGINE_TP_TOKEN": "shared-secret",
+           "PYTHONPATH": str(ROOT)}
+    rank1 = subprocess.Popen([sys.executable, "-m", "engine.parallel.worker"], env={**env, "PADDLE_TRAINER_ID": "1"},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rank0 = subprocess.run([sys.executable, "-c", RANK0, model, str(prompt)], env={**env, "PADDLE_TRAINER_ID": "0"},
+                           capture_output=True, text=True, timeout=300)
+    log1 = rank1.communicate(timeout=60)[0]
+    assert rank0.returncode == 0, rank0.stderr[-3000:]
+    assert rank1.returncode == 0, log1[-3000:]                # it left when rank 0's channel closed
+    local = LLM(model=model, block_size=4, kv_cache_memory=200_000).generate(
+        [{"prompt_token_ids": prompt}], SamplingParams(max_tokens=16, temperature=0))[0].outputs[0]
+    assert json.loads(rank0.stdout.strip().splitlines()[-1]) == local.token_ids
+
+
 # -- the record every rank runs ----------------------------------------------------------------
 def test_the_step_record_is_plain_data_that_runs_the_same_anywhere(tiny_dirs):
     from engine.step_record import StepRecord
@@ -283,3 +318,16 @@ def marked(mark: str) -> list[int]:
         except OSError:
             pass
     return found
+
+
+# -- the benchmark's model ----------------------------------------------------------------------
+def test_the_benchmark_measures_smollm2_where_it_splits_and_a_stand_in_of_its_size_elsewhere():
+    from benchmarks.tensor_parallel import splits, stand_in_shape
+
+    smollm2 = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536}
+    assert splits(smollm2, 3) and not splits(smollm2, 2)
+    assert stand_in_shape(smollm2, [1, 2]) == (12, 4, 1536)       # head_dim 48, one KV head for 3 query heads
+    assert stand_in_shape(smollm2, [1, 2, 4]) == (12, 4, 1536)
+    heads, kv, inter = stand_in_shape(smollm2, [1, 2, 3])
+    assert all(splits({**smollm2, "num_attention_heads": heads, "num_key_value_heads": kv,
+                       "intermediate_size": inter}, n) for n in (2, 3)) and 576 % heads == 0

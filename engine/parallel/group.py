@@ -186,42 +186,29 @@ def _python_path() -> str:
     return root + (os.pathsep + rest if rest else "")
 
 
-class LocalRanks:
-    """Ranks 1..N-1 of an engine on this machine: fresh interpreters running
-    ``python -m engine.parallel.worker`` (as a spawn start does, but without re-running the
-    caller's main module), each connected to rank 0 by its `Channel`."""
+class Ranks:
+    """Ranks 1..N-1 as rank 0 sees them: a `Channel` to each (accepted on ``listener``, each rank
+    proving itself with ``token``), and the process of each where rank 0 started it."""
 
-    def __init__(self, world: int, start_timeout_s: float = 300.0):
-        self.world = world
-        self.token = secrets.token_hex(16)
-        self.listener = socket.socket()
-        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.listener.bind(("127.0.0.1", 0))
-        self.listener.listen(world)
-        self.channel_address = "127.0.0.1:%d" % self.listener.getsockname()[1]
-        self.store_address = "127.0.0.1:%d" % free_port()
-        self.store_rank = 1 if world > 1 else 0
+    def __init__(self, world: int, token: str, listener: socket.socket, store_address: str, store_rank: int):
+        self.world, self.token, self.listener = world, token, listener
+        self.channel_address = "%s:%d" % listener.getsockname()[:2]
+        self.store_address, self.store_rank = store_address, store_rank
         self.procs: dict[int, subprocess.Popen] = {}
         self.channels: dict[int, Channel] = {}
-        from ..config import usable_cores
 
-        threads = str(max(1, usable_cores() // world))
-        for rank in range(1, world):
-            env = dict(os.environ)
-            env.update({
-                "PADDLE_TRAINER_ID": str(rank), "PADDLE_TRAINERS_NUM": str(world),
-                "PADDLE_MASTER": self.store_address, "PADDLE_DISTRI_BACKEND": "gloo",
-                ENV_STORE_HOST_RANK: str(self.store_rank), ENV_CHANNEL: self.channel_address,
-                ENV_TOKEN: self.token, "PYTHONPATH": _python_path(),
-                "OMP_NUM_THREADS": threads, "NUMBA_NUM_THREADS": threads,
-            })
-            env.setdefault("GLOG_minloglevel", "2")  # Paddle's C++ INFO lines (store, gloo) stay quiet
-            env.pop("MASTER_ADDR", None)
-            env.pop("MASTER_PORT", None)
-            self.procs[rank] = subprocess.Popen([sys.executable, "-m", "engine.parallel.worker"], env=env,
-                                                stdin=subprocess.DEVNULL)
+    @staticmethod
+    def listen(host: str, port: int, backlog: int) -> socket.socket:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(backlog)
+        return listener
+
+    def accept(self, timeout_s: float) -> None:
+        """Wait for every rank's channel; stop everything rank 0 started if one never comes."""
         try:
-            self._accept(start_timeout_s)
+            self._accept(timeout_s)
         except BaseException:
             self.stop()
             raise
@@ -232,7 +219,7 @@ class LocalRanks:
         while len(self.channels) < self.world - 1:
             self.check_alive()
             if time.monotonic() > deadline:
-                raise RankFailure(f"tensor-parallel ranks {sorted(set(self.procs) - set(self.channels))} did not "
+                raise RankFailure(f"tensor-parallel ranks {sorted(set(range(1, self.world)) - set(self.channels))} did not "
                                   f"connect to rank 0 within {timeout_s:.0f} s")
             try:
                 sock, _ = self.listener.accept()
@@ -246,7 +233,8 @@ class LocalRanks:
                 channel.close()
                 continue
             rank, token = hello if isinstance(hello, tuple) and len(hello) == 2 else (None, "")
-            if not (isinstance(token, str) and hmac.compare_digest(token, self.token)) or rank not in self.procs:
+            if (not (isinstance(token, str) and hmac.compare_digest(token, self.token))
+                    or rank not in range(1, self.world) or rank in self.channels):
                 channel.close()
                 continue
             self.channels[rank] = channel
@@ -322,6 +310,63 @@ class LocalRanks:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+class LocalRanks(Ranks):
+    """Ranks 1..N-1 on this machine: fresh interpreters running ``python -m engine.parallel.worker``
+    (as a spawn start does, but without re-running the caller's main module) with the trainer
+    environment, on 127.0.0.1. Rank 1 hosts the store, so its port closes when the ranks stop."""
+
+    def __init__(self, world: int, start_timeout_s: float = 300.0):
+        super().__init__(world, secrets.token_hex(16), self.listen("127.0.0.1", 0, world),
+                         "127.0.0.1:%d" % free_port(), 1)
+        from ..config import usable_cores
+
+        threads = str(max(1, usable_cores() // world))
+        for rank in range(1, world):
+            env = dict(os.environ)
+            env.update({
+                "PADDLE_TRAINER_ID": str(rank), "PADDLE_TRAINERS_NUM": str(world),
+                "PADDLE_MASTER": self.store_address, "PADDLE_DISTRI_BACKEND": "gloo",
+                ENV_STORE_HOST_RANK: str(self.store_rank), ENV_CHANNEL: self.channel_address,
+                ENV_TOKEN: self.token, "PYTHONPATH": _python_path(),
+                "OMP_NUM_THREADS": threads, "NUMBA_NUM_THREADS": threads,
+            })
+            env.setdefault("GLOG_minloglevel", "2")  # Paddle's C++ INFO lines (store, gloo) stay quiet
+            env.pop("MASTER_ADDR", None)
+            env.pop("MASTER_PORT", None)
+            self.procs[rank] = subprocess.Popen([sys.executable, "-m", "engine.parallel.worker"], env=env,
+                                                stdin=subprocess.DEVNULL)
+        self.accept(start_timeout_s)
+
+
+def launched() -> bool:
+    """This process is rank 0 of ranks started by someone else (``paddle.distributed.launch`` or a
+    script setting its environment): ``PADDLE_TRAINER_ID=0`` and ``ENGINE_TP_CHANNEL`` are set."""
+    return os.environ.get("PADDLE_TRAINER_ID") == "0" and bool(os.environ.get(ENV_CHANNEL))
+
+
+class LaunchedRanks(Ranks):
+    """Ranks 1..N-1 started elsewhere (other machines), each running ``python -m engine.parallel.worker``
+    with the same environment: rank 0 listens on ``ENGINE_TP_CHANNEL`` and hosts the store at
+    ``MASTER_ADDR:MASTER_PORT`` (or ``PADDLE_MASTER``, or the first ``PADDLE_TRAINER_ENDPOINTS``)
+    unless ``ENGINE_TP_STORE_RANK`` names another rank. Rank 0 has no handle on their processes:
+    a rank that dies shows as its closed channel or a failing collective."""
+
+    def __init__(self, world: int, start_timeout_s: float = 600.0):
+        from .worker import store_address
+
+        size = int(os.environ.get("PADDLE_TRAINERS_NUM", "0"))
+        if size != world:
+            raise ValueError(f"tensor_parallel_size={world} but PADDLE_TRAINERS_NUM={size}: the launcher started "
+                             f"{size} ranks")
+        token = os.environ.get(ENV_TOKEN, "")
+        if not token:
+            raise ValueError(f"{ENV_TOKEN} must be set (the same secret on every rank) when the ranks are launched")
+        host, port = os.environ[ENV_CHANNEL].rsplit(":", 1)
+        super().__init__(world, token, self.listen(host, int(port), world), store_address(),
+                         int(os.environ.get(ENV_STORE_HOST_RANK, "0")))
+        self.accept(start_timeout_s)
 
 
 def describe_exits(dead: dict[int, int]) -> str:

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from ..config import EngineConfig
 from ..model_runner import ModelRunner
 from ..step_record import StepRecord
-from .group import STORE_TIMEOUT_S, CollectiveGroup, LocalRanks, RankFailure, describe_exits, next_group_id
+from .group import (STORE_TIMEOUT_S, CollectiveGroup, LaunchedRanks, LocalRanks, RankFailure, Ranks,
+                    describe_exits, launched, next_group_id)
 from .layers import build_sharded_model
 from .sharding import ShardPlan, check_shardable
 
@@ -59,7 +60,7 @@ def load_rank_model(spec: RankSpec, rank: int, world: int, group, checkpoint=Non
                                spec.dtype, plan, group)
 
 
-def _while_alive(ranks: LocalRanks, what: str, fn, timeout_s: float = STORE_TIMEOUT_S):
+def _while_alive(ranks: Ranks, what: str, fn, timeout_s: float = STORE_TIMEOUT_S):
     """``fn()`` on a helper thread (Paddle's rendezvous releases the GIL), failing as soon as a rank dies
     or after ``timeout_s`` (gloo's rendezvous waits on the store without a limit of its own)."""
     box = {}
@@ -88,7 +89,7 @@ def _while_alive(ranks: LocalRanks, what: str, fn, timeout_s: float = STORE_TIME
 class TensorParallel:
     """Rank 0's handle on the group: the other ranks, the collectives, rank 0's shard."""
 
-    def __init__(self, world: int, ranks: LocalRanks, group: CollectiveGroup, model, spec: RankSpec):
+    def __init__(self, world: int, ranks: Ranks, group: CollectiveGroup, model, spec: RankSpec):
         self.world, self.ranks, self.group, self.model, self.spec = world, ranks, group, model, spec
         self.runner: TensorParallelRunner | None = None
         self._finalizer = weakref.finalize(self, _stop, ranks, group)
@@ -105,7 +106,7 @@ class TensorParallel:
                         "are not kept under tensor parallelism", world)
         spec = RankSpec(config, model_impl, dtype, device)
         t0 = time.perf_counter()
-        ranks = LocalRanks(world)
+        ranks = LaunchedRanks(world) if launched() else LocalRanks(world)
         group = None
         try:
             gid = next_group_id()   # the group's id (its rendezvous keys' prefix) is rank 0's to choose
@@ -153,12 +154,32 @@ class TensorParallel:
             out[rank] = reply[1]
         return out
 
+    def probe(self, count: int, width: int) -> float:
+        """Seconds of one bare all-reduce of ``[1, width]`` float32 (the mean of ``count``, every rank
+        taking part): the floor under each collective of a step."""
+        self.ranks.send_all(("probe", count, width))
+        return probe_all_reduce(self.group, count, width)
+
     def close(self) -> None:
         """Stop the other ranks and drop the group; the ports are released."""
         self._finalizer()
 
 
-def _stop(ranks: LocalRanks, group: CollectiveGroup | None) -> None:
+def probe_all_reduce(group: CollectiveGroup, count: int, width: int) -> float:
+    import paddle
+
+    t = paddle.ones([1, width], dtype="float32")
+    comm_s, calls = group.comm_s, group.calls
+    group.all_reduce(t)
+    t0 = time.perf_counter()
+    for _ in range(count):
+        group.all_reduce(t)
+    seconds = (time.perf_counter() - t0) / count
+    group.comm_s, group.calls = comm_s, calls   # a probe is not a step's communication
+    return seconds
+
+
+def _stop(ranks: Ranks, group: CollectiveGroup | None) -> None:
     try:
         ranks.stop()
     finally:

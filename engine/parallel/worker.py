@@ -10,7 +10,8 @@
 Its loop: wait on the channel for rank 0's next message and do it -- ``start`` (join the group,
 load this rank's shard, answer ``ready``), ``init`` (allocate the KV cache), ``warm_up``,
 ``step`` (run the `StepRecord` on this rank's shard and cache: ``ModelRunner.run``, the same
-code rank 0 runs), ``stats``, ``stop``. End-of-file on the channel (rank 0 is gone) ends it. Any
+code rank 0 runs), ``stats``, ``probe`` (bare all-reduces, timed by rank 0), ``stop``.
+End-of-file on the channel (rank 0 is gone) ends it. Any
 failure is reported to rank 0 as ``("error", text)`` and the process exits at once, closing its
 sockets, so the other ranks' collectives fail instead of waiting.
 """
@@ -44,7 +45,7 @@ def serve(channel: Channel, rank: int, world: int) -> None:
 
     from ..device import warm_up
     from ..model_runner import ModelRunner
-    from .runner import load_rank_model
+    from .runner import load_rank_model, probe_all_reduce
 
     kind, spec, gid = channel.recv()
     if kind != "start":
@@ -70,6 +71,8 @@ def serve(channel: Channel, rank: int, world: int) -> None:
             warm_up(runner, spec.device)
         elif kind == "stats":
             channel.send(("stats", {"comm_s": group.comm_s, "calls": group.calls, "step_s": step_s, "steps": steps}))
+        elif kind == "probe":
+            probe_all_reduce(group, *message[1:])
         elif kind == "stop":
             return
         else:
