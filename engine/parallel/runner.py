@@ -92,6 +92,7 @@ class TensorParallel:
     def __init__(self, world: int, ranks: Ranks, group: CollectiveGroup, model, spec: RankSpec):
         self.world, self.ranks, self.group, self.model, self.spec = world, ranks, group, model, spec
         self.runner: TensorParallelRunner | None = None
+        self.lock = threading.Lock()  # one conversation with the ranks at a time: a step, stats or a probe
         self._finalizer = weakref.finalize(self, _stop, ranks, group)
 
     @classmethod
@@ -148,17 +149,19 @@ class TensorParallel:
 
     def stats(self) -> dict[int, dict]:
         """Each rank's seconds in collectives and in its steps so far (rank 0's from here)."""
-        out = {0: {"comm_s": self.group.comm_s, "calls": self.group.calls}}
-        self.ranks.send_all(("stats",))
-        for rank, reply in self.ranks.gather_reports(30).items():
-            out[rank] = reply[1]
+        with self.lock:
+            out = {0: {"comm_s": self.group.comm_s, "calls": self.group.calls}}
+            self.ranks.send_all(("stats",))
+            for rank, reply in self.ranks.gather_reports(30).items():
+                out[rank] = reply[1]
         return out
 
     def probe(self, count: int, width: int) -> float:
         """Seconds of one bare all-reduce of ``[1, width]`` float32 (the mean of ``count``, every rank
         taking part): the floor under each collective of a step."""
-        self.ranks.send_all(("probe", count, width))
-        return probe_all_reduce(self.group, count, width)
+        with self.lock:
+            self.ranks.send_all(("probe", count, width))
+            return probe_all_reduce(self.group, count, width)
 
     def close(self) -> None:
         """Stop the other ranks and drop the group; the ports are released."""
@@ -209,13 +212,14 @@ class TensorParallelRunner(ModelRunner):
         if self.failure is not None:
             raise RankFailure(self.failure)
         group = self.tp.group
-        t0, c0 = time.perf_counter(), group.comm_s
-        try:
-            self.tp.ranks.send_all(("step", record))
-            t1 = time.perf_counter()
-            logits = super().run(record)
-        except BaseException as exc:
-            self.fail(exc)
+        with self.tp.lock:
+            t0, c0 = time.perf_counter(), group.comm_s
+            try:
+                self.tp.ranks.send_all(("step", record))
+                t1 = time.perf_counter()
+                logits = super().run(record)
+            except BaseException as exc:
+                self.fail(exc)
         total = time.perf_counter() - t0
         comm = (t1 - t0) + group.comm_s - c0
         self.last_times = {"compute_s": total - comm, "comm_s": comm}
