@@ -176,7 +176,8 @@ class LLM:
         return delta is not None
 
     def shutdown(self) -> None:
-        """Abort every unfinished request and wait for the engine thread to exit."""
+        """Abort every unfinished request and wait for the engine thread to exit; with tensor parallelism,
+        stop the other ranks too (their ports are released; this LLM serves no more steps)."""
         with self._lock:
             deltas = [self.engine.abort(rid) for rid in list(self.engine.requests)]
             self._post([d for d in deltas if d is not None])
@@ -184,6 +185,8 @@ class LLM:
         self._deliver()
         if thread is not None and thread is not threading.current_thread() and not self._outbox.delivering:
             thread.join()
+        if getattr(self.engine, "tensor_parallel", None) is not None:
+            self.engine.tensor_parallel.close()
 
     # -- observability ---------------------------------------------------------------
     def snapshot(self):

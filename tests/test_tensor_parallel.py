@@ -204,7 +204,7 @@ def test_closing_stops_the_ranks_and_releases_the_ports(tiny_dirs):
     assert llm.generate(tiny_prompts(1), GREEDY)[0].outputs[0].finish_reason == "length"
     stats = llm.engine.tensor_parallel.stats()
     assert stats[1]["steps"] == llm.engine.runner.totals["steps"] and stats[1]["calls"] == stats[0]["calls"]
-    llm.engine.tensor_parallel.close()
+    llm.shutdown()                                               # stops the ranks too
     assert [p.returncode for p in ranks.procs.values()] == [0]   # it left on the closed channel, not a signal
     assert not any(listening(p) for p in ports)
 
