@@ -274,7 +274,8 @@ def build_app(
                        concurrency_limit=1, concurrency_id="batch", preprocess=False),
         ]
         # Stop skips the queue, so it works even when the queue is full.
-        stop.click(T(C(h.stop)), [session], chat_out, cancels=chat_events, api_name="stop", queue=False, **posted)
+        stop.click(T(C(h.stop)), [session], chat_out, cancels=chat_events, api_name="stop", queue=False, **posted
+                   ).then(T(C(h.settled)), [session], chat_out, api_visibility="private", queue=False, **posted)
         clear.click(T(C(h.clear)), [session], chat_out, cancels=chat_events, api_name="clear", **posted)
         # The Chatbot's own trash icon clears the same way (not just the display).
         chatbot.clear(T(C(h.clear)), [session], chat_out, cancels=chat_events, api_visibility="private", **posted)

@@ -365,6 +365,12 @@ class Handlers:
             self.llm.abort(rid)
         return self._outputs(session, msg=withdrawn if withdrawn is not None else gr.skip())
 
+    def settled(self, session: ChatSession) -> tuple:
+        """The chat as it stands once Stop has cancelled the tab's events: a streamed update computed just
+        before Stop (showing the withdrawn message, or the reply still running) may reach the page after
+        Stop's own answer, so Stop is followed by this one."""
+        return self._outputs(session)
+
     def clear(self, session: ChatSession) -> tuple:
         self._withdraw_queued(session)
         if session.active_request_id:
