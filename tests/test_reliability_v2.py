@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from engine import LLM, SamplingParams
 from engine.llm_engine import _StopMatcher
 from engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from test_reliability import ids, run_in_thread
 from tiny_models import make_tiny_model
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -35,27 +36,6 @@ def llm(tmp_path_factory):
 def reference(llm):
     return {"prompt": llm.generate(PROMPT, GREEDY)[0].outputs[0].token_ids,
             "other": llm.generate(OTHER, GREEDY)[0].outputs[0].token_ids}
-
-
-def run_in_thread(fn, timeout=60.0):
-    """``fn()``'s result or exception; fails the test if it does not return within ``timeout`` (a hang)."""
-    box = {}
-
-    def target():
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001
-            box["error"] = exc
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(timeout)
-    assert not t.is_alive(), f"call still blocked after {timeout} s"
-    return box
-
-
-def ids(out):
-    return out.outputs[0].token_ids
 
 
 # -- 1. waiting for tokens inside `with llm.paused()` on the same thread ---------------------------
