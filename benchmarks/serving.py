@@ -336,11 +336,16 @@ def main(argv=None) -> int:
 
     summary = {side: {label: over_rounds(rounds) for label, rounds in by.items() if not label.startswith("_")}
                for side, by in raw.items()}
-    write(out, args, plan, sides, raw, summary, {s: shlex.join(server_argv(s, args, "PORT")) for s in args.servers},
-          env)
+    write(out, args, plan, sides, raw, summary, {s: shown(shlex.join(server_argv(s, args, "PORT")))
+                                                 for s in args.servers}, env)
     log("\n" + Path(f"{out}.md").read_text())
     log(f"wrote {out}.json and {out}.md")
     return 0
+
+
+def shown(command: str) -> str:
+    """A server's command line as a reader would type it: ``python``, paths inside the repository relative."""
+    return command.replace(sys.executable, "python").replace(f"{ROOT}/", "")
 
 
 def rewrite(path: Path, out: Path) -> int:
@@ -351,7 +356,8 @@ def rewrite(path: Path, out: Path) -> int:
     args = argparse.Namespace(**doc["args"])
     summary = {side: {label: over_rounds(rounds) for label, rounds in by.items() if not label.startswith("_")}
                for side, by in doc["rounds"].items()}
-    write(out, args, doc["settings"], doc["sides"], doc["rounds"], summary, doc["servers"], doc["environment"],
+    commands = {side: shown(cmd) for side, cmd in doc["servers"].items()}
+    write(out, args, doc["settings"], doc["sides"], doc["rounds"], summary, commands, doc["environment"],
           command=doc["command"])
     log(Path(f"{out}.md").read_text())
     return 0

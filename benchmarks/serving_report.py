@@ -89,7 +89,10 @@ def markdown(args, plan: list[dict], summary: dict, env: dict | None = None, com
             lines.append(f"| {name} | {_num(g('output_tok_s'))} | {_num(g('ttft_ms_p50'))} | {_num(g('itl_ms_p50'))} | "
                          f"{_num(g('itl_ms_p99'))} |")
         over = overhead(summary)
-        lines += ["", f"Overhead `1 - HTTP tok/s / in-process tok/s`: {'-' if over is None else f'{over * 100:.1f}%'}"]
+        t_http, t_local = _get(summary, "ours", "c=1", "ttft_ms_p50"), _get(summary, "in-process", "c=1", "ttft_ms_p50")
+        lines += ["", f"Overhead `1 - HTTP tok/s / in-process tok/s`: {'-' if over is None else f'{over * 100:.1f}%'}"
+                  + ("" if t_http is None or t_local is None else
+                     f"; TTFT p50 through HTTP {t_http - t_local:+.1f} ms ({_ratio(t_http, t_local)} the in-process one)")]
     lines += ["", "Targets (issue 29):", ""]
     for name, value, ok in targets(summary):
         lines.append(f"- {name}: {value} — {'met' if ok else 'not met' if ok is False else 'not measured'}")
