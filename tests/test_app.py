@@ -42,6 +42,23 @@ def reply_text(chat: list[dict]) -> str:
     return content([m for m in chat if m["role"] == "assistant"][-1]).split('\n\n<div class="pg-meta"')[0]
 
 
+def chat_through_app(engine, smollm2_llm, question: str = "What is the capital of France?"):
+    """The app built on ``engine`` (any engine client: in-process, its own process, a server) answers one
+    greedy chat over its HTTP API, as a visitor's page would. Returns the /chat outputs, the monitor's
+    snapshot just after, and the reply the in-process engine gives to the same conversation."""
+    demo = build_app(engine)
+    _, url, _ = launch(demo, prevent_thread_lock=True, quiet=True)
+    try:
+        outputs = gradio_client.Client(url, verbose=False).predict(question, SYSTEM, *greedy(12), api_name="/chat")
+        snap = demo.playground_monitor.refresh()
+    finally:
+        demo.close()
+        demo.playground_monitor.close()
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    (expected,) = smollm2_llm.chat(messages, SamplingParams(max_tokens=12, temperature=0))
+    return outputs, snap, expected.outputs[0].text
+
+
 def reply_meta(chat: list[dict]) -> str:
     """The stats / branch line under the last reply."""
     text = content([m for m in chat if m["role"] == "assistant"][-1])

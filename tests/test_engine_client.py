@@ -129,21 +129,8 @@ def test_remote_errors_are_the_engines(remote, served):
 
 def test_the_playground_serves_a_chat_from_a_remote_engine(remote, smollm2_llm):
     """``python -m playground --server URL``: the reply is the engine's, the map sees its blocks."""
-    import gradio_client
-    from test_app import SYSTEM, greedy, reply_text
+    from test_app import chat_through_app, reply_text
 
-    from playground.app import build_app as build_playground, launch
-
-    demo = build_playground(remote)
-    _, url, _ = launch(demo, prevent_thread_lock=True, quiet=True)
-    try:
-        client = gradio_client.Client(url, verbose=False)
-        chat, *_ = client.predict("What is the capital of France?", SYSTEM, *greedy(12), api_name="/chat")
-        snap = demo.playground_monitor.refresh()
-    finally:
-        demo.close()
-        demo.playground_monitor.close()
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the capital of France?"}]
-    (expected,) = smollm2_llm.chat(messages, SamplingParams(max_tokens=12, temperature=0))
-    assert reply_text(chat) == expected.outputs[0].text
+    (chat, *_), snap, expected = chat_through_app(remote, smollm2_llm)
+    assert reply_text(chat) == expected
     assert any(b["state"] == "cached" for b in snap["blocks"])

@@ -215,23 +215,10 @@ def test_a_model_that_does_not_load_raises_the_llms_error_here(tmp_path):
 def test_the_app_serves_a_chat_from_the_engine_process(remote, smollm2_llm):
     """``python -m playground``'s arrangement: the app in this process, the engine in its own; the
     reply is the in-process engine's, and the monitor's block map sees the engine process's blocks."""
-    import gradio_client
-    from test_app import SYSTEM, greedy, reply_text
+    from test_app import chat_through_app, reply_text
 
-    from playground.app import build_app, launch
-
-    demo = build_app(remote)
-    _, url, _ = launch(demo, prevent_thread_lock=True, quiet=True)
-    try:
-        client = gradio_client.Client(url, verbose=False)
-        chat, *_ = client.predict("What is the capital of France?", SYSTEM, *greedy(12), api_name="/chat")
-        snap = demo.playground_monitor.refresh()
-    finally:
-        demo.close()
-        demo.playground_monitor.close()
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the capital of France?"}]
-    (expected,) = smollm2_llm.chat(messages, SamplingParams(max_tokens=12, temperature=0))
-    assert reply_text(chat) == expected.outputs[0].text, (reply_text(chat), expected.outputs[0].text)
+    (chat, *_), snap, expected = chat_through_app(remote, smollm2_llm)
+    assert reply_text(chat) == expected, (reply_text(chat), expected)
     assert any(b["state"] == "cached" for b in snap["blocks"])
 
 

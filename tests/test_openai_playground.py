@@ -179,24 +179,12 @@ def test_abort_closes_the_stream_and_frees_the_blocks(client, smollm2_llm):
 
 def test_the_playground_on_an_openai_server(client, smollm2_llm):
     """A chat served from the OpenAI routes; the block map and the inspector say why they are empty."""
-    import gradio_client
-    from test_app import SYSTEM, greedy, reply_text
+    from test_app import chat_through_app, reply_text
 
     from playground import render
-    from playground.app import build_app, launch
 
-    demo = build_app(client)
-    _, url, _ = launch(demo, prevent_thread_lock=True, quiet=True)
-    try:
-        page = gradio_client.Client(url, verbose=False)
-        chat, _, lp_html, *_ = page.predict("What is the capital of France?", SYSTEM, *greedy(12), api_name="/chat")
-        snap = demo.playground_monitor.refresh()
-    finally:
-        demo.close()
-        demo.playground_monitor.close()
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the capital of France?"}]
-    (expected,) = smollm2_llm.chat(messages, SamplingParams(max_tokens=12, temperature=0))
-    assert reply_text(chat) == expected.outputs[0].text and 'class="lp-tok' in lp_html
+    (chat, _, lp_html, *_), snap, expected = chat_through_app(client, smollm2_llm)
+    assert reply_text(chat) == expected and 'class="lp-tok' in lp_html
     shown = render.block_map_html(snap)
     assert "No block map for this server" in shown
     assert "through its OpenAI routes and /metrics only" in shown and 'class="kv-cell' not in shown
