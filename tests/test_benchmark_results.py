@@ -1,0 +1,76 @@
+"""benchmarks.results: a run becomes a JSON file (date, machine, load, commit, command, every
+figure beside the peer's) and, from that file alone, a Markdown table and a PNG."""
+
+import json
+import os
+
+import pytest
+
+from benchmarks import results
+
+
+def _small_run(tmp_path):
+    started = results.start()
+    figures = [results.figure("greedy, µs per row", "µs", 12.34, 45.6, better="lower"),
+               results.figure("decode, 4 streams", "tok/s", 88.7, 81.9),
+               results.figure("decode, 16 streams", "tok/s", 266.8, None)]
+    return results.write_run("demo", figures, ours="engine", peer="NumPy", title="Demo run",
+                             command="python -m benchmarks.demo --quick", started=started, quick=True,
+                             settings={"streams": 4}, tables=[{"title": "per round", "columns": ["round", "tok/s"],
+                                                               "rows": [[1, 87.25], [2, 90.0]]}],
+                             raw={"rounds": [87.25, 90.0]}, results_dir=tmp_path)
+
+
+def test_a_run_is_written_as_json_with_the_machine_the_load_and_every_figure(tmp_path):
+    path = _small_run(tmp_path)
+    doc = json.loads(path.read_text())
+    assert doc["benchmark"] == "demo" and doc["command"] == "python -m benchmarks.demo --quick"
+    assert doc["quick"] is True and doc["settings"] == {"streams": 4}
+    m = doc["machine"]
+    assert m["cores"] == os.cpu_count() and m["cpu"]
+    assert len(m["load_start"]) == 3 and len(m["load_end"]) == 3
+    assert doc["date"].endswith("+00:00") and doc["commit"]
+    greedy, four, sixteen = doc["figures"]
+    assert (greedy["ours"], greedy["peer"], greedy["better"]) == (12.34, 45.6, "lower")
+    assert four["ratio"] == pytest.approx(88.7 / 81.9, abs=1e-4)
+    assert sixteen["peer"] is None and sixteen["ratio"] is None
+    assert doc["raw"] == {"rounds": [87.25, 90.0]}
+
+
+def test_the_markdown_and_the_png_are_rendered_from_the_json_alone(tmp_path):
+    path = _small_run(tmp_path)
+    md, png = tmp_path / "demo.md", tmp_path / "demo.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = md.read_text()
+    assert "| decode, 4 streams | tok/s | 88.7 | 81.9 | 1.08x |" in text
+    assert "| greedy, µs per row (lower is better) | µs | 12.3 | 45.6 | 0.27x |" in text
+    assert "| decode, 16 streams | tok/s | 266.8 | - | - |" in text
+    assert "| 1 | 87.2 |" in text and "Quick settings" in text and "![Demo run](demo.png)" in text
+    assert "load average" in text
+    # change a figure in the JSON: the rendering follows the file, not the run that wrote it
+    doc = json.loads(path.read_text())
+    doc["figures"][1]["ours"] = 99.9
+    path.write_text(json.dumps(doc))
+    md.unlink()
+    png.unlink()
+    written = results.render(path)
+    assert set(written) == {md, png}
+    assert "| decode, 4 streams | tok/s | 99.9 | 81.9 |" in md.read_text()
+
+
+def test_bad_names_and_figures_are_refused_before_anything_is_written(tmp_path):
+    with pytest.raises(ValueError, match="plain file stem"):
+        results.write_run("../escape", [], results_dir=tmp_path)
+    with pytest.raises(ValueError, match="lacks"):
+        results.write_run("demo", [{"figure": "x", "unit": "s"}], results_dir=tmp_path)
+    with pytest.raises(ValueError, match="'higher' or 'lower'"):
+        results.figure("x", "s", 1.0, better="faster")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(FileNotFoundError, match="no results file"):
+        results.render(tmp_path / "missing.json")
+
+
+def test_numbers_print_as_the_docs_quote_them():
+    assert [results.fmt(v) for v in (266.84, 12.34, 1.5, 0.2734, 49152, 7, None)] == \
+        ["266.8", "12.3", "1.50", "0.273", "49,152", "7", "-"]
+    assert results.ratio(1.8866) == "1.89x"
