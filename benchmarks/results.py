@@ -102,10 +102,12 @@ def write_run(name: str, figures: list[dict], *, ours: str = "ours", peer: str |
               title: str | None = None, command: str | None = None, started: dict | None = None,
               settings: dict | None = None, quick: bool = False, targets: list[dict] | None = None,
               tables: list[dict] | None = None, plots: list[dict] | None = None, notes: list[str] | None = None,
-              raw=None, source: str | None = None, results_dir: Path | str | None = None, docs_dir: Path | str | None = None) -> Path:
+              raw=None, source: str | None = None, environment: dict | None = None, results_dir: Path | str | None = None, docs_dir: Path | str | None = None) -> Path:
     """Write ``NAME.json`` into ``results_dir`` (default ``benchmarks/results``) and render its
     Markdown and PNG into ``docs_dir`` (default ``docs/benchmarks`` for the default results
-    directory, else the results directory itself). Returns the JSON's path."""
+    directory, else the results directory itself). ``environment`` (``date``, ``machine``,
+    ``commit``, ``versions``) is for a run recorded earlier, written again in this form; by
+    default they are this run's. Returns the JSON's path."""
     if not name or "/" in name or name.startswith("."):
         raise ValueError(f"results name {name!r}: a plain file stem such as 'sampler'")
     for f in figures:
@@ -116,12 +118,14 @@ def write_run(name: str, figures: list[dict], *, ours: str = "ours", peer: str |
                                          **{k: v for k, v in f.items()
                                             if k not in ("figure", "unit", "ours", "peer", "better")})
             for f in figures]
-    started = started or start()
-    doc = {"benchmark": name, "title": title or name, "date": started["date"], "machine": machine(started),
-           "commit": _git("rev-parse", "--short", "HEAD"),
-           "uncommitted_changes": bool(_git("status", "--porcelain", "--", "engine", "gpu_kernels", "playground",
-                                            "benchmarks")),
-           "versions": versions(), "command": command or command_line(), "quick": quick,
+    if environment is None:
+        started = started or start()
+        environment = {"date": started["date"], "machine": machine(started),
+                       "commit": _git("rev-parse", "--short", "HEAD"),
+                       "uncommitted_changes": bool(_git("status", "--porcelain", "--", "engine", "gpu_kernels",
+                                                        "playground", "benchmarks")),
+                       "versions": versions()}
+    doc = {"benchmark": name, "title": title or name, **environment, "command": command or command_line(), "quick": quick,
            "ours": ours, "peer": peer, "settings": settings or {}, "figures": figs, "targets": targets or [],
            "tables": tables or [], "plots": plots or [], "notes": notes or [], "raw": raw}
     if source:
@@ -164,7 +168,8 @@ def _table(columns: list[str], rows: list[list]) -> list[str]:
 
 def header(doc: dict) -> list[str]:
     m = doc["machine"]
-    load = f"load average {m['load_start'][0]:.2f} at the start, {m['load_end'][0]:.2f} at the end"
+    load = f"load average {m['load_start'][0]:.2f} at the start" + (
+        f", {m['load_end'][0]:.2f} at the end" if m.get("load_end") else "")
     commit = doc["commit"] + (" (with uncommitted changes)" if doc.get("uncommitted_changes") else "")
     lines = [f"`{doc['command']}`", "",
              f"{doc['date']} · {m['cpu']}, {m['cores']} cores, {load} · commit {commit} · Python {m['python']}"
@@ -203,6 +208,8 @@ def markdown(doc: dict) -> str:
             lines.append(f"- {t['target']}: {t['value']} — {met}")
         lines.append("")
     for note in doc.get("notes", []):
+        if note.startswith("- ") and len(lines) >= 2 and lines[-2].startswith("- "):
+            lines.pop()
         lines += [note, ""]
     if doc.get("has_plot"):
         lines += [f"![{doc['title']}]({doc['benchmark']}.png)", ""]
@@ -212,21 +219,22 @@ def markdown(doc: dict) -> str:
 
 
 def _plots(doc: dict) -> list[dict]:
-    """The run's own plots, else one panel per unit: ours beside the peer for each figure."""
+    """The run's own plots, else ours / the peer's for every figure that has both (green where
+    ours is better), else ours alone, a panel per unit."""
     if doc.get("plots"):
         return doc["plots"]
+    paired = [f for f in doc["figures"] if f.get("ratio")]
+    if paired:
+        return [{"title": f"{doc.get('ours') or 'ours'} / {doc.get('peer') or 'peer'} (1 = even)", "kind": "ratio",
+                 "x": [f"{f['figure']} ({f['unit']})" for f in paired], "ylabel": "ratio, log scale",
+                 "series": {"ratio": [f["ratio"] for f in paired]},
+                 "better": [(f["ratio"] > 1) == (f.get("better", "higher") == "higher") for f in paired]}]
     by_unit: dict[str, list[dict]] = {}
     for f in doc["figures"]:
         if isinstance(f.get("ours"), (int, float)):
             by_unit.setdefault(f["unit"], []).append(f)
-    plots = []
-    for unit, figs in by_unit.items():
-        series = {doc.get("ours") or "ours": [f["ours"] for f in figs]}
-        if doc.get("peer") and any(isinstance(f.get("peer"), (int, float)) for f in figs):
-            series[doc["peer"]] = [f.get("peer") if isinstance(f.get("peer"), (int, float)) else 0 for f in figs]
-        plots.append({"title": unit, "kind": "barh", "x": [f["figure"] for f in figs], "ylabel": unit,
-                      "series": series})
-    return plots
+    return [{"title": unit, "kind": "barh", "x": [f["figure"] for f in figs], "ylabel": unit,
+             "series": {doc.get("ours") or "ours": [f["ours"] for f in figs]}} for unit, figs in by_unit.items()]
 
 
 def plot(doc: dict, path: Path) -> bool:
@@ -238,18 +246,30 @@ def plot(doc: dict, path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    heights = [max(2.0, 0.45 * len(p["x"]) * max(1, len(p["series"])) + 1.0) if p.get("kind", "barh") == "barh"
-               else 3.5 for p in plots]
-    fig, axes = plt.subplots(len(plots), 1, figsize=(9, sum(heights)), squeeze=False,
+    heights = [0.3 * len(p["x"]) * (len(p["series"]) if p.get("kind", "barh") == "barh" else 1) + 1.2
+               if p.get("kind", "barh") in ("barh", "ratio") else 3.5 for p in plots]
+    fig, axes = plt.subplots(len(plots), 1, figsize=(9, sum(heights) + 0.6), squeeze=False,
                              gridspec_kw={"height_ratios": heights})
     for ax, p in zip(axes[:, 0], plots):
+        kind = p.get("kind", "barh")
         n = len(p["series"])
-        if p.get("kind", "barh") == "barh":
+        ticks = [str(x) for x in p["x"]]
+        if kind == "ratio":
+            values = p["series"]["ratio"]
+            ax.barh(range(len(values)), [v - 1 for v in values], left=1,
+                    color=["tab:green" if b else "tab:red" for b in p["better"]])
+            ax.axvline(1, color="black", lw=0.8)
+            ax.set_xscale("log")
+            ax.set_yticks(range(len(values)), ticks)
+            ax.invert_yaxis()
+            ax.set_xlabel(p.get("ylabel", ""))
+            ax.set_title(p["title"] + ": green where ours is better", fontsize=10)
+        elif kind == "barh":
             width = 0.8 / n
             for i, (label, values) in enumerate(p["series"].items()):
-                ys = [j + i * width for j in range(len(p["x"]))]
-                ax.barh(ys, [v if v is not None else 0 for v in values], height=width, label=label)
-            ax.set_yticks([j + (n - 1) * width / 2 for j in range(len(p["x"]))], [str(x) for x in p["x"]])
+                ax.barh([j + i * width for j in range(len(ticks))], [v if v is not None else 0 for v in values],
+                        height=width, label=label)
+            ax.set_yticks([j + (n - 1) * width / 2 for j in range(len(ticks))], ticks)
             ax.invert_yaxis()
             ax.set_xlabel(p.get("ylabel", ""))
         else:
@@ -257,12 +277,16 @@ def plot(doc: dict, path: Path) -> bool:
                 ax.plot(p["x"], values, marker="o", label=label)
             ax.set_xlabel(p.get("xlabel", ""))
             ax.set_ylabel(p.get("ylabel", ""))
-        ax.set_title(p["title"], fontsize=10)
-        ax.grid(axis="x" if p.get("kind", "barh") == "barh" else "y", alpha=0.3)
-        ax.legend(fontsize=8)
+        if p.get("log") and kind != "ratio":
+            (ax.set_xscale if kind == "barh" else ax.set_yscale)("log")
+        if kind != "ratio":
+            ax.set_title(p["title"], fontsize=10)
+            ax.legend(fontsize=8)
+        ax.grid(axis="x" if kind in ("barh", "ratio") else "y", alpha=0.3)
     m = doc["machine"]
-    fig.suptitle(f"{doc['title']} — {doc['date'][:16].replace('T', ' ')} UTC, {m['cores']} cores, "
-                 f"load {m['load_start'][0]:.1f}", fontsize=10)
+    fig.suptitle(f"{doc['title']}\n{doc['date'][:16].replace('T', ' ')} UTC, {m['cpu']}, {m['cores']} cores, "
+                 f"load average {m['load_start'][0]:.1f}" + (", quick settings" if doc.get("quick") else ""),
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=80, metadata={"Software": None})
     plt.close(fig)
@@ -315,7 +339,7 @@ def index() -> Path:
         m = doc["machine"]
         lines.append(f"| [{doc['benchmark']}]({doc['benchmark']}.md) | {doc['title']} | "
                      f"{doc['date'][:16].replace('T', ' ')} | {m['cpu']}, {m['cores']} cores | "
-                     f"{m['load_start'][0]:.2f} / {m['load_end'][0]:.2f} | "
+                     f"{m['load_start'][0]:.2f} / {format(m['load_end'][0], '.2f') if m.get('load_end') else '-'} | "
                      f"{'quick' if doc.get('quick') else 'full'}{' (recorded)' if doc.get('source') else ''} |")
     DOCS.mkdir(parents=True, exist_ok=True)
     out = DOCS / "README.md"

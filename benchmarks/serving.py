@@ -21,7 +21,8 @@ number is the median over rounds of that round's value. Cores used by the server
 every other process are measured per setting; on a shared machine ``--quiet-below 0.3`` waits for
 quiet before each setting and measures it again when others took more than that meanwhile (a
 llama.cpp server with ``-t 2`` on 2 busy cores slows down far more than ours: its threads spin).
-Results go to ``benchmarks/results/serving.{json,md}`` (``--quick``: ``build/serving-quick``).
+Results go to ``benchmarks/results/serving.json``, rendered into ``docs/benchmarks/serving.{md,png}``
+(``--quick``: ``build/serving-quick.{json,md,png}``).
 """
 
 from __future__ import annotations
@@ -262,7 +263,7 @@ def log(msg: str) -> None:
 
 
 def main(argv=None) -> int:
-    from benchmarks.engine import environment
+    from benchmarks.results import start
     from benchmarks.serving_report import write
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.serving",
@@ -295,7 +296,8 @@ def main(argv=None) -> int:
                    help="one round, concurrency 1 and 16, 48 tokens, 16 requests at the rate; writes build/serving-quick")
     p.add_argument("--from-json", type=Path, default=None,
                    help="no measuring: recompute the summary and the table from a results JSON's rounds")
-    p.add_argument("--out", default=None, help="path stem of the .json and .md (default benchmarks/results/serving)")
+    p.add_argument("--out", default=None, help="path stem of the results (default benchmarks/results/serving, rendered "
+                                                "into docs/benchmarks/; elsewhere the .md and .png go beside the .json)")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # stop the running server on the way out
     if args.quick:
@@ -308,7 +310,7 @@ def main(argv=None) -> int:
 
     if args.from_json:
         return rewrite(args.from_json, out)
-    env = environment()
+    started = start()
     plan = settings(args)
     sides = list(args.servers) + (["in-process"] if args.in_process and "ours" in args.servers else [])
     raw: dict[str, dict[str, list]] = {side: {} for side in sides}
@@ -336,10 +338,9 @@ def main(argv=None) -> int:
 
     summary = {side: {label: over_rounds(rounds) for label, rounds in by.items() if not label.startswith("_")}
                for side, by in raw.items()}
-    write(out, args, plan, sides, raw, summary, {s: shown(shlex.join(server_argv(s, args, "PORT")))
-                                                 for s in args.servers}, env)
-    log("\n" + Path(f"{out}.md").read_text())
-    log(f"wrote {out}.json and {out}.md")
+    path = write(out, args, plan, sides, raw, summary, {s: shown(shlex.join(server_argv(s, args, "PORT")))
+                                                        for s in args.servers}, started=started)
+    log("\n" + rendered(path).read_text())
     return 0
 
 
@@ -348,18 +349,41 @@ def shown(command: str) -> str:
     return command.replace(sys.executable, "python").replace(f"{ROOT}/", "")
 
 
+def rendered(path: Path) -> Path:
+    """The Markdown `benchmarks.results` rendered from the results file at ``path``."""
+    from benchmarks import results
+
+    return (results.DOCS if path.parent.resolve() == results.RESULTS.resolve() else path.parent) / f"{path.stem}.md"
+
+
+def recorded_run(doc: dict) -> tuple[dict, dict, str | None]:
+    """(the run's own fields, its date / machine / commit, llama-server's version) of a results
+    file, in `benchmarks.results`' form or in the form written before it."""
+    if "raw" in doc:
+        env = {k: doc[k] for k in ("date", "machine", "commit", "uncommitted_changes", "versions") if k in doc}
+        return doc["raw"], env, doc.get("settings", {}).get("llama-server")
+    e = doc["environment"]
+    m, v = e["machine"], e["versions"]
+    env = {"date": e["date"], "commit": v["commit"],
+           "machine": {"cpu": m["cpu"], "cores": m["cpus"], "load_start": [round(x, 2) for x in m["load_average"]],
+                       "load_end": None, "python": v["python"]},
+           "versions": {"paddlepaddle": v["paddle"], "numba": v["numba"], "numpy": v["numpy"]}}
+    return doc, env, e.get("llama_server")
+
+
 def rewrite(path: Path, out: Path) -> int:
-    """The summary, targets and markdown of an earlier run, recomputed from its per-round values."""
+    """The summary, targets and rendering of an earlier run, recomputed from its per-round values."""
     from benchmarks.serving_report import write
 
     doc = json.loads(path.read_text())
-    args = argparse.Namespace(**doc["args"])
+    run, env, llama_server = recorded_run(doc)
+    args = argparse.Namespace(**run["args"])
     summary = {side: {label: over_rounds(rounds) for label, rounds in by.items() if not label.startswith("_")}
-               for side, by in doc["rounds"].items()}
-    commands = {side: shown(cmd) for side, cmd in doc["servers"].items()}
-    write(out, args, doc["settings"], doc["sides"], doc["rounds"], summary, commands, doc["environment"],
-          command=doc["command"])
-    log(Path(f"{out}.md").read_text())
+               for side, by in run["rounds"].items()}
+    commands = {side: shown(cmd) for side, cmd in run["servers"].items()}
+    written = write(out, args, run["settings"], run["sides"], run["rounds"], summary, commands, recorded=env,
+                    command=doc["command"], llama_server=llama_server)
+    log(rendered(written).read_text())
     return 0
 
 

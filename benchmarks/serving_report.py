@@ -1,8 +1,8 @@
-"""The JSON and markdown of ``benchmarks.serving``: our number beside llama-server's, with the ratio."""
+"""The figures, tables and targets of ``benchmarks.serving`` (our number beside llama-server's, with
+the ratio), written and rendered by `benchmarks.results`."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -43,60 +43,61 @@ def targets(summary: dict) -> list[tuple[str, str, bool | None]]:
              None if over is None else over <= 0.05)]
 
 
-def markdown(args, plan: list[dict], summary: dict, env: dict | None = None, commands: dict | None = None,
-             command: str | None = None) -> str:
-    lines = ["# Serving benchmark: our OpenAI server beside llama.cpp's llama-server", ""]
-    if env:
-        m, v = env["machine"], env["versions"]
-        lines += [f"{env['date']} · {m['cpu']}, {m['cpus']} CPUs, load average {m['load_average'][0]:.1f} at the start"
-                  f" · commit {v['commit']} · Python {v['python']}, Paddle {v['paddle']}"
-                  + (f" · llama-server {env['llama_server']}" if env.get("llama_server") else ""), ""]
-    lines += [f"`{command or shlex_argv()}`: model {args.model}, {args.max_tokens} output tokens per request (greedy, "
-              f"`ignore_eos`), {args.rounds} round(s), servers interleaved and started fresh each round. "
-              "Each number is the median over rounds of that round's value (percentiles: over the round's requests). "
-              "Metric definitions: `benchmarks/serving_load.py` (vLLM's `vllm bench serve`).", ""]
-    for side, cmd in (commands or {}).items():
-        lines.append(f"- {side}: `{cmd}`")
-    lines += ["", "| setting | requests per round | req/s ours | req/s llama-server | output tok/s ours | output tok/s llama-server "
-              "| ours / llama-server | errors ours / llama-server | server cores ours / llama-server |",
-              "|---|---|---|---|---|---|---|---|---|"]
+SETTING_FIGURES = (("output tok/s", "output_tok_s", "tok/s", "higher"), ("requests/s", "request_throughput", "req/s", "higher"),
+                   ("TTFT p50", "ttft_ms_p50", "ms", "lower"), ("TTFT p99", "ttft_ms_p99", "ms", "lower"),
+                   ("ITL p50", "itl_ms_p50", "ms", "lower"), ("ITL p99", "itl_ms_p99", "ms", "lower"))
+
+
+def figures(plan: list[dict], summary: dict) -> list[dict]:
+    """Every setting's figures, ours beside llama-server's; then the in-process stream at one stream."""
+    from benchmarks.results import figure
+
+    out = []
     for s in plan:
-        g = lambda side, key: _get(summary, side, s["label"], key)  # noqa: E731
-        lines.append(f"| {s['label']} | {s['n']} | {_num(g('ours', 'request_throughput'), 2)} | "
-                     f"{_num(g(PEER, 'request_throughput'), 2)} | {_num(g('ours', 'output_tok_s'))} | "
-                     f"{_num(g(PEER, 'output_tok_s'))} | {_ratio(g('ours', 'output_tok_s'), g(PEER, 'output_tok_s'))} | "
-                     f"{g('ours', 'errors') if g('ours', 'errors') is not None else '-'} / "
-                     f"{g(PEER, 'errors') if g(PEER, 'errors') is not None else '-'} | "
-                     f"{_num(g('ours', 'server_cores'), 2)} / {_num(g(PEER, 'server_cores'), 2)} |")
-    others = [m["others_cores_max"] for by in summary.values() for m in by.values()]
-    if others:
-        lines += ["", f"Other processes on the machine used up to {max(others):.2f} cores during a setting "
-                  "(0 on a quiet machine; `others_cores` in the JSON, per round)."]
-    lines += ["", "Latency (ms; lower is better; the ratio is ours / llama-server):", "",
-              "| setting | TTFT p50 ours | llama-server | TTFT p99 ours | llama-server | ratio p99 "
-              "| ITL p50 ours | llama-server | ITL p99 ours | llama-server |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for s in plan:
-        g = lambda side, key: _get(summary, side, s["label"], key)  # noqa: E731
-        lines.append(f"| {s['label']} | {_num(g('ours', 'ttft_ms_p50'))} | {_num(g(PEER, 'ttft_ms_p50'))} | "
-                     f"{_num(g('ours', 'ttft_ms_p99'))} | {_num(g(PEER, 'ttft_ms_p99'))} | "
-                     f"{_ratio(g('ours', 'ttft_ms_p99'), g(PEER, 'ttft_ms_p99'))} | {_num(g('ours', 'itl_ms_p50'))} | "
-                     f"{_num(g(PEER, 'itl_ms_p50'))} | {_num(g('ours', 'itl_ms_p99'))} | {_num(g(PEER, 'itl_ms_p99'))} |")
+        for name, key, unit, better in SETTING_FIGURES:
+            ours, peer = _get(summary, "ours", s["label"], key), _get(summary, PEER, s["label"], key)
+            if ours is not None or peer is not None:
+                out.append(figure(f"{s['label']}: {name}", unit, ours, peer, better=better))
+    for name, key, unit, better in SETTING_FIGURES:
+        local = _get(summary, "in-process", "c=1", key)
+        if local is not None and key != "request_throughput":
+            out.append(figure(f"in-process LLM.stream, one stream: {name}", unit, local, None, better=better))
+    return out
+
+
+def tables(plan: list[dict], summary: dict) -> list[dict]:
+    g = lambda side, label, key: _get(summary, side, label, key)  # noqa: E731
+    rows = [[s["label"], s["n"], f"{g('ours', s['label'], 'errors')} / {g(PEER, s['label'], 'errors')}",
+             f"{_num(g('ours', s['label'], 'server_cores'), 2)} / {_num(g(PEER, s['label'], 'server_cores'), 2)}"]
+            for s in plan]
+    out = [{"title": "Requests, errors and the cores each server used (ours / llama-server)",
+            "columns": ["setting", "requests per round", "errors", "server cores"], "rows": rows}]
     if "in-process" in summary:
-        lines += ["", "HTTP overhead at one stream (our server at c=1 vs `engine.LLM.stream` in process, same chats):", "",
-                  "| path | output tok/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms |", "|---|---|---|---|---|"]
-        for name, side in (("in-process `LLM.stream`", "in-process"), ("our server, HTTP", "ours")):
-            g = lambda key: _get(summary, side, "c=1", key)  # noqa: E731
-            lines.append(f"| {name} | {_num(g('output_tok_s'))} | {_num(g('ttft_ms_p50'))} | {_num(g('itl_ms_p50'))} | "
-                         f"{_num(g('itl_ms_p99'))} |")
-        over = overhead(summary)
-        t_http, t_local = _get(summary, "ours", "c=1", "ttft_ms_p50"), _get(summary, "in-process", "c=1", "ttft_ms_p50")
-        lines += ["", f"Overhead `1 - HTTP tok/s / in-process tok/s`: {'-' if over is None else f'{over * 100:.1f}%'}"
-                  + ("" if t_http is None or t_local is None else
-                     f"; TTFT p50 through HTTP {t_http - t_local:+.1f} ms ({_ratio(t_http, t_local)} the in-process one)")]
-    lines += ["", "Targets (issue 29):", ""]
-    for name, value, ok in targets(summary):
-        lines.append(f"- {name}: {value} — {'met' if ok else 'not met' if ok is False else 'not measured'}")
-    return "\n".join(lines) + "\n"
+        out.append({"title": "HTTP at one stream: our server at c=1 beside `engine.LLM.stream` in process, same chats",
+                    "columns": ["path", "output tok/s", "TTFT p50 ms", "ITL p50 ms", "ITL p99 ms"],
+                    "rows": [[name] + [g(side, "c=1", k) for k in ("output_tok_s", "ttft_ms_p50", "itl_ms_p50",
+                                                                    "itl_ms_p99")]
+                             for name, side in (("in-process `LLM.stream`", "in-process"), ("our server, HTTP", "ours"))]})
+    return out
+
+
+def notes(args, summary: dict, commands: dict | None) -> list[str]:
+    out = [f"Model {args.model}, {args.max_tokens} output tokens per request (greedy, `ignore_eos`), {args.rounds} "
+           "round(s), servers interleaved and started fresh each round. Each number is the median over rounds of that "
+           "round's value (percentiles: over the round's requests). Metric definitions: `benchmarks/serving_load.py` "
+           "(vLLM's `vllm bench serve`). Servers:"]
+    out += [f"- {side}: `{cmd}`" for side, cmd in (commands or {}).items()]
+    others = [m["others_cores_max"] for by in summary.values() for m in by.values() if "others_cores_max" in m]
+    if others:
+        out.append(f"Other processes on the machine used up to {max(others):.2f} cores during a setting "
+                   "(0 on a quiet machine; `others_cores` in the JSON, per round).")
+    over = overhead(summary)
+    t_http, t_local = _get(summary, "ours", "c=1", "ttft_ms_p50"), _get(summary, "in-process", "c=1", "ttft_ms_p50")
+    if over is not None:
+        out.append(f"HTTP overhead `1 - HTTP tok/s / in-process tok/s`: {over * 100:.1f}%"
+                   + ("" if t_http is None or t_local is None else
+                      f"; TTFT p50 through HTTP {t_http - t_local:+.1f} ms ({_ratio(t_http, t_local)} the in-process one)"))
+    return out
 
 
 def shlex_argv() -> str:
@@ -114,16 +115,26 @@ def llama_server_version(binary) -> str | None:
     return next((line.strip() for line in text if line.startswith("version")), text[-1] if text else None)
 
 
-def write(out: Path, args, plan, sides, raw, summary, commands: dict, env: dict, command: str | None = None) -> None:
-    if PEER in commands and "llama_server" not in env:
-        env["llama_server"] = llama_server_version(args.llama_server)
+def write(out: Path, args, plan, sides, raw, summary, commands: dict, *, started: dict | None = None,
+          recorded: dict | None = None, command: str | None = None, llama_server: str | None = None) -> Path:
+    """The run through `benchmarks.results`: ``out`` is the path stem (``benchmarks/results/serving``:
+    the JSON there, its Markdown and plot in ``docs/benchmarks/``). ``started``: this run's
+    `results.start()`; ``recorded``: the date, machine and commit of a run written earlier
+    (``--from-json``)."""
+    from benchmarks import results
+
+    if PEER in commands and llama_server is None and recorded is None:
+        llama_server = llama_server_version(args.llama_server)
     lean = {side: {label: [{k: v for k, v in r.items() if k not in ("ttft_s", "itl_s")} if isinstance(r, dict) else r
                            for r in rounds] for label, rounds in by.items()} for side, by in raw.items()}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    command = command or shlex_argv()
-    doc = {"environment": env, "command": command, "args": {k: str(v) if isinstance(v, Path) else v
-                                                                for k, v in vars(args).items()},
-           "servers": commands, "settings": plan, "sides": sides, "summary": summary, "rounds": lean,
-           "targets": [{"target": n, "value": v, "met": ok} for n, v, ok in targets(summary)]}
-    Path(f"{out}.json").write_text(json.dumps(doc, indent=1) + "\n")
-    Path(f"{out}.md").write_text(markdown(args, plan, summary, env, commands, command))
+    return results.write_run(
+        out.name, figures(plan, summary), ours="ours", peer=PEER, command=command or shlex_argv(),
+        title="Serving: our OpenAI server beside llama.cpp's llama-server",
+        settings={"model": args.model, "output tokens per request": args.max_tokens, "rounds": args.rounds,
+                  "llama-server": llama_server},
+        quick=bool(getattr(args, "quick", False)), started=started, environment=recorded,
+        targets=[{"target": n, "value": v, "met": ok} for n, v, ok in targets(summary)],
+        tables=tables(plan, summary), notes=notes(args, summary, commands),
+        raw={"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "servers": commands,
+             "settings": plan, "sides": sides, "summary": summary, "rounds": lean},
+        results_dir=out.parent)

@@ -74,3 +74,16 @@ def test_numbers_print_as_the_docs_quote_them():
     assert [results.fmt(v) for v in (266.84, 12.34, 1.5, 0.2734, 49152, 7, None)] == \
         ["266.8", "12.3", "1.50", "0.273", "49,152", "7", "-"]
     assert results.ratio(1.8866) == "1.89x"
+
+
+def test_the_serving_run_is_written_again_from_its_own_results_file(tmp_path):
+    """benchmarks.serving writes through the same writer: --from-json recomputes every figure from
+    the committed run's rounds and gives the committed figures back."""
+    from benchmarks import serving
+
+    committed = json.loads((results.RESULTS / "serving.json").read_text())
+    assert serving.rewrite(results.RESULTS / "serving.json", tmp_path / "serving") == 0
+    again = json.loads((tmp_path / "serving.json").read_text())
+    assert again["figures"] == committed["figures"] and again["date"] == committed["date"]
+    assert again["machine"] == committed["machine"] and again["peer"] == "llama-server"
+    assert (tmp_path / "serving.md").exists() and (tmp_path / "serving.png").exists()
