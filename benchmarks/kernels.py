@@ -4,6 +4,7 @@ Without a GPU it compares the ``cpu`` backend with a NumPy gather + softmax
 decode, measures the per-call overhead of the dispatch layer (NumPy and
 Paddle arguments), and times CPU prefill: the tiled BLAS kernel
 (``cpu.prefill``) and the NumPy reference, in GFLOP/s of causal (useful) FLOPs.
+Results: ``benchmarks/results/kernels-cpu.json``, rendered into ``docs/benchmarks/``.
 
 With a GPU (needs torch) it prints, for the ``cuda`` backend on torch tensors:
 
@@ -33,6 +34,8 @@ import numpy as np
 
 import gpu_kernels
 from gpu_kernels.testing import make_problem
+
+from . import results
 
 
 def _host_time(fn, reps):
@@ -68,16 +71,23 @@ def numpy_decode(q, kc, vc, bt, lens, scale, out):
         out[i] = (s @ v).reshape(num_heads, head_dim)
 
 
-def bench_cpu():
+CPU_DECODE_CASES = [(1, 9, 3, 64, 512, "float32"), (8, 9, 3, 64, 1024, "float32"),
+                    (1, 4, 1, 256, 4096, "float32"), (8, 32, 8, 128, 2048, "float32"),
+                    (8, 32, 8, 128, 2048, "float16")]
+CPU_PREFILL_CASES = [(1, 1400, 9, 3, 64, "float32", 0), (4, 512, 9, 3, 64, "float32", 0),
+                     (1, 2048, 32, 8, 128, "float16", 0), (1, 2048, 8, 4, 256, "bfloat16", 512)]
+
+
+def bench_cpu(cases=CPU_DECODE_CASES) -> list[dict]:
+    """The CPU decode beside the NumPy gather + softmax, and the dispatch layer's cost per call;
+    returns the figures (`benchmarks.results`)."""
     import numba
+    figures = []
     print(f"CPU backend vs NumPy (numba {numba.__version__}, {numba.get_num_threads()} threads)")
     print("| batch | heads q/kv | head_dim | context | cache | cpu µs | NumPy µs | speed-up |")
     print("|---|---|---|---|---|---|---|---|")
     rng = np.random.default_rng(0)
-    for seqs, heads, kv_heads, head_dim, ctx, dtype in [
-            (1, 9, 3, 64, 512, "float32"), (8, 9, 3, 64, 1024, "float32"),
-            (1, 4, 1, 256, 4096, "float32"), (8, 32, 8, 128, 2048, "float32"),
-            (8, 32, 8, 128, 2048, "float16")]:
+    for seqs, heads, kv_heads, head_dim, ctx, dtype in cases:
         p = make_problem(rng, context_lens=[ctx] * seqs, query_lens=[1] * seqs,
                          num_kv_heads=kv_heads, group=heads // kv_heads, head_dim=head_dim,
                          dtype=dtype, query_dtype="float32")
@@ -90,6 +100,8 @@ def bench_cpu():
                                                p.context_lens, p.scale, out), reps)
         print(f"| {seqs} | {heads}/{kv_heads} | {head_dim} | {ctx} | {dtype} | {ours:.0f} | "
               f"{base:.0f} | {base / ours:.1f}x |")
+        figures.append(results.figure(f"decode {seqs} x {ctx}, heads {heads}/{kv_heads}, d {head_dim}, {dtype}",
+                                      "µs", round(ours, 1), round(base, 1), better="lower"))
 
     p = make_problem(rng, context_lens=[1], query_lens=[1], num_kv_heads=3, group=3, head_dim=64)
     out = np.zeros_like(p.query)
@@ -101,11 +113,13 @@ def bench_cpu():
         p.query, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale, out=out), 2000)
     line = (f"\nper-call cost, 1-token decode: kernel call {kernel:.1f} µs, "
             f"dispatch with NumPy arrays {via_numpy:.1f} µs")
+    figures += [results.figure("1-token decode: kernel call", "µs", round(kernel, 1), better="lower"),
+                results.figure("1-token decode: dispatch with NumPy arrays", "µs", round(via_numpy, 1), better="lower")]
     try:
         import paddle
     except ImportError:
         print(line)
-        return
+        return figures
     t = {k: paddle.to_tensor(getattr(p, k)) for k in
          ("query", "k_cache", "v_cache", "block_tables", "context_lens")}
     pout = paddle.zeros(p.query.shape, dtype="float32")
@@ -113,9 +127,12 @@ def bench_cpu():
         t["query"], t["k_cache"], t["v_cache"], t["block_tables"], t["context_lens"], p.scale,
         out=pout), 2000)
     print(f"{line}, with Paddle tensors {via_paddle:.1f} µs")
+    figures.append(results.figure("1-token decode: dispatch with Paddle tensors", "µs", round(via_paddle, 1),
+                                  better="lower"))
+    return figures
 
 
-def bench_cpu_prefill():
+def bench_cpu_prefill(cases=CPU_PREFILL_CASES) -> list[dict]:
     from gpu_kernels import interop, reference
     from gpu_kernels.cpu import attention as cpu, prefill as cpu_prefill
     from gpu_kernels.cpu.blas import single_threaded_blas
@@ -125,9 +142,8 @@ def bench_cpu_prefill():
     print("|---|---|---|---|---|---|---|---|---|")
     rng = np.random.default_rng(0)
     single_threaded_blas()
-    for seqs, prompt, heads, kv_heads, head_dim, dtype, window in [
-            (1, 1400, 9, 3, 64, "float32", 0), (4, 512, 9, 3, 64, "float32", 0),
-            (1, 2048, 32, 8, 128, "float16", 0), (1, 2048, 8, 4, 256, "bfloat16", 512)]:
+    figures = []
+    for seqs, prompt, heads, kv_heads, head_dim, dtype, window in cases:
         p = make_problem(rng, context_lens=[prompt] * seqs, query_lens=[prompt] * seqs,
                          num_kv_heads=kv_heads, group=heads // kv_heads, head_dim=head_dim,
                          dtype=dtype, query_dtype="float32")
@@ -145,6 +161,11 @@ def bench_cpu_prefill():
         print(f"| {seqs} x {prompt} | {heads}/{kv_heads} | {head_dim} | {dtype} | "
               f"{window or '-'} | {tiled:.1f} | {flops / tiled / 1e6:.1f} | {ref:.0f} | "
               f"{ref / tiled:.1f}x |")
+        case = f"prefill {seqs} x {prompt}, heads {heads}/{kv_heads}, d {head_dim}, {dtype}" + (
+            f", window {window}" if window else "")
+        figures += [results.figure(case, "ms", round(tiled, 2), round(ref, 1), better="lower"),
+                    results.figure(case, "GFLOP/s", round(flops / tiled / 1e6, 1))]
+    return figures
 
 
 # --------------------------------------------------------------------------- GPU
@@ -406,6 +427,8 @@ def main(argv=None):
     parser.add_argument("--page-layouts", action="store_true",
                         help="GPU: also time decode by block size (16/32/64) and page order (shuffled, "
                              "shuffled within 2 MB, in order)")
+    parser.add_argument("--quick", action="store_true",
+                        help="CPU: the three smallest decode cases and the two smallest prefill cases")
     args = parser.parse_args(argv)
     try:
         from numba import cuda
@@ -418,8 +441,18 @@ def main(argv=None):
         bench_gpu(args.sweep, args.only, args.split_rule, args.decode_mma, args.decode_large,
                   args.decode_versions, args.tables, args.page_layouts)
     else:
-        bench_cpu()
-        bench_cpu_prefill()
+        import numba
+
+        started = results.start()
+        figures = bench_cpu(CPU_DECODE_CASES[:3] if args.quick else CPU_DECODE_CASES)
+        figures += bench_cpu_prefill(CPU_PREFILL_CASES[:2] if args.quick else CPU_PREFILL_CASES)
+        results.write_run("kernels-cpu", figures, ours="Numba cpu backend", peer="NumPy",
+                          title="Numba CPU kernels beside NumPy (decode: gather + softmax; prefill: the reference)",
+                          started=started, quick=args.quick,
+                          settings={"numba threads": numba.get_num_threads(), "query": "float32",
+                                    "block size": 16},
+                          notes=["Decode µs: median wall time of a call. Prefill ms: best of 5 calls (the NumPy "
+                                 "reference: 1 call); GFLOP/s counts causal FLOPs only."])
 
 
 if __name__ == "__main__":

@@ -149,8 +149,8 @@ def fmt(value, unit: str = "") -> str:
         return "-"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return str(value)
-    if isinstance(value, int) or float(value).is_integer() and abs(value) >= 1000:
-        return f"{int(value):,}" if abs(value) >= 10000 else str(int(value))
+    if isinstance(value, int):
+        return f"{value:,}" if abs(value) >= 10000 else str(value)
     a = abs(value)
     digits = 1 if a >= 10 else 2 if a >= 1 else 3
     return f"{value:.{digits}f}"

@@ -9,6 +9,8 @@
    (``tests/test_sampling.py``).
 2. **Decode**: tok/s of ``--streams`` chats decoded together by one engine, with either sampler in
    its place, alternating, the same settings.
+
+Results: ``benchmarks/results/sampler.json``, rendered into ``docs/benchmarks/sampler.md``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import numpy as np
 
 from engine import LLM, SamplingParams, add_engine_args, config_from_args
 from engine.sampling_reference import NumpySampler
+
+from . import results
 
 SETTINGS = {"greedy": dict(temperature=0.0), "T 0.7, top-p 0.9": dict(temperature=0.7, top_p=0.9)}
 PROMPTS = ["Tell me about the ocean.", "Describe a forest at night.", "Explain how a bicycle works.",
@@ -60,7 +64,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="2 streams, 16 tokens, 2 repeats")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.streams, args.tokens, args.repeats = 2, 16, 2
+    started = results.start()
     llm = LLM(**vars(config_from_args(args)))
     compiled = llm.engine.sampler
     numpy_sampler = NumpySampler(compiled.decode_token)
@@ -90,6 +98,12 @@ def main(argv: list[str] | None = None) -> dict:
         llm.shutdown()
     for key, value in result.items():
         print(f"{key:>40}: {'   '.join(f'{k} {v}' for k, v in value.items())}")
+    results.write_run("sampler", [results.figure(key, key.split(": ")[1].split(",")[0], v["compiled"], v["NumPy"],
+                                                 better="lower" if "µs" in key else "higher")
+                                  for key, v in result.items()],
+                      ours="compiled", peer="NumPy", title="Sampler: the engine's compiled passes beside NumPy",
+                      started=started, quick=args.quick, settings={"model": args.model, "streams": args.streams,
+                                                                   "tokens": args.tokens, "repeats": args.repeats})
     return result
 
 
