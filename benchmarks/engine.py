@@ -25,8 +25,8 @@ Sections (all on the same SmolLM2 GGUF, float32 activations, CPU):
    communication at each tensor-parallel size beside TP=1
    (`benchmarks.tensor_parallel`).
 
-Every run also writes its numbers as JSON (``--json``: date, machine,
-versions). Numbers depend on the machine and on whatever else runs on it:
+Every run writes its numbers through `benchmarks.results`: ``benchmarks/results/engine.json``
+(``tensor_parallel.json`` for that section alone), rendered into ``docs/benchmarks/``. Numbers depend on the machine and on whatever else runs on it:
 compare the columns of one run, not runs on different machines.
 """
 
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -45,6 +44,7 @@ from engine import LLM, SamplingParams, add_engine_args, config_from_args
 
 from . import fallback as bench_fallback
 from . import llama_cpp as peer
+from . import results as bench_results
 
 TOPICS = bench_fallback.TOPICS
 PEERS = ("llama.cpp",)
@@ -284,8 +284,10 @@ def main(argv=None) -> int:
                              "(default: model_impl,concurrency,prefix; with --tensor-parallel: tensor_parallel)")
     parser.add_argument("--tensor-parallel", default=None, metavar="SIZES",
                         help="run the tensor_parallel section at these sizes, e.g. 1,2 (benchmarks.tensor_parallel)")
-    parser.add_argument("--json", default="benchmark-engine.json", help="where to write the results")
+    parser.add_argument("--quick", action="store_true", help="16 tokens, 1 round, a 256-token prefill")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.tokens, args.repeats, args.prefill_tokens = 16, 1, 256
     engine_args = vars(config_from_args(args))
     default = "tensor_parallel" if args.tensor_parallel else "model_impl,concurrency,prefix"
     sections = set((args.sections or default).split(","))
@@ -293,6 +295,7 @@ def main(argv=None) -> int:
         sections.add("peer")
     if args.tensor_parallel:
         sections.add("tensor_parallel")
+    started = bench_results.start()
     env = environment()
     results = {"environment": env, "model": args.model}
     print(f"{env['date']}  {env['machine']['cpu']}, {env['machine']['cpus']} CPUs, load "
@@ -335,10 +338,36 @@ def main(argv=None) -> int:
         results["tensor_parallel"] = bench_tp.run(engine_args, sizes, args.tokens, args.prefill_tokens, args.repeats)
         print(bench_tp.table(results["tensor_parallel"]) + "\n")
 
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=2)
-    print(f"\nresults written to {args.json}")
+    write(results, args, started)
     return 0
+
+
+def write(results: dict, args, started: dict) -> None:
+    """The run's figures through `benchmarks.results` (``tensor_parallel`` alone: its own file)."""
+    from . import engine_figures as ef
+
+    figures, tables = [], []
+    if "peer" in results:
+        figures += ef.peer(results["peer"])
+    if "model_impl" in results:
+        figures += ef.fallback(results["model_impl"]["rows"], results["model_impl"]["outputs_agree"])
+    if "concurrency" in results:
+        figures += ef.concurrency(results["concurrency"])
+    if "prefix" in results:
+        figures += ef.prefix(results["prefix"]["on"], results["prefix"]["off"])
+    if "tensor_parallel" in results:
+        figures += ef.tensor_parallel(results["tensor_parallel"])
+        tables.append(ef.tensor_parallel_table(results["tensor_parallel"]))
+    sections = [k for k in ("peer", "model_impl", "concurrency", "prefix", "tensor_parallel") if k in results]
+    name = "tensor_parallel" if sections == ["tensor_parallel"] else "engine"
+    bench_results.write_run(name, figures, ours="engine", peer="peer", started=started, quick=args.quick,
+                            title=f"Engine: {', '.join(sections)}, each beside its peer",
+                            settings={"model": args.model, "tokens": args.tokens, "rounds": args.repeats,
+                                      "prefill tokens": args.prefill_tokens},
+                            notes=["Peers: llama.cpp on the same GGUF (peer), PaddleFormers' own generate "
+                                   "(model_impl), one request (concurrency), prefix caching off (prefix), TP=1 with "
+                                   "the fused decode (tensor_parallel)."],
+                            tables=tables, raw={k: v for k, v in results.items() if k != "environment"})
 
 
 if __name__ == "__main__":

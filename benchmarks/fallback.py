@@ -244,9 +244,22 @@ def main(argv=None) -> int:
     parser.add_argument("--only", action="append", metavar="NAME",
                         help="measure only this row (repeatable), e.g. --only 'native engine' "
                              "--only 'PaddleFormers backend'")
+    parser.add_argument("--quick", action="store_true", help="16 tokens, 4 streams, 1 round")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.tokens, args.streams, args.repeats = 16, 4, 1
+    from . import engine_figures, results as bench_results
+
+    started = bench_results.start()
     results, agree = run(args.model, args.tokens, args.streams, args.repeats, only=args.only)
     print(table(results, agree, args.tokens, args.streams))
+    bench_results.write_run("fallback", engine_figures.fallback(results, agree), ours="engine",
+                            peer=engine_figures.GENERATE, started=started, quick=args.quick,
+                            title="Model implementations: native, the PaddleFormers backend, PaddleFormers generate",
+                            settings={"model": args.model, "tokens": args.tokens, "streams": args.streams,
+                                      "rounds": args.repeats}, notes=[table(results, agree, args.tokens, args.streams)
+                                                                      .join(["```\n", "\n```"])],
+                            raw=[r.__dict__ for r in results])
     return 0
 
 

@@ -552,5 +552,48 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+def write(result: dict, started: dict) -> None:
+    """The run through `benchmarks.results` (``playground.json``; ``--cold-start``: ``playground-cold-start``,
+    ``--ui-cpu``: ``playground-ui-cpu``): the app beside the engine alone where both were measured."""
+    from . import results
+
+    if "command_to_ready_s" in result:
+        figures = [results.figure(k, "ms" if k.endswith("_ms") else "s", v, better="lower")
+                   for k, v in result.items() if isinstance(v, (int, float))]
+        return results.write_run("playground-cold-start", figures, started=started,
+                                 title="Playground: the command to its URL and the first chats")
+    if all(isinstance(v, dict) for v in result.values()):
+        figures = [results.figure(f"{kind}: {group}", "cores", v, better="lower")
+                   for kind, by in result.items() for group, v in by.items()]
+        return results.write_run("playground-ui-cpu", figures, started=started,
+                                 title="Playground: the cores the UI's threads use for each kind of page work")
+    f = results.figure
+    figures = [f("decode with the app open and streaming (peer: the engine alone)", "tok/s",
+                 result["decode_tok_s_app_streaming"], result["decode_tok_s_engine_alone"]),
+               f("slowdown, each app round against the engine-alone round beside it", "%",
+                 result["slowdown_pct_paired"], better="lower"),
+               f("block-map refreshes a second per tab", "1/s", result["map_refreshes_per_s_per_tab"]),
+               f("server CPU for the same chats (peer: the engine alone)", "CPU s", result["server_cpu_s_app"],
+                 result["server_cpu_s_engine_alone"], better="lower"),
+               f("the UI's threads, app minus engine alone", "CPU s", result["ui_threads_cpu_s_app_minus_alone"],
+                 better="lower"),
+               f("refresh round trip", "ms", result["refresh_round_trip_ms"], better="lower"),
+               f("start to ready", "s", result["start_to_ready_s"], better="lower"),
+               f("first chat: first token", "s", result["first_chat_first_token_s"], better="lower")]
+    results.write_run("playground", figures, ours="app open", peer="engine alone", started=started,
+                      title="Playground: decoding with the page open beside the engine alone",
+                      targets=[{"target": "app at most 5% slower", "value": f"{result['slowdown_pct_paired']}%",
+                                "met": result["slowdown_pct_paired"] <= 5},
+                               {"target": "block map refreshed at least 4 times a second per tab",
+                                "value": str(result["map_refreshes_per_s_per_tab"]),
+                                "met": result["map_refreshes_per_s_per_tab"] >= 4}],
+                      settings={k: result[k] for k in ("model", "tabs", "max_tokens", "refresh_interval_s",
+                                                       "tabs_process_priority", "engine_runs_in")},
+                      raw=result)
+
+
 if __name__ == "__main__":
-    main()
+    from .results import start
+
+    _started = start()
+    write(main(), _started)

@@ -87,3 +87,24 @@ def test_the_serving_run_is_written_again_from_its_own_results_file(tmp_path):
     assert again["figures"] == committed["figures"] and again["date"] == committed["date"]
     assert again["machine"] == committed["machine"] and again["peer"] == "llama-server"
     assert (tmp_path / "serving.md").exists() and (tmp_path / "serving.png").exists()
+
+
+def test_the_engine_sections_become_figures_beside_their_peers():
+    from benchmarks import engine_figures as ef
+
+    rows = [{"name": "native engine", "single_tok_s": 40.0, "multi_tok_s": 160.0},
+            {"name": "PaddleFormers generate", "single_tok_s": 10.0, "multi_tok_s": 20.0}]
+    figs = {f["figure"]: f for f in ef.fallback(rows, True)}
+    assert figs["native engine: 1 stream"]["ratio"] == 4.0 and figs["native engine: several streams"]["ratio"] == 8.0
+    assert figs["single-stream greedy outputs agree"]["ours"] == "yes"
+    tp = {"model": "m", "rows": {"TP=1, fused decode": {"decode, 1 stream": {"compute_s": 0.044, "comm_s": 0.0}},
+                                 "TP=2": {"decode, 1 stream": {"compute_s": 0.1124, "comm_s": 0.1932}}},
+          "bare_all_reduce_s": {"TP=2": 0.00166}}
+    figs = {f["figure"]: f for f in ef.tensor_parallel(tp)}
+    step = figs["TP=2, decode, 1 stream: ms a step (peer: TP=1, fused decode)"]
+    assert (step["ours"], step["peer"], step["better"]) == (305.6, 44.0, "lower")
+    assert figs["TP=2, decode, 1 stream: communication's share of a step"]["ours"] == 63.2
+    assert figs["TP=2: a bare all-reduce of one hidden row"]["ours"] == 1.66
+    assert ef.tensor_parallel_table(tp)["rows"][1] == ["TP=2", "112.4 + 193.2 = 305.6 (63 %)"]
+    ttft = ef.prefix({"prompt_tokens": 900, "ttft_s": 0.05}, {"ttft_s": 0.5})[0]
+    assert (ttft["ours"], ttft["peer"], ttft["ratio"]) == (50.0, 500.0, 0.1)
