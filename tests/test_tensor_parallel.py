@@ -30,8 +30,10 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0, logprobs=2, ignore_eos=Tru
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
-    return {arch: make_tiny_model(str(root / arch), arch)
-            for arch in ("LlamaForCausalLM", "Qwen3ForCausalLM")}
+    dirs = {arch: make_tiny_model(str(root / arch), arch) for arch in ("LlamaForCausalLM", "Qwen3ForCausalLM")}
+    # Gemma 3's layout with one KV head (as Gemma 3 270M): replicated at two ranks
+    dirs["Gemma3ForCausalLM"] = make_tiny_model(str(root / "gemma3"), "Gemma3ForCausalLM", kv_heads=1)
+    return dirs
 
 
 def events_of(llm):
@@ -63,15 +65,20 @@ def ports_of(llm) -> list[int]:
     return [int(ranks.store_address.rsplit(":", 1)[1])]
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
-def test_two_ranks_give_one_process_greedy_tokens_with_caching_chunking_and_preemption(tiny_dirs, arch):
+@pytest.mark.parametrize("arch, impl", [("LlamaForCausalLM", "native"), ("Qwen3ForCausalLM", "native"),
+                                        ("Gemma3ForCausalLM", "paddleformers")])
+def test_two_ranks_give_one_process_greedy_tokens_with_caching_chunking_and_preemption(tiny_dirs, arch, impl):
     # 2 layers x 2 KV heads x 16 dims: a 4-token block is 2,048 bytes on one rank, 1,024 on each of
     # two (each holds one KV head), so both caches have 24 blocks -- too few for 6 requests of
     # ~40 tokens at once: the scheduler preempts. The shared 9-token prefix fills two blocks that
-    # later prompts find in the prefix cache; 8-token steps cut every prompt into chunks.
+    # later prompts find in the prefix cache; 8-token steps cut every prompt into chunks. Gemma's
+    # one KV head is on both ranks (replicated): 1,024 bytes a block on one rank and on each of two;
+    # PaddleFormers' Gemma 3 owns a qkv_proj fused per KV head, built from a rank's slices.
     prompts = tiny_prompts(6)
-    common = dict(model=tiny_dirs[arch], block_size=4, max_num_batched_tokens=8, enable_prefix_caching=True)
-    one = LLM(kv_cache_memory=24 * 2048, **common)
+    common = dict(model=tiny_dirs[arch], block_size=4, max_num_batched_tokens=8, enable_prefix_caching=True,
+                  model_impl=impl)
+    one_block = 1024 if arch == "Gemma3ForCausalLM" else 2048
+    one = LLM(kv_cache_memory=24 * one_block, **common)
     ref = one.generate(prompts, GREEDY)
     two = LLM(kv_cache_memory=24 * 1024, tensor_parallel_size=2, **common)
     try:
@@ -128,6 +135,29 @@ def test_smollm2_on_three_ranks_gives_one_process_greedy_tokens():
         three.engine.tensor_parallel.close()
 
 
+@pytest.mark.slow
+def test_gemma3_through_paddleformers_on_two_ranks_gives_one_process_greedy_tokens():
+    """Gemma 3 270M (PaddleFormers' class: 4 query heads, one KV head, replicated on both ranks), with
+    prefix caching, 8-token chunks and a cache of 10 blocks, too few for three requests at once (the
+    scheduler preempts); against one process on the same float32 weights through the Paddle layers."""
+    prompts = ["The capital of France is", "The capital of France is a city that", "def fibonacci(n):"]
+    block = 18 * 1 * 256 * 2 * 4 * 4       # layers x KV heads x head_dim x (K, V) x float32 x 4 tokens
+    common = dict(model="gemma3-270m", block_size=4, max_num_batched_tokens=8, enable_prefix_caching=True,
+                  kv_cache_memory=10 * block, model_impl="paddleformers")
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True)
+    ref = LLM(quantization="none", cpu_decode="paddle", **common).generate(prompts, params)
+    two = LLM(tensor_parallel_size=2, **common)
+    try:
+        seen = events_of(two)
+        assert two.engine.kv_cache_manager.num_blocks == 10
+        assert two.engine.runner.model.plan.heads == 2 and two.engine.runner.model.plan.kv_replicas == 2
+        assert_same_greedy(ref, two.generate(prompts, params))
+        assert "request_preempted" in [e.kind for e in seen]
+        assert two.snapshot().prefix_cache.hits > 0
+    finally:
+        two.engine.tensor_parallel.close()
+
+
 # -- refused before anything loads -----------------------------------------------------------
 @pytest.fixture
 def no_ranks_start(monkeypatch):
@@ -162,9 +192,33 @@ def test_more_ranks_than_the_cores_run_is_refused(monkeypatch):
         EngineConfig(tensor_parallel_size=3)
 
 
-def test_a_borrowed_model_is_refused_under_tensor_parallelism(tiny_dirs, no_ranks_start):
-    with pytest.raises(ValueError, match="has no sharded implementation yet"):
+def test_a_size_that_does_not_split_a_borrowed_model_is_refused_before_loading(tiny_dirs, no_ranks_start,
+                                                                               monkeypatch):
+    import engine.fallback.paddleformers as pf
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(pf, "build_paddleformers_model", refuse)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 cannot split Gemma3ForCausalLM: "
+                                         r"num_attention_heads=4 is not a multiple of it; intermediate_size=128 "
+                                         r"is not a multiple of it. Sizes that split it: 1, 2, 4"):
+        LLM(model=tiny_dirs["Gemma3ForCausalLM"], model_impl="paddleformers", tensor_parallel_size=3)
+
+
+def test_a_borrowed_class_that_cannot_be_built_at_a_ranks_sizes_is_refused_before_loading(tiny_dirs,
+                                                                                         no_ranks_start):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2: PaddleFormers' LlamaForCausalLM cannot be built "
+                                         r"with a rank's share of the model \(2 query heads, 1 KV heads of 16, "
+                                         r"hidden size 64\): hidden_size must be divisible"):
         LLM(model=tiny_dirs["LlamaForCausalLM"], model_impl="paddleformers", tensor_parallel_size=2)
+
+
+def test_a_backend_without_a_sharded_model_is_refused(tiny_dirs, no_ranks_start):
+    from engine.parallel.sharding import check_shardable
+
+    with pytest.raises(ValueError, match="model_impl='paddlefleet' has no sharded implementation yet"):
+        check_shardable("LlamaForCausalLM", {}, 2, "paddlefleet")
 
 
 # -- a rank dies --------------------------------------------------------------------------------

@@ -122,14 +122,19 @@ def packed_row_indices(meta) -> paddle.Tensor:
     return paddle.to_tensor(ends.reshape(1, 1, -1, 1))
 
 
-def build_paddleformers_model(checkpoint, dtype: str, device: str, blocks: dict | None = None) -> PaddleFormersModel:
-    """The checkpoint's architecture as a PaddleFormers model on our paged attention, weights loaded."""
+def build_paddleformers_model(checkpoint, dtype: str, device: str, blocks: dict | None = None, *,
+                              hf_config: dict | None = None, weights=None) -> PaddleFormersModel:
+    """The checkpoint's architecture as a PaddleFormers model on our paged attention, weights loaded.
+
+    ``hf_config`` / ``weights``: another config and HF-named weights than the checkpoint's (a
+    tensor-parallel rank's share of the heads and its slices, ``engine.parallel.fallback``)."""
     model_cls = paddleformers_class(checkpoint.architecture)
     name = attention_adapter.register()
-    config = paddleformers_config(model_cls, checkpoint.config, device, name)
+    config = paddleformers_config(model_cls, hf_config or checkpoint.config, device, name)
     with paddle.LazyGuard():   # parameters get memory when the checkpoint fills them
         model = model_cls(config)
-    load_hf_weights(model, checkpoint.weights("float32"), num_heads=config.num_attention_heads,
+    weights = checkpoint.weights("float32") if weights is None else weights
+    load_hf_weights(model, weights, num_heads=config.num_attention_heads,
                     num_kv_heads=config.num_key_value_heads)
     fixups = tuple(apply_fixups(model))
     faster = apply_speedups(model)

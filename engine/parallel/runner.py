@@ -56,6 +56,10 @@ def load_rank_model(spec: RankSpec, rank: int, world: int, group, checkpoint=Non
     checkpoint = checkpoint if checkpoint is not None else load_checkpoint(spec.config.model)
     cfg = check_shardable(checkpoint.architecture, checkpoint.config, world, spec.model_impl)
     plan = ShardPlan(cfg, rank, world)
+    if spec.model_impl == "paddleformers":
+        from .fallback import build_sharded_paddleformers
+
+        return build_sharded_paddleformers(checkpoint, spec.dtype, spec.device, plan, group)
     return build_sharded_model(checkpoint.architecture, checkpoint.config, checkpoint.weights(progress=rank == 0),
                                spec.dtype, plan, group)
 
@@ -101,7 +105,11 @@ class TensorParallel:
         if device != "cpu":
             raise ValueError(f"tensor_parallel_size={world} runs CPU ranks over gloo; device={device!r} ranks "
                              "(NCCL) are not built here (docs/DISTRIBUTED.md); use device='cpu'")
-        check_shardable(checkpoint.architecture, checkpoint.config, world, model_impl)  # before anything starts
+        cfg = check_shardable(checkpoint.architecture, checkpoint.config, world, model_impl)  # before anything starts
+        if model_impl == "paddleformers":
+            from .fallback import check_buildable
+
+            check_buildable(checkpoint, ShardPlan(cfg, 0, world), device)
         if config.quantization == "auto" and checkpoint.format == "gguf" and dtype == "float32":
             logger.info("tensor_parallel_size=%d: ranks compute on float32 slices; the GGUF's quantized blocks "
                         "are not kept under tensor parallelism", world)
@@ -133,7 +141,7 @@ class TensorParallel:
         from ..device import warm_up
 
         dtype, device = self.spec.dtype, self.spec.device
-        positions = self.model.rope.positions
+        positions = self.model.rope.positions if hasattr(self.model, "rope") else None  # native: RoPE table length
         runner = TensorParallelRunner(self, num_blocks, block_size, dtype, attention_backend, device)
         if cpu_decode == "fused":
             runner.decode_path = (f"paddle (tensor_parallel_size={self.world}: the fused CPU decode step is one "
@@ -208,7 +216,7 @@ class TensorParallelRunner(ModelRunner):
     def tensor_parallel_size(self) -> int:
         return self.tp.world
 
-    def run(self, record: StepRecord):
+    def run(self, record: StepRecord, probe=None):
         if self.failure is not None:
             raise RankFailure(self.failure)
         group = self.tp.group
@@ -217,7 +225,7 @@ class TensorParallelRunner(ModelRunner):
             try:
                 self.tp.ranks.send_all(("step", record))
                 t1 = time.perf_counter()
-                logits = super().run(record)
+                logits = super().run(record) if probe is None else super().run(record, probe)  # probe: rank 0's heads
             except BaseException as exc:
                 self.fail(exc)
         total = time.perf_counter() - t0

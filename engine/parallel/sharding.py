@@ -11,6 +11,7 @@ Per decoder layer, with ``N`` ranks (HF names; HF stores linears ``[out, in]``):
 | ``down_proj`` | row | the same range of inputs | all-reduce |
 | ``embed_tokens`` | vocab | rows ``r*V'/N ...`` of the vocab padded to ``V'`` | all-reduce |
 | ``lm_head`` (or the tied embedding) | vocab | the same rows | all-gather of logits |
+| ``o_proj`` / ``down_proj`` biases | rank 0 | the bias; zeros elsewhere | (added once) |
 | norms, q/k norms | replicated | everything | |
 
 References followed: FastDeploy ``fastdeploy/model_executor/layers/linear.py``
@@ -91,11 +92,13 @@ class ShardPlan:
         if part in ("k_proj", "v_proj"):
             lo = self.first_kv_head * d
             return array[lo:lo + self.kv_heads * d]
-        if part == "o_proj" and m.group(2) == "weight":
+        if part in ("o_proj", "down_proj") and m.group(2) == "bias":  # added once, after the all-reduce
+            return array if self.rank == 0 else np.zeros_like(array)
+        if part == "o_proj":
             return array[:, self.rank * self.heads * d:(self.rank + 1) * self.heads * d]
         if part in ("gate_proj", "up_proj"):
             return array[self.rank * self.intermediate:(self.rank + 1) * self.intermediate]
-        if part == "down_proj" and m.group(2) == "weight":
+        if part == "down_proj":
             return array[:, self.rank * self.intermediate:(self.rank + 1) * self.intermediate]
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             rows = array[self.vocab_start:self.vocab_start + self.vocab_per_rank]
@@ -103,7 +106,7 @@ class ShardPlan:
                 rows = np.concatenate([rows, np.zeros((self.vocab_per_rank - len(rows),) + array.shape[1:],
                                                       array.dtype)])
             return rows
-        return array  # norms (and row-parallel biases, which the native decoder does not have)
+        return array  # norms
 
     def shard_weights(self, weights):
         """``(name, array)`` pairs reduced to this rank's slices, one tensor at a time."""
@@ -114,17 +117,37 @@ class ShardPlan:
 _LAYER = re.compile(r"^model\.layers\.\d+\.(?:self_attn|mlp)\.(\w+)\.(weight|bias)$")
 
 
+SHARDED_IMPLS = ("native", "paddleformers")
+
+
+def decoder_shape(hf_config: dict) -> DecoderConfig:
+    """The sizes a `ShardPlan` splits, read from an HF config as every decoder names them (the
+    PaddleFormers backend's models too, which the native `DecoderConfig.from_hf` refuses)."""
+    c = hf_config
+    heads = c["num_attention_heads"]
+    return DecoderConfig(vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+                         intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"],
+                         num_heads=heads, num_kv_heads=c.get("num_key_value_heads") or heads,
+                         head_dim=c.get("head_dim") or c["hidden_size"] // heads, rms_norm_eps=0.0, rope_theta=0.0,
+                         rope_scaling=None, max_position_embeddings=0,
+                         tie_word_embeddings=bool(c.get("tie_word_embeddings")))
+
+
 def check_shardable(architecture: str, hf_config: dict, world: int, model_impl: str = "native") -> DecoderConfig:
     """The decoder config, or a ValueError saying why ``world`` ranks cannot split this model: every
     rank must get whole query heads, whole KV heads (or one replicated KV head each, the ranks
     dividing evenly among the KV heads) and an equal share of the MLP."""
     from ..models import NATIVE_ARCHITECTURES
 
-    if model_impl != "native" or architecture not in NATIVE_ARCHITECTURES:
+    if model_impl not in SHARDED_IMPLS or (model_impl == "native" and architecture not in NATIVE_ARCHITECTURES):
         raise ValueError(f"tensor_parallel_size={world}: tensor parallelism runs the native decoders "
-                         f"({', '.join(NATIVE_ARCHITECTURES)}); {architecture} with model_impl={model_impl!r} "
-                         f"has no sharded implementation yet (use tensor_parallel_size=1)")
-    cfg = DecoderConfig.from_hf(architecture, hf_config)
+                         f"({', '.join(NATIVE_ARCHITECTURES)}) and the PaddleFormers backend; {architecture} with "
+                         f"model_impl={model_impl!r} has no sharded implementation yet (use tensor_parallel_size=1 "
+                         f"or model_impl='paddleformers')")
+    if model_impl == "native":
+        cfg = DecoderConfig.from_hf(architecture, hf_config)
+    else:
+        cfg = decoder_shape(hf_config)
     heads, kv, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
     problems = []
     if heads % world:

@@ -65,7 +65,8 @@ def serve(channel: Channel, rank: int, world: int) -> None:
             steps += 1
         elif kind == "init":
             num_blocks, block_size, dtype, backend, positions = message[1:]
-            model.rope.resize(positions)
+            if positions is not None:
+                model.rope.resize(positions)
             runner = ModelRunner(model, num_blocks, block_size, dtype, backend, "paddle", spec.device)
         elif kind == "warm_up":
             warm_up(runner, spec.device)
