@@ -361,7 +361,8 @@ def write(results: dict, args, started: dict) -> None:
     sections = [k for k in ("peer", "model_impl", "concurrency", "prefix", "tensor_parallel") if k in results]
     name = "tensor_parallel" if sections == ["tensor_parallel"] else "engine"
     bench_results.write_run(name, figures, ours="engine", peer="peer", started=started, quick=args.quick,
-                            title=f"Engine: {', '.join(sections)}, each beside its peer",
+                            title=("Tensor parallelism: a step's compute and communication beside TP=1"
+                                   if name == "tensor_parallel" else f"Engine: {', '.join(sections)}, each beside its peer"),
                             settings={"model": args.model, "tokens": args.tokens, "rounds": args.repeats,
                                       "prefill tokens": args.prefill_tokens},
                             notes=["Peers: llama.cpp on the same GGUF (peer), PaddleFormers' own generate "

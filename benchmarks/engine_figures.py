@@ -71,7 +71,7 @@ def tensor_parallel(result: dict) -> list[dict]:
     for name, row in rows.items():
         for work, split in row.items():
             step = (split["compute_s"] + split["comm_s"]) * 1e3
-            ref = base.get(work)
+            ref = base.get(work) if row is not base else None
             out.append(figure(f"{name}, {work}: ms a step (peer: TP=1, fused decode)", "ms", round(step, 1),
                               ref and round((ref["compute_s"] + ref["comm_s"]) * 1e3, 1), better="lower"))
             if split["comm_s"]:
@@ -79,9 +79,13 @@ def tensor_parallel(result: dict) -> list[dict]:
                                better="lower"),
                         figure(f"{name}, {work}: communication's share of a step", "%",
                                round(100 * split["comm_s"] * 1e3 / step, 1), better="lower")]
+    n = result.get("collectives_per_step")
     for name, seconds in result.get("bare_all_reduce_s", {}).items():
         out.append(figure(f"{name}: a bare all-reduce of one hidden row", "ms", round(seconds * 1e3, 2),
                           better="lower"))
+        if n:
+            out.append(figure(f"{name}: {n} collectives a step at that latency (a floor of communication)", "ms",
+                              round(n * seconds * 1e3, 1), better="lower"))
     return out
 
 

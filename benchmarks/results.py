@@ -168,12 +168,14 @@ def _table(columns: list[str], rows: list[list]) -> list[str]:
 
 def header(doc: dict) -> list[str]:
     m = doc["machine"]
-    load = f"load average {m['load_start'][0]:.2f} at the start" + (
+    load = "load not recorded" if not m.get("load_start") else f"load average {m['load_start'][0]:.2f} at the start" + (
         f", {m['load_end'][0]:.2f} at the end" if m.get("load_end") else "")
     commit = doc["commit"] + (" (with uncommitted changes)" if doc.get("uncommitted_changes") else "")
     lines = [f"`{doc['command']}`", "",
-             f"{doc['date']} · {m['cpu']}, {m['cores']} cores, {load} · commit {commit} · Python {m['python']}"
-             + "".join(f", {k} {v}" for k, v in doc.get("versions", {}).items())]
+             f"{doc['date']} · {m['cpu']}" + (f", {m['cores']} cores" if m.get("cores") else "")
+             + f", {load} · commit {commit} · "
+             + ", ".join(([f"Python {m['python']}"] if m.get("python") else [])
+                         + [f"{k} {v}" for k, v in doc.get("versions", {}).items()])]
     if doc.get("quick"):
         lines += ["", "Quick settings (fewer rounds and tokens): this run shows that the benchmark and its "
                       "results work; compare the columns of one run, not runs with each other."]
@@ -284,9 +286,10 @@ def plot(doc: dict, path: Path) -> bool:
             ax.legend(fontsize=8)
         ax.grid(axis="x" if kind in ("barh", "ratio") else "y", alpha=0.3)
     m = doc["machine"]
-    fig.suptitle(f"{doc['title']}\n{doc['date'][:16].replace('T', ' ')} UTC, {m['cpu']}, {m['cores']} cores, "
-                 f"load average {m['load_start'][0]:.1f}" + (", quick settings" if doc.get("quick") else ""),
-                 fontsize=10)
+    fig.suptitle(f"{doc['title']}\n{doc['date'][:16].replace('T', ' ')} UTC, {m['cpu']}"
+                 + (f", {m['cores']} cores" if m.get("cores") else "")
+                 + (f", load average {m['load_start'][0]:.1f}" if m.get("load_start") else "")
+                 + (", quick settings" if doc.get("quick") else ""), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=80, metadata={"Software": None})
     plt.close(fig)
@@ -337,9 +340,11 @@ def index() -> Path:
     for path in sorted(RESULTS.glob("*.json")):
         doc = json.loads(path.read_text())
         m = doc["machine"]
+        load = "not recorded" if not m.get("load_start") else f"{m['load_start'][0]:.2f} / " + (
+            f"{m['load_end'][0]:.2f}" if m.get("load_end") else "-")
         lines.append(f"| [{doc['benchmark']}]({doc['benchmark']}.md) | {doc['title']} | "
-                     f"{doc['date'][:16].replace('T', ' ')} | {m['cpu']}, {m['cores']} cores | "
-                     f"{m['load_start'][0]:.2f} / {format(m['load_end'][0], '.2f') if m.get('load_end') else '-'} | "
+                     f"{doc['date'][:16].replace('T', ' ')} | {m['cpu']}" + (f", {m['cores']} cores" if m.get("cores") else "")
+                     + f" | {load} | "
                      f"{'quick' if doc.get('quick') else 'full'}{' (recorded)' if doc.get('source') else ''} |")
     DOCS.mkdir(parents=True, exist_ok=True)
     out = DOCS / "README.md"
