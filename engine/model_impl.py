@@ -53,12 +53,15 @@ def build_model(impl: str, checkpoint, dtype: str, device: str, quantization: st
                         "run on them", len(blocks), ", ".join(kinds), sum(b.nbytes for b in blocks.values()) / 2**20)
     if impl == "native":
         return build_native_model(checkpoint.architecture, checkpoint.config, checkpoint.weights(), dtype, blocks)
-    if impl == "paddleformers":
-        from .fallback.paddleformers import build_paddleformers_model
+    if impl in ("paddleformers", "paddlefleet"):
+        from .fallback.quiet import quiet_paddleformers
 
-        return build_paddleformers_model(checkpoint, dtype, device, blocks)
-    if impl == "paddlefleet":
-        from .fallback.paddlefleet import build_paddlefleet_model
+        with quiet_paddleformers():     # the notices PaddleFormers prints on import and construction
+            if impl == "paddleformers":
+                from .fallback.paddleformers import build_paddleformers_model
 
-        return build_paddlefleet_model(checkpoint, dtype, device)
+                return build_paddleformers_model(checkpoint, dtype, device, blocks)
+            from .fallback.paddlefleet import build_paddlefleet_model
+
+            return build_paddlefleet_model(checkpoint, dtype, device)
     raise ValueError(f"unknown model_impl {impl!r}")

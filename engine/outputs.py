@@ -40,6 +40,12 @@ class RequestOutput:
         """Why the request failed (``finish_reason == "error"``), else None."""
         return self.outputs[0].error if self.outputs else None
 
+    def _repr_html_(self) -> str:
+        """The reply's logprob strip (Jupyter's rich display), as the playground draws it."""
+        from playground.reprs import output_html
+
+        return output_html(self)
+
     @classmethod
     def from_request(cls, req: Request, prompt: str | None = None) -> "RequestOutput":
         p = req.sampling_params

@@ -7,6 +7,7 @@ the schema is documented in docs/ARCHITECTURE.md.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 
@@ -68,9 +69,26 @@ class EngineSnapshot:
     # Why ``blocks`` is empty: an engine seen only through a server's metrics (engine.client.OpenAIServer),
     # whose ``requests`` are then the server's running/waiting counts (placeholder ids), not its requests.
     blocks_hidden: str | None = None
+    # tensor_parallel_size > 1: each rank's KV heads and cache bytes, the collectives' time (TensorParallelRunner.info)
+    tensor_parallel: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def __repr__(self) -> str:
+        # the dataclass repr would list every block (tens of thousands of characters)
+        kinds = Counter("shared" if b.ref_cnt > 1 else b.state for b in self.blocks)
+        blocks = ("blocks not exposed" if self.blocks_hidden else
+                  f"{self.num_blocks} blocks x {self.block_size} tokens: {kinds['used'] + kinds['shared']} in use "
+                  f"({kinds['shared']} shared), {kinds['cached']} cached, {kinds['free']} free")
+        return (f"EngineSnapshot(step={self.step}, model={self.model!r}, model_impl={self.model_impl!r}, "
+                f"device={self.device!r}, {blocks}, {len(self.requests)} requests)")
+
+    def _repr_html_(self) -> str:
+        """The block map (Jupyter's rich display), as the playground draws it."""
+        from playground.reprs import snapshot_html
+
+        return snapshot_html(self.to_dict())
 
 
 @dataclass(frozen=True)
@@ -128,8 +146,8 @@ def keep_unchanged_blocks(snapshot: EngineSnapshot, previous: EngineSnapshot | N
 
 
 def take_snapshot(*, step, model, model_impl, device, kv_cache_manager, requests, last_step,
-                  attention_backend="cpu", decode_path="paddle", block_infos: BlockInfos | None = None
-                  ) -> EngineSnapshot:
+                  attention_backend="cpu", decode_path="paddle", block_infos: BlockInfos | None = None,
+                  tensor_parallel: dict | None = None) -> EngineSnapshot:
     """Build a snapshot from the KV cache manager and the live requests (O(blocks)); with
     ``block_infos`` (the engine's), unchanged blocks keep the ``BlockInfo`` of the last one."""
     bs = kv_cache_manager.block_size
@@ -159,4 +177,5 @@ def take_snapshot(*, step, model, model_impl, device, kv_cache_manager, requests
         requests=tuple(infos),
         prefix_cache=PrefixCacheInfo(s.queries, s.hits, s.hit_rate, s.reset_count),
         last_step=last_step, attention_backend=attention_backend, decode_path=decode_path,
+        tensor_parallel=tensor_parallel,
     )

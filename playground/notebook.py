@@ -43,20 +43,18 @@ except ImportError as exc:  # pragma: no cover - depends on the install
 from engine import SamplingParams
 
 from . import render
-from .chat import ChatSession, Reply, stream_reply
+from .chat import ChatSession, Reply, branch_prompt, start_branch, stream_reply
+from .clickable import ClickableHTML
+from .inspector import block_inspector_html
 from .logprobs import token_records
 from .monitor import EngineMonitor
 from .prompt_view import prompt_view_html, score_prompt
+from .reprs import logprob_strip_html
 
 __all__ = ["Playground", "show_blocks", "show_logprobs", "show_prompt", "show_prefix_stats", "show_alignment",
            "chat_html", "DEFAULT_SYSTEM_PROMPT"]
 
 DEFAULT_SYSTEM_PROMPT = "You are a concise, friendly assistant. Answer in a few sentences."
-
-# The renderers' hint mentions clicking a token to branch, which is a Gradio app feature.
-_BRANCH_HINT = ('<span class="lp-hint-hover">· hover a token for alternatives · click it to branch</span>'
-                '<span class="lp-hint-tap">· tap a token for its alternatives and to branch from it</span>')
-_HOVER_HINT = "<span>· hover a token for its top-k alternatives</span>"
 
 _CHAT_CSS = """<style>
 .nb-chat{font-family:ui-sans-serif,system-ui,sans-serif;font-size:14px;color:#0f172a;height:320px;
@@ -115,10 +113,13 @@ def _logprob_records(output: Any, decode: Any = None) -> list[dict]:
     return token_records(completion.token_ids, completion.logprobs, decode=decode)
 
 
-def _logprob_view(records: Sequence[Mapping[str, Any]]) -> str:
-    # A notebook's output area clips what overflows it: keep room under the text for the
-    # hover table of the last line (top-k rows + entropy).
-    html = render.logprob_html(records).replace(_BRANCH_HINT, _HOVER_HINT)
+def _logprob_view(records: Sequence[Mapping[str, Any]], selected: int | None = None, *,
+                  branch: bool = False) -> str:
+    """The logprob strip with room under it for the hover table of its last line (a notebook's
+    output area clips what overflows it); ``branch``: the widget's, whose tokens branch on a click."""
+    if not branch:
+        return logprob_strip_html(records)
+    html = render.logprob_html(records, selected=selected)
     return f'<div class="lp-room" style="padding-bottom:{"12em" if records else "0"}">{html}</div>'
 
 
@@ -221,6 +222,9 @@ class Playground:
         self._ui_lock = threading.Lock()        # widget writes from the UI and the streaming thread
         self._busy = threading.Lock()           # held while a reply streams: one at a time
         self.reply: Reply | None = None         # the reply streaming now, or the last one
+        self.replies: list[Reply] = []          # earlier replies (turns before, and replies branched from)
+        self.selected: int | None = None        # the token of the reply picked to branch from
+        self.inspected: int | None = None       # the block shown in the inspector
         self._build(system_prompt, max_tokens, temperature, top_p, logprobs, seed)
         self.refresh()
 
@@ -254,9 +258,20 @@ class Playground:
         settings.set_title(0, "System prompt and sampling")
         settings.selected_index = None
 
-        self.block_map = W.HTML(layout=L(width="100%"))
+        # The map and the logprob view report clicks: a block opens in the inspector, a token offers
+        # its alternatives to branch from.
+        self.block_map = ClickableHTML(layout=L(width="100%"))
+        self.inspector = W.HTML(block_inspector_html(None, None), layout=L(width="100%"))
         self.prefix_panel = W.HTML(layout=L(width="100%"))
-        self.logprob_view = W.HTML(_logprob_view([]), layout=L(width="100%"))
+        self.logprob_view = ClickableHTML(value=_logprob_view([], branch=True), layout=L(width="100%"))
+        self.branch_choice = W.Dropdown(options=[], description="alternative",
+                                        style={"description_width": "initial"}, layout=L(flex="1 1 0"))
+        self.branch_button = W.Button(description="Branch", icon="code-fork", disabled=True,
+                                      tooltip="regenerate the reply from the picked token, with this alternative")
+        self.branch_row = W.HBox([self.branch_choice, self.branch_button], layout=L(display="none"))
+        self.block_map.observe(lambda change: self._clicked_block(change["new"]), "clicked")
+        self.logprob_view.observe(lambda change: self._clicked_token(change["new"]), "clicked")
+        self.branch_button.on_click(lambda _: self._branch_from_ui())
         self.prompt_button = W.Button(description="Score the prompt", icon="search",
                                       tooltip="which tokens of the last reply's prompt surprised the model",
                                       layout=L(width="auto"))
@@ -277,15 +292,69 @@ class Playground:
         self.widget = W.VBox([
             self.header,
             W.HBox([titled("Chat", self.chat, self.input, buttons, self.status, settings),
-                    titled("KV cache blocks (one cell per physical block)", self.block_map,
-                           self.refresh_button)]),
-            W.HBox([titled("Logprobs of the reply", self.logprob_view, self.prompt_button, self.prompt_view),
+                    titled("KV cache blocks (one cell per physical block; click one)", self.block_map,
+                           self.inspector, self.refresh_button)]),
+            W.HBox([titled("Logprobs of the reply (click a token to branch)", self.logprob_view, self.branch_row,
+                           self.prompt_button, self.prompt_view),
                     titled("Prefix cache", self.prefix_panel, self.reset_button)]),
             titled("Engine", self.engine_panel),
         ])
+        self._handles: list = []            # the displays of this app, kept at its last state (picture)
+        self._shown_picture: str | None = None
+        self._hook = None
+
+    # -- display ------------------------------------------------------------------------
+    def picture_html(self) -> str:
+        """The app as it is now, as static HTML: the same views side by side, no controls. It stands
+        beside the live widget in every display, so a saved notebook shows it where no kernel runs
+        (nbviewer, GitHub, a notebook reopened without its kernel)."""
+        def column(title, *parts):
+            return (f'<div style="flex:1 1 0;min-width:320px;padding:0 6px"><b>{title}</b>'
+                    + "".join(parts) + "</div>")
+
+        row = '<div style="display:flex;flex-wrap:wrap;gap:8px;margin-bottom:8px">'
+        return (f'<div class="pg-picture" data-step="{self.monitor.snapshot().get("step", 0)}">'
+                f"<div style='margin-bottom:6px'>{self.header.value} <span style='color:#94a3b8'>"
+                "(a picture of the Playground widget: run the notebook to use it)</span></div>"
+                f'{row}{column("Chat", self.chat.value, "<div>" + self.status.value + "</div>")}'
+                f'{column("KV cache blocks", self.block_map.value, self.inspector.value)}</div>'
+                f'{row}{column("Logprobs of the reply", self.logprob_view.value)}'
+                f'{column("Prefix cache", self.prefix_panel.value)}</div>'
+                f'{column("Engine", self.engine_panel.value)}</div>')
+
+    def _bundle(self, live: bool = True) -> dict:
+        bundle = self.widget._repr_mimebundle_() if live else {}
+        bundle["text/plain"] = f"Playground({self.llm.model_name}, {len(self.session.messages) // 2} turns)"
+        bundle["text/html"] = self.picture_html()
+        return bundle
 
     def _repr_mimebundle_(self, **kwargs):
-        return self.widget._repr_mimebundle_(**kwargs)
+        return self._bundle()
+
+    def _ipython_display_(self) -> None:
+        """Display the app under a display id whose picture follows it: after every cell that ran
+        while it is shown, and on ``close()``, which leaves the picture alone."""
+        from IPython import get_ipython
+        from IPython.display import display
+
+        self._shown_picture = None
+        bundle = self._bundle()
+        self._handles.append(display(bundle, raw=True, display_id=True))
+        self._shown_picture = bundle["text/html"]
+        shell = get_ipython()
+        if shell is not None and self._hook is None:
+            self._hook = self._update_picture
+            shell.events.register("post_execute", self._hook)
+
+    def _update_picture(self, live: bool = True) -> None:
+        if not self._handles:
+            return
+        bundle = self._bundle(live)
+        if live and bundle["text/html"] == self._shown_picture:
+            return
+        self._shown_picture = bundle["text/html"]
+        for handle in self._handles:
+            handle.update(bundle, raw=True)
 
     # -- settings --------------------------------------------------------------------
     def sampling_params(self) -> SamplingParams:
@@ -312,6 +381,10 @@ class Playground:
         message = (message or "").strip()
         if not message:
             raise ValueError("the message is empty")
+        return self._start(lambda params: self._run_turn(message, params), wait=wait, timeout=timeout)
+
+    def _start(self, run, *, wait: bool, timeout: float | None) -> Reply | Future:
+        """Run ``run(params)`` (a turn or a branch) on the streaming thread."""
         params = self.sampling_params()
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("a reply is still streaming: wait for it, or call stop() first")
@@ -319,8 +392,9 @@ class Playground:
         future.set_running_or_notify_cancel()
         try:
             self._set(self.send_button, "disabled", True)
+            self._set(self.branch_button, "disabled", True)
             self._set(self.stop_button, "disabled", False)
-            threading.Thread(target=self._stream, args=(message, params, future),
+            threading.Thread(target=self._stream, args=(run, params, future),
                              name="playground-reply", daemon=True).start()
         except BaseException:
             self._busy.release()
@@ -337,7 +411,9 @@ class Playground:
         self.stop()
         with self._busy:                 # wait for the streaming thread to finish the turn
             self.session.reset()
-            self.reply = None
+            self.reply, self.replies, self.selected = None, [], None
+        self._set(self.branch_choice, "options", [])
+        self.branch_row.layout.display = "none"
         self._set(self.prompt_view, "value", _prompt_view(None))
         self._set(self.status, "value", "ready")
         self.refresh()
@@ -370,9 +446,90 @@ class Playground:
         self._render_panels(snap, self.reply)
 
     def close(self) -> None:
-        """Stop any reply and stop following the engine (the widgets stay as they are)."""
+        """Stop any reply and stop following the engine; where the app is displayed, its picture
+        takes its place (a closed widget would read "model not found" once the notebook reopens)."""
         self.stop()
         self.monitor.close()
+        if self._hook is not None:
+            from IPython import get_ipython
+
+            shell = get_ipython()
+            if shell is not None:
+                shell.events.unregister("post_execute", self._hook)
+            self._hook = None
+        self._update_picture(live=False)
+        self._handles = []
+
+    # -- the block inspector and branching ------------------------------------------------------
+    def inspect_block(self, block_id: int | None) -> str:
+        """Show what block ``block_id`` holds in the inspector (as a click on its cell does): its
+        state, owners and token positions, and the text of this chat's tokens in it."""
+        snap = self.monitor.snapshot()
+        own = {}
+        for reply in [*self.replies, self.reply]:
+            if reply is not None and reply.prompt_token_ids:
+                own[reply.request_id] = list(reply.prompt_token_ids) + reply.all_token_ids
+        html = block_inspector_html(snap, None if block_id is None else int(block_id),
+                                    name=lambda rid: self.session.labels.get(rid, rid), own_tokens=own,
+                                    decode=lambda ids: self.tokenizer.decode(list(ids)))
+        self._set(self.inspector, "value", html)
+        self.inspected = block_id
+        return html
+
+    def pick_token(self, index: int) -> list[tuple[str, int]]:
+        """Pick token ``index`` of the reply (as a click on it does): its alternatives fill the branch
+        list. Returns them as (label, token id)."""
+        reply = self.reply
+        if reply is None or not reply.finished or reply.error or not reply.records:
+            raise ValueError("nothing to branch from: send a message and wait for the reply first")
+        if not 0 <= int(index) < len(reply.records):
+            raise ValueError(f"token index {index} is outside the reply (0..{len(reply.records) - 1})")
+        record = reply.records[int(index)]
+        choices = [(f"{a['text']!r} · {a['prob'] * 100:.1f}%", int(a["token_id"]))
+                   for a in record["alternatives"] if a["token_id"] != record["token_id"]]
+        self.selected = int(index)
+        self._set(self.branch_choice, "options", choices)
+        if choices:
+            self._set(self.branch_choice, "value", choices[0][1])
+        self._set(self.branch_button, "disabled", not choices)
+        self.branch_row.layout.display = "flex"
+        self._set(self.logprob_view, "value", _logprob_view(reply.records, self.selected, branch=True))
+        return choices
+
+    def branch(self, index: int, token_id: int, *, wait: bool = True,
+               timeout: float | None = None) -> Reply | Future:
+        """A new reply in place of the last one: its first ``index`` tokens, then ``token_id`` forced,
+        then what the model samples after it (the settings' sampling). The replaced reply stays in
+        ``replies``. Like :meth:`send`, returns the finished ``Reply`` or a ``Future`` of it."""
+        last = self.reply
+        if last is None or not last.finished or last.error or not self.session.messages:
+            raise ValueError("nothing to branch from: send a message and wait for the reply first")
+        vocab = getattr(self.tokenizer, "vocab_size", None)
+        if not isinstance(token_id, int) or token_id < 0 or (vocab and token_id >= vocab):
+            raise ValueError(f"token_id must be a token id in 0..{(vocab or 0) - 1}; got {token_id!r}")
+        prompt = {"prompt_token_ids": branch_prompt(last, int(index), token_id)}
+        return self._start(lambda params: self._run_branch(last, int(index), token_id, prompt, params),
+                           wait=wait, timeout=timeout)
+
+    def _clicked_block(self, clicked: dict) -> None:
+        if "block" in (clicked or {}):
+            self.inspect_block(int(clicked["block"]))
+
+    def _clicked_token(self, clicked: dict) -> None:
+        if "index" not in (clicked or {}):
+            return
+        try:
+            self.pick_token(int(clicked["index"]))
+        except ValueError as exc:   # shown, not raised into the front end's comm handler
+            self._set(self.status, "value", f"<span style='color:#b91c1c'>{escape(str(exc))}</span>")
+
+    def _branch_from_ui(self) -> None:
+        if self.selected is None or self.branch_choice.value is None:
+            return
+        try:
+            self.branch(self.selected, int(self.branch_choice.value), wait=False)
+        except (RuntimeError, ValueError) as exc:
+            self._set(self.status, "value", f"<span style='color:#b91c1c'>{escape(str(exc))}</span>")
 
     # -- streaming (background thread) -----------------------------------------------------
     def _send_from_ui(self) -> None:
@@ -386,10 +543,10 @@ class Playground:
             return
         self._set(self.input, "value", "")
 
-    def _stream(self, message: str, params: SamplingParams, future: Future) -> None:
+    def _stream(self, run, params: SamplingParams, future: Future) -> None:
         reply, error = None, None
         try:
-            reply = self._run_turn(message, params)
+            reply = run(params)
         except BaseException as exc:   # surfaced through the future (and the status line)
             self._set(self.status, "value", f"<span style='color:#b91c1c'>{escape(repr(exc))}</span>")
             error = exc
@@ -410,9 +567,36 @@ class Playground:
         user = {"role": "user", "content": message}
         prompt = ([{"role": "system", "content": system}] if system else []) + session.messages + [user]
         reply = Reply(request_id=session.new_request_id("chat"))
+        session.display += [user, {"role": "assistant", "content": ""}]
+        reply = self._stream_into(reply, prompt, params)
+        self._finish_turn(user, reply)
+        self.refresh()
+        return reply
+
+    def _run_branch(self, last: Reply, index: int, token_id: int, prompt: dict, params: SamplingParams) -> Reply:
+        """Regenerate the last reply from token ``index`` with ``token_id`` forced there."""
+        session = self.session
+        kept = last.all_token_ids[:index] + [token_id]
+        reply = start_branch(last, index, token_id, session.new_request_id("chat"), self.tokenizer.decode(kept),
+                             decode=self._decode)
+        user = session.messages[-2]
+        session.messages = session.messages[:-2]           # the branch answers the same user message
+        session.turns = session.turns[:-1]
+        session.display[-1] = {"role": "assistant", "content": reply.text}
+        self.selected = None
+        self._set(self.branch_choice, "options", [])
+        self.branch_row.layout.display = "none"
+        reply = self._stream_into(reply, prompt, params)
+        self._finish_turn(user, reply)
+        self.refresh()
+        return reply
+
+    def _stream_into(self, reply: Reply, prompt: Any, params: SamplingParams) -> Reply:
+        session = self.session
+        if self.reply is not None:
+            self.replies.append(self.reply)
         self.reply = reply
         session.active_request_id = reply.request_id
-        session.display += [user, {"role": "assistant", "content": ""}]
         self._set(self.status, "value", "waiting for the first token…")
         last_draw = 0.0
         stop_ids = () if params.ignore_eos else getattr(self.tokenizer, "eos_token_ids", ())
@@ -424,8 +608,6 @@ class Playground:
             if time.monotonic() - last_draw >= self.refresh_interval and not reply.finished:
                 self._render_panels(self.monitor.refresh(), reply)
                 last_draw = time.monotonic()
-        self._finish_turn(user, reply)
-        self.refresh()
         return reply
 
     def _finish_turn(self, user: dict, reply: Reply) -> None:
@@ -464,5 +646,8 @@ class Playground:
         stats = {"ttft": reply.ttft, "decode_tps": reply.decode_tps} if reply is not None else None
         self._set(self.block_map, "value", render.block_map_html(snap, labels=self.session.labels))
         self._set(self.prefix_panel, "value", render.prefix_cache_html(snap, turns))
-        self._set(self.logprob_view, "value", _logprob_view(reply.records if reply is not None else []))
+        self._set(self.logprob_view, "value", _logprob_view(reply.records if reply is not None else [],
+                                                            self.selected, branch=True))
         self._set(self.engine_panel, "value", render.engine_panel_html(snap, self.monitor.steps(120), stats))
+        if self.inspected is not None:
+            self.inspect_block(self.inspected)

@@ -1,17 +1,24 @@
 """The Jupyter widgets (playground.notebook), driven from code on the real default model."""
 
+import json
+import os
 import re
 import threading
 import time
+from html import escape
 
 import ipywidgets as widgets
 import pytest
+from conftest import unavailable
 
 from engine import SamplingParams
+from playground.chat import branch_prompt
+from playground.clickable import CLICK_ESM
 from playground.notebook import (DEFAULT_SYSTEM_PROMPT, Playground, show_blocks, show_logprobs, show_prefix_stats,
                                  show_prompt)
 
 QUESTION = "What is the capital of France?"
+CHROMIUM = "/usr/bin/chromium"
 
 
 @pytest.fixture
@@ -61,7 +68,7 @@ def test_send_streams_the_reply_into_the_widgets(pg, smollm2_llm):
 
     # the logprob view shows every token of the reply, with alternatives on hover
     assert pg.logprob_view.value.count('class="lp-tok') == len(reply.token_ids)
-    assert 'class="lp-tip"' in pg.logprob_view.value and "click it to branch" not in pg.logprob_view.value
+    assert 'class="lp-tip"' in pg.logprob_view.value and "click it to branch" in pg.logprob_view.value
     assert f"{len(reply.token_ids)} tokens" in pg.status.value
 
 
@@ -168,3 +175,97 @@ def test_the_prompt_view_scores_the_last_replys_prompt(pg, smollm2_llm):
     assert show_prompt(smollm2_llm, messages).data == html
     pg.clear()
     assert "lp-tok" not in pg.prompt_view.value
+
+
+def test_clicking_a_block_shows_what_it_holds(pg, smollm2_llm):
+    pg.max_tokens.value = 200
+    pending = pg.send(QUESTION, wait=False)
+    deadline = time.monotonic() + 60
+    while (pg.reply is None or len(pg.reply.token_ids) < 2) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    rid = pg.reply.request_id
+    first = next(b for b in smollm2_llm.snapshot().blocks if rid in b.owners and b.token_range[0] == 0)
+    pg.block_map.clicked = {"block": first.block_id, "n": 1}       # what the front end sends on a click
+    html = pg.inspector.value
+    pg.stop()
+    pending.result(timeout=60)
+    assert f'data-block="{first.block_id}"' in html and "this chat" in html
+    # this chat's own tokens are shown: the first block starts with the chat template and system prompt
+    text = smollm2_llm.get_tokenizer().decode(pg.reply.prompt_token_ids[:16])
+    assert "Its tokens" in html and escape(text) in html
+    pg.block_map.clicked = {"block": 10_000, "n": 2}
+    assert "No block 10000" in pg.inspector.value
+
+
+def test_clicking_a_token_branches_the_reply(pg, smollm2_llm):
+    first = pg.send(QUESTION)
+    pg.logprob_view.clicked = {"index": 1, "n": 1}                  # a click on the reply's second token
+    choices = [value for _, value in pg.branch_choice.options]
+    assert choices and first.token_ids[1] not in choices
+    assert pg.branch_row.layout.display == "flex" and not pg.branch_button.disabled
+    assert 'lp-selected" data-index="1"' in pg.logprob_view.value
+    pg.branch_choice.value = choices[0]
+    pg.branch_button.click()
+    deadline = time.monotonic() + 60
+    while (pg.reply is first or not pg.reply.finished) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    branched = pg.reply
+    assert branched.all_token_ids[:2] == [first.token_ids[0], choices[0]]
+    # the engine's greedy continuation of the same tokens
+    expected = smollm2_llm.generate({"prompt_token_ids": branch_prompt(first, 1, choices[0])},
+                                    SamplingParams(max_tokens=16, temperature=0))[0].outputs[0]
+    assert branched.token_ids == expected.token_ids
+    assert pg.replies[-1] is first and len(pg.messages) == 2 and pg.messages[1]["content"] == branched.text
+    assert branched.text in pg.chat.value.replace("&#x27;", "'") or escape(branched.text) in pg.chat.value
+    with pytest.raises(ValueError, match="token_id must be a token id"):
+        pg.branch(1, -3)
+
+
+def test_the_app_leaves_a_picture_of_its_last_state(pg):
+    bundle = pg._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert bundle["text/plain"].startswith("Playground(") and "VBox" not in bundle["text/plain"]
+    reply = pg.send(QUESTION)
+    picture = pg._repr_mimebundle_()["text/html"]
+    assert 'class="pg-panel kv-map"' in picture and picture.count("kv-cell") >= 64
+    assert escape(reply.text) in picture and 'class="lp-tok' in picture
+    pg.close()                                                      # closed: the picture alone
+    closed = pg._bundle(live=False)
+    assert "application/vnd.jupyter.widget-view+json" not in closed and "kv-map" in closed["text/html"]
+
+
+@pytest.mark.browser
+def test_the_front_end_module_reports_clicks(tmp_path):
+    """The widget's ES module in Chromium, given a model as anywidget passes it (``get``, ``set``,
+    ``save_changes``, ``on``: https://anywidget.dev/en/afm/): clicks on a block and on a token."""
+    from playwright.sync_api import sync_playwright
+
+    from playground import render
+
+    html = render.block_map_html({"blocks": [{"block_id": 0, "state": "free", "ref_cnt": 0, "owners": []},
+                                             {"block_id": 1, "state": "used", "ref_cnt": 1, "owners": ["r"]}],
+                                  "requests": [], "num_blocks": 2, "block_size": 16})
+    html += render.logprob_html([{"index": 0, "token_id": 5, "text": "Hi", "prob": 0.5, "alternatives": []}])
+    (tmp_path / "widget.js").write_text(CLICK_ESM)
+    (tmp_path / "page.html").write_text(
+        "<div id=el></div><script type=module>import w from './widget.js';"
+        "const state = {value: " + json.dumps(html) + ", clicked: {}}; window.sent = [];"
+        "const model = {get: (k) => state[k], set: (k, v) => { state[k] = v; }, on: () => {},"
+        " save_changes: () => window.sent.push(state.clicked)};"
+        "w.render({model, el: document.getElementById('el')}); window.ready = true;</script>")
+    if not os.path.exists(CHROMIUM):
+        unavailable(f"no {CHROMIUM}: install Debian's chromium (apt-get install -y chromium)")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox",
+                                                                    "--allow-file-access-from-files"])
+        try:
+            page = browser.new_page()
+            page.goto((tmp_path / "page.html").as_uri())
+            page.wait_for_function("window.ready === true")
+            page.click('.kv-cell[data-block="1"]')
+            page.click('.lp-tok[data-index="0"]', position={"x": 2, "y": 2})
+            page.click('.kv-cell[data-block="1"]')
+            sent = page.evaluate("window.sent")
+        finally:
+            browser.close()
+    assert sent == [{"block": 1, "n": 1}, {"index": 0, "n": 2}, {"block": 1, "n": 3}]

@@ -3,8 +3,9 @@
 A bar that closes without being left (``leave=False``) closes its widget, and JupyterLab then
 drops the widget's model; an output still showing it reads "Error displaying widget: model not
 found" once the notebook is saved and reopened. In a kernel the bar is therefore shown under a
-display id, and when it closes that output is replaced by empty text and its widgets are closed:
-nothing of it stays in the notebook (a bar that stopped short stays, as text).
+display id, and when it closes that output is replaced by the bar's last line as text (what tqdm
+leaves in a terminal: what was loaded, how fast) and its widgets are closed. An output emptied
+instead would stay in the saved notebook as an empty ``display_data``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def load_progress(iterable=None, **kwargs):
 
 
 class NotebookBar(tqdm_notebook):
-    """tqdm's notebook bar, shown under a display id that its close empties."""
+    """tqdm's notebook bar, shown under a display id whose output its close turns into text."""
 
     def __init__(self, *args, **kwargs):
         self._handle = None
@@ -35,7 +36,6 @@ class NotebookBar(tqdm_notebook):
         handle, self._handle = self._handle, None
         if handle is None or self.leave:
             return
-        stopped_short = self.container.children[1].bar_style == "danger"
-        handle.update({"text/plain": str(self) if stopped_short else ""}, raw=True)
+        handle.update({"text/plain": str(self)}, raw=True)
         for widget in (self.container, *self.container.children):
             widget.close()
