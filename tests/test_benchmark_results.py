@@ -108,3 +108,22 @@ def test_the_engine_sections_become_figures_beside_their_peers():
     assert ef.tensor_parallel_table(tp)["rows"][1] == ["TP=2", "112.4 + 193.2 = 305.6 (63 %)"]
     ttft = ef.prefix({"prompt_tokens": 900, "ttft_s": 0.05}, {"ttft_s": 0.5})[0]
     assert (ttft["ours"], ttft["peer"], ttft["ratio"]) == (50.0, 500.0, 0.1)
+
+
+def test_every_benchmark_names_itself_as_it_is_run():
+    """--help says `python -m benchmarks.NAME`, not `NAME.py` (argparse's default prog)."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(results.__file__).parent
+    for path in sorted(root.glob("*.py")):
+        text = path.read_text()
+        if "__main__" not in text:
+            continue
+        progs = re.findall(r'ArgumentParser\(prog="([^"]+)"', text)
+        assert progs == [f"python -m benchmarks.{path.stem}"], f"{path.name}: ArgumentParser(prog=...) is {progs}"
+    out = subprocess.run([sys.executable, "-m", "benchmarks.kernels", "--help"], capture_output=True, text=True,
+                         cwd=root.parent, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("usage: python -m benchmarks.kernels "), out.stdout[:200]
