@@ -262,11 +262,24 @@ def resources(dispatcher, threads, shared=0):
     return ", ".join(parts)
 
 
+DECODE_COLUMNS = ["batch", "context", "KV MB", "ours µs", "ours TB/s", "% of copy", "SDPA µs", "SDPA TB/s",
+                  "ours/SDPA speed", "host µs/call", "SDPA host µs/call", "max err vs SDPA"]
+PREFILL_COLUMNS = ["cache", "sequences x prompt", "ours ms", "TFLOP/s", "SDPA ms", "SDPA TFLOP/s",
+                   "ours / SDPA speed", "CUDA-core kernel ms", "host µs/call", "SDPA host µs/call", "max err vs SDPA"]
+
+
+def _row(cells: list[str], rows: list) -> None:
+    """Print one row of a GPU table and keep it for the results file."""
+    rows.append(cells)
+    print("| " + " | ".join(cells) + " |", flush=True)
+
+
 def bench_gpu_decode(torch, F, timer, bw, scale):
+    """The decode table; returns (figures, rows) for `benchmarks.results`."""
     from gpu_kernels.cuda import backend as cuda_backend
+    figures, rows = [], []
     print("decode, 32 q heads / 8 KV heads, d=128, fp16, block 16, cold L2")
-    print("| batch | context | KV MB | ours µs | ours TB/s | % of copy | SDPA µs | SDPA TB/s "
-          "| ours/SDPA speed | host µs/call | SDPA host µs/call | max err vs SDPA |")
+    print("| " + " | ".join(DECODE_COLUMNS) + " |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for seqs in (1, 16, 64):
         for ctx in (512, 2048, 8192):
@@ -283,10 +296,11 @@ def bench_gpu_decode(torch, F, timer, bw, scale):
             torch.cuda.synchronize()
             err = (out.float() - sdpa().squeeze(2).float()).abs().max().item()
             del sdpa
-            print(f"| {seqs} | {ctx} | {kv_bytes / 1e6:.0f} | {ours:.1f} | "
-                  f"{kv_bytes / ours / 1e6:.2f} | {100 * kv_bytes / ours / 1e6 / bw:.0f}% | "
-                  f"{peer:.1f} | {kv_bytes / peer / 1e6:.2f} | {peer / ours:.2f}x | {host:.0f} | "
-                  f"{peer_host:.0f} | {err:.1e} |")
+            _row([f"{seqs}", f"{ctx}", f"{kv_bytes / 1e6:.0f}", f"{ours:.1f}", f"{kv_bytes / ours / 1e6:.2f}",
+                  f"{100 * kv_bytes / ours / 1e6 / bw:.0f}%", f"{peer:.1f}", f"{kv_bytes / peer / 1e6:.2f}",
+                  f"{peer / ours:.2f}x", f"{host:.0f}", f"{peer_host:.0f}", f"{err:.1e}"], rows)
+            figures.append(results.figure(f"decode {seqs} x {ctx}", "µs", round(ours, 1), round(peer, 1),
+                                          better="lower"))
             del q, kc, vc, bt, out
             torch.cuda.empty_cache()
 
@@ -295,6 +309,7 @@ def bench_gpu_decode(torch, F, timer, bw, scale):
     from gpu_kernels.cuda.launch import Launcher
     print("launches: " + ("packed parameters, cuLaunchKernel" if Launcher.fast else
                           f"Numba's path ({Launcher.fallback})"))
+    return figures, rows
 
 
 def prefill_case(torch, seqs, prompt, dtype):
@@ -306,15 +321,15 @@ def prefill_case(torch, seqs, prompt, dtype):
 
 
 def bench_gpu_prefill(torch, F, timer, scale, fp32_peak):
+    """The prefill table; returns (figures, rows) for `benchmarks.results`."""
     from gpu_kernels.cuda import backend as cuda_backend
+    figures, rows = [], []
     from gpu_kernels.cuda.launch import launcher
     from gpu_kernels.cuda.prefill_mma import default_mma_tile
     print("\nprefill, 32 q heads / 8 KV heads, d=128, causal, block 16, shuffled block tables "
           "(TFLOP/s of useful FLOPs only); tensor cores vs SDPA, and the float32 CUDA-core "
           "kernel (what float32 caches/queries use) on the same data")
-    print("| cache | sequences x prompt | ours ms | TFLOP/s | SDPA ms | SDPA TFLOP/s "
-          "| ours / SDPA speed | CUDA-core kernel ms | host µs/call | SDPA host µs/call "
-          "| max err vs SDPA |")
+    print("| " + " | ".join(PREFILL_COLUMNS) + " |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for dtype in (torch.float16, torch.bfloat16):
         for seqs, prompt in [(1, 4096), (4, 1024), (16, 512)]:
@@ -342,14 +357,19 @@ def bench_gpu_prefill(torch, F, timer, scale, fp32_peak):
             finally:
                 cuda_backend.prefill_mma_mode = "auto"
             name = str(dtype).replace("torch.", "")
-            print(f"| {name} | {seqs} x {prompt} | {ms:.3f} | {flops / ms / 1e9:.0f} | "
-                  f"{peer:.3f} | {flops / peer / 1e9:.0f} | {peer / ms:.2f}x | {fp32_kernel:.2f} | "
-                  f"{host:.0f} | {peer_host:.0f} | {err:.1e} |", flush=True)
+            _row([name, f"{seqs} x {prompt}", f"{ms:.3f}", f"{flops / ms / 1e9:.0f}", f"{peer:.3f}",
+                  f"{flops / peer / 1e9:.0f}", f"{peer / ms:.2f}x", f"{fp32_kernel:.2f}", f"{host:.0f}",
+                  f"{peer_host:.0f}", f"{err:.1e}"], rows)
+            figures += [results.figure(f"prefill {name} {seqs} x {prompt}", "ms", round(ms, 3), round(peer, 3),
+                                       better="lower"),
+                        results.figure(f"prefill {name} {seqs} x {prompt}", "TFLOP/s", round(flops / ms / 1e9),
+                                       round(flops / peer / 1e9))]
             del q, kc, vc, bt, out, k4, v4
             torch.cuda.empty_cache()
     tile = default_mma_tile(128)
     used = resources(mma_kernel, tile.threads, launcher(mma_kernel).shared)
     print(f"\nprefill kernel (tensor cores, bf16): {tile}: {used}")
+    return figures, rows
 
 
 def bench_gpu(sweep, only=None, split_rule=False, decode_mma=False, decode_large=False,
@@ -401,10 +421,25 @@ def bench_gpu(sweep, only=None, split_rule=False, decode_mma=False, decode_large
         if only != "decode":
             sweep_prefill(torch, timer, decode_case, scale, fp32_peak)
 
+    device = f"{torch.cuda.get_device_name()} ({sms} SMs, {clock_khz / 1e6:.2f} GHz)"
+    settings = {"device": device, "heads q/kv": "32/8", "head_dim": 128, "block size": 16,
+                "block tables": "shuffled", "device copy bandwidth (read + write)": f"{bw:.2f} TB/s"}
     if only != "prefill":
-        bench_gpu_decode(torch, F, timer, bw, scale)
+        started = results.start()
+        figures, rows = bench_gpu_decode(torch, F, timer, bw, scale)
+        results.write_run("kernels-gpu-decode", figures, ours="gpu_kernels cuda", peer="torch SDPA", started=started,
+                          title=f"CUDA paged decode beside torch SDPA ({device})",
+                          settings={**settings, "cache": "float16", "L2": "cold (256 MB rewritten before each call)"},
+                          tables=[{"title": "As printed (GPU time per call from CUDA events; host time: median wall "
+                                            "time of a call, calls queued)", "columns": DECODE_COLUMNS, "rows": rows}])
     if only != "decode":
-        bench_gpu_prefill(torch, F, timer, scale, fp32_peak)
+        started = results.start()
+        figures, rows = bench_gpu_prefill(torch, F, timer, scale, fp32_peak)
+        results.write_run("kernels-gpu-prefill", figures, ours="gpu_kernels cuda (tensor cores)", peer="torch SDPA",
+                          started=started, title=f"CUDA paged prefill on tensor cores beside torch SDPA ({device})",
+                          settings={**settings, "causal": True, "FLOPs": "useful only"},
+                          tables=[{"title": "As printed (CUDA-core kernel: the float32 kernel on the same data)",
+                                   "columns": PREFILL_COLUMNS, "rows": rows}])
 
 
 def main(argv=None):
