@@ -43,6 +43,18 @@ class AttentionMetadata:
 KVCache = tuple[paddle.Tensor, paddle.Tensor]  # ([num_blocks, kv_heads, block_size, head_dim]) × 2
 
 _ATTENDED: contextvars.ContextVar[list | None] = contextvars.ContextVar("engine_attended", default=None)
+_PROBE: contextvars.ContextVar = contextvars.ContextVar("engine_lens_probe", default=None)
+
+
+@contextlib.contextmanager
+def probing(probe):
+    """While inside, every `paged_attention` call hands ``probe.record(q, k_cache, scale, window)`` its
+    query rows and layer cache after attending (the attention lens, ``engine.lens``; one step only)."""
+    token = _PROBE.set(probe)
+    try:
+        yield
+    finally:
+        _PROBE.reset(token)
 
 
 @contextlib.contextmanager
@@ -99,6 +111,9 @@ def paged_attention(
         gpu_kernels.paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                   meta.context_lens, scale, sliding_window=sliding_window, out=out,
                                   backend=backend)
+    probe = _PROBE.get()
+    if probe is not None:
+        probe.record(q, k_cache, scale, sliding_window)
     return out
 
 

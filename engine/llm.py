@@ -22,21 +22,25 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import logging
 import queue
 import threading
+import time
 import weakref
 from typing import Iterator
 
 from tqdm.auto import tqdm
 
 from .config import EngineConfig
+from .lens import AttentionLens, check_lens_request
 from .delivery import FairLock, Outbox
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput, StreamDelta
 from .sampling_params import SamplingParams
 
 logger = logging.getLogger("engine")
+_LENS_IDS = itertools.count()
 
 
 class EngineDeadError(RuntimeError):
@@ -115,6 +119,17 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def __repr__(self) -> str:
+        snap = self.snapshot()
+        return (f"LLM(model={snap.model!r}, model_impl={snap.model_impl!r}, device={snap.device!r}, "
+                f"{snap.num_blocks} KV blocks x {snap.block_size} tokens)")
+
+    def _repr_html_(self) -> str:
+        """Model, backend and KV cache at a glance (Jupyter's rich display)."""
+        from playground.reprs import llm_html
+
+        return llm_html(self.snapshot().to_dict(), max_model_len=self.max_model_len)
+
     # -- offline API ----------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
@@ -189,6 +204,72 @@ class LLM:
             self.engine.tensor_parallel.close()
 
     # -- observability ---------------------------------------------------------------
+    def attention_lens(self, token_ids: list[int], position: int, layer: int | None = None,
+                       head: int | None = None) -> AttentionLens:
+        """Where the token at ``position`` attends: ``token_ids[:position + 1]`` runs as one request through
+        the scheduler and the KV cache (the prefix cache serves the blocks it holds), and the softmax of
+        that position's query over positions ``0..position`` is recorded on every layer and query head
+        (``engine.lens``). ``layer`` / ``head`` pick what the lens shows (None: the mean)."""
+        self._check_can_wait("attention_lens")
+        engine = self.engine
+        ids = check_lens_request(token_ids, position, layer, head, vocab_size=engine.vocab_size,
+                                 max_model_len=engine.max_model_len, num_layers=engine.num_layers,
+                                 num_heads=engine.num_heads)
+        start = time.perf_counter()
+        rid, record = self._record(ids[:position + 1], "attention")
+        tok = engine.tokenizer
+        return AttentionLens(token_ids=tuple(ids[:position + 1]), position=position, weights=record["weights"],
+                             block_ids=record["block_ids"], block_size=engine.config.block_size,
+                             num_cached_tokens=record["num_cached_tokens"], sliding_windows=record["windows"],
+                             request_id=rid, tokens=tuple(tok.decode([t], skip_special_tokens=False)
+                                                          for t in ids[:position + 1]),
+                             layer=layer, head=head, seconds=time.perf_counter() - start)
+
+    def sampler_pipeline(self, token_ids: list[int], position: int, sampling_params: SamplingParams,
+                         num_prompt_tokens: int | None = None):
+        """The sampler's stages for the token at ``position`` (``engine.sampler_pipeline``): the logits
+        after ``token_ids[:position]`` (one request through the scheduler and the prefix cache), then
+        penalties (the prompt is ``token_ids[:num_prompt_tokens]``, default ``position``; the rest the
+        output so far), temperature, top-k, min-p, top-p under ``sampling_params``, and where
+        ``token_ids[position]`` fell at each."""
+        from .sampler import LogitsAdjust
+        from .sampler_pipeline import pipeline
+
+        self._check_can_wait("sampler_pipeline")
+        engine = self.engine
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams; got {type(sampling_params).__name__}")
+        ids = check_lens_request(token_ids, position, None, None, vocab_size=engine.vocab_size,
+                                 max_model_len=engine.max_model_len, num_layers=1, num_heads=1)
+        if position < 1:
+            raise ValueError("position must be >= 1: the token at position 0 has no logits before it")
+        prompt_len = position if num_prompt_tokens is None else num_prompt_tokens
+        if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or not 1 <= prompt_len <= position:
+            raise ValueError(f"num_prompt_tokens must be an integer in [1, {position}]; got {num_prompt_tokens!r}")
+        _, record = self._record(ids[:position], "logits")
+        adjust = None
+        if sampling_params.adjusts_logits:
+            eos = frozenset() if sampling_params.ignore_eos else engine.tokenizer.eos_token_ids
+            adjust = LogitsAdjust(sampling_params, ids[:prompt_len], ids[prompt_len:position],
+                                  set(eos) | set(sampling_params.stop_token_ids))
+        return pipeline(record["logits"], sampling_params, adjust, token=ids[position])
+
+    def _record(self, ids: list[int], kind: str):
+        """Run ``ids`` as one greedy one-token request that records ``kind`` (``LLMEngine.add_request``'s
+        ``lens``) when its last token is computed; returns its id and the record."""
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        rid, q, _ = self._submit_all([(ids, params, f"lens-{next(_LENS_IDS)}")], lens=kind)[0]
+        try:
+            while not (delta := self._next(q)).finished:
+                pass
+        finally:
+            with self._lock:
+                record = self.engine.take_lens(rid)
+        if record is None:
+            raise RuntimeError(f"the {kind} request ended ({delta.finish_reason}) before its {kind} were "
+                               f"recorded{': ' + delta.error if delta.error else ''}")
+        return rid, record
+
     def snapshot(self):
         with self._lock:
             return self.engine.snapshot()
@@ -269,15 +350,15 @@ class LLM:
     def _submit(self, ids: list[int], params: SamplingParams, request_id: str | None):
         return self._submit_all([(ids, params, request_id)])[0]
 
-    def _submit_all(self, items, sink=None):
+    def _submit_all(self, items, sink=None, lens: str | None = None):
         """Queue requests together (one batch lands in one step); if one is refused, none stays queued.
-        Their deltas go to a queue each, or to ``sink``."""
+        Their deltas go to a queue each, or to ``sink``. ``lens``: what to record (``LLMEngine.add_request``)."""
         with self._lock:
             self._check_alive()
             added = []
             try:
                 for ids, params, request_id in items:
-                    added.append(self.engine.add_request(ids, params, request_id))
+                    added.append(self.engine.add_request(ids, params, request_id, lens=lens))
             except BaseException:
                 for rid in added:
                     self.engine.abort(rid)

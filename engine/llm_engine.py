@@ -107,6 +107,8 @@ class LLMEngine:
         model_limit = checkpoint.config.get("max_position_embeddings") or num_blocks * config.block_size
         self.max_model_len = min(config.max_model_len or model_limit, model_limit, num_blocks * config.block_size)
         self.vocab_size = checkpoint.config["vocab_size"]
+        self.num_layers = num_layers
+        self.num_heads = int(checkpoint.config.get("num_attention_heads") or 0)
 
         self.requests: dict[str, Request] = {}
         self._rngs: dict[str, np.random.Generator] = {}
@@ -114,6 +116,8 @@ class LLMEngine:
         self._sent: dict[str, int] = {}  # characters of output_text already handed out in deltas
         self._adjust: dict[str, LogitsAdjust] = {}  # only requests with penalties or min_tokens
         self._stops: dict[str, _StopMatcher] = {}   # only requests with stop strings
+        self._lenses: dict[str, object] = {}         # lens requests -> their record (None: not yet)
+        self._lens_kind: dict[str, str] = {}         # lens requests -> "attention" | "logits"
         self._events: list[EngineEvent] = []
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
@@ -122,8 +126,11 @@ class LLMEngine:
         self._block_infos = BlockInfos()   # snapshots share the BlockInfo of unchanged blocks
 
     # -- requests -------------------------------------------------------------
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
-        """Validate everything first, then queue: a bad request raises and leaves no trace."""
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    *, lens: str | None = None) -> str:
+        """Validate everything first, then queue: a bad request raises and leaves no trace. ``lens``: when the
+        prompt's last token is computed, record its ``"attention"`` (``engine.lens``) or the ``"logits"`` row
+        it samples from (``engine.sampler_pipeline``); `take_lens` hands the record over."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams; got {type(params).__name__}")
         # Frozen and checked again here: a field changed after construction (in place, too) cannot
@@ -154,6 +161,11 @@ class LLMEngine:
                 request_id = f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if lens and self.tensor_parallel is not None:
+            raise ValueError("the attention lens reads one process's KV cache; it is not available with "
+                             f"tensor_parallel_size={self.config.tensor_parallel_size}")
+        if lens and params.prompt_logprobs is not None:
+            raise ValueError("an attention-lens request takes no prompt_logprobs (they would bypass the prefix cache)")
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**63))
         rng = np.random.default_rng(seed)
         detok = self.tokenizer.stream_decoder(params.skip_special_tokens)
@@ -174,6 +186,9 @@ class LLMEngine:
             self._adjust[request_id] = adjust
         if params.stop_strings:
             self._stops[request_id] = _StopMatcher(params.stop_strings)
+        if lens:
+            self._lenses[request_id] = None
+            self._lens_kind[request_id] = lens
         self.scheduler.add_request(req)
         self._emit("request_added", request_id=request_id, num_prompt_tokens=len(ids))
         return request_id
@@ -203,7 +218,11 @@ class LLMEngine:
         if batch.is_empty:
             return []
         try:
-            logits = self.runner.execute(batch)
+            watched = self._lenses.keys() & {s.request.request_id for s in batch.scheduled} if self._lenses else ()
+            attention = {rid for rid in watched if self._lens_kind[rid] == "attention"}
+            logits = self.runner.execute(batch, attention) if attention else self.runner.execute(batch)
+            if watched and self.runner.last_probe is not None:
+                self._keep_lens(batch, self.runner.last_probe)
         except Exception as exc:  # one bad batch must not take the engine down
             logger.exception("model step failed")
             # Blocks published to the prefix cache this step never got their K/V: withdraw them.
@@ -226,6 +245,8 @@ class LLMEngine:
             except Exception as exc:
                 deltas.append(self._fail(req, "computing prompt logprobs", exc))
         for rid, row in zip(logits.sample_request_ids, logits.sample_rows):
+            if rid in watched and self._lens_kind[rid] == "logits":
+                self._lenses[rid] = {"logits": np.array(row, np.float32)}
             req = self.requests.get(rid)
             if req is None:  # failed above
                 continue
@@ -247,6 +268,21 @@ class LLMEngine:
                    prefill=dict(self.last_step.prefill), decode=list(self.last_step.decode),
                    duration_s=self.last_step.duration_s)
         return deltas
+
+    def _keep_lens(self, batch, probe) -> None:
+        for s in batch.scheduled:
+            rid = s.request.request_id
+            if rid in probe.rows:
+                _, table, ctx = probe.rows[rid]
+                bs = self.config.block_size
+                self._lenses[rid] = {"weights": probe.result(rid), "windows": tuple(probe.windows),
+                                     "block_ids": tuple(table[p // bs] for p in range(ctx)),
+                                     "num_cached_tokens": max(s.request.num_cached_tokens, 0)}
+
+    def take_lens(self, request_id: str) -> dict | None:
+        """The attention recorded for a ``lens`` request (weights, windows, block ids, cached tokens); forgets it."""
+        self._lens_kind.pop(request_id, None)
+        return self._lenses.pop(request_id, None)
 
     def _fail(self, req: Request, what: str, exc: Exception) -> StreamDelta:
         logger.exception("request %s failed while %s", req.request_id, what)
@@ -313,6 +349,9 @@ class LLMEngine:
         self._sent.pop(req.request_id, None)
         self._adjust.pop(req.request_id, None)
         self._stops.pop(req.request_id, None)
+        if req.request_id in self._lenses and self._lenses[req.request_id] is None:
+            del self._lenses[req.request_id]   # ended before its attention was recorded
+            self._lens_kind.pop(req.request_id, None)
         self._publish_block_events()
         self._emit("request_finished", request_id=req.request_id, finish_reason=reason,
                    num_output_tokens=req.num_output_tokens, error=error)
@@ -329,7 +368,8 @@ class LLMEngine:
         return take_snapshot(step=self.step_count, model=self.model_name, model_impl=self.model_impl,
                              device=self.device, attention_backend=self.attention_backend,
                              kv_cache_manager=self.kv_cache_manager, requests=live, last_step=self.last_step,
-                             decode_path=self.runner.decode_path, block_infos=self._block_infos)
+                             decode_path=self.runner.decode_path, block_infos=self._block_infos,
+                             tensor_parallel=self.runner.info() if self.tensor_parallel is not None else None)
 
     def drain_events(self) -> list[EngineEvent]:
         """Events since the last drain, in order. The engine never calls listeners itself:

@@ -52,7 +52,7 @@ from .snapshot import keep_unchanged_blocks
 
 logger = logging.getLogger("engine")
 
-_CALLS = ("generate", "chat", "abort", "snapshot", "reset_prefix_cache")   # run in the child, answer once
+_CALLS = ("generate", "chat", "abort", "snapshot", "reset_prefix_cache", "attention_lens")   # run in the child, answer once
 HEARTBEAT_INTERVAL = 1.0   # seconds between the engine process's signs of life
 
 
@@ -153,6 +153,13 @@ class LLMProcess:
 
     def abort(self, request_id: str) -> bool:
         return self._call("abort", request_id)
+
+    def attention_lens(self, token_ids: list[int], position: int, layer: int | None = None,
+                       head: int | None = None):
+        """As ``LLM.attention_lens`` (computed in the engine process; the ``AttentionLens`` pickles back)."""
+        self._check_can_wait("attention_lens")
+        return self._call("attention_lens", list(token_ids) if isinstance(token_ids, (list, tuple)) else token_ids,
+                          position, layer, head)
 
     def snapshot(self):
         self._last_snapshot = keep_unchanged_blocks(self._call("snapshot"), self._last_snapshot)

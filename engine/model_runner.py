@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import paddle
 
-from .attention import AttentionMetadata
+from .attention import AttentionMetadata, probing
 from .fused_decode import FusedDecode, fused_decode_support
 from .scheduler import SchedulerOutput
 from .step_record import StepRecord
@@ -62,6 +62,7 @@ class ModelRunner:
             else:
                 self.decode_path = f"paddle ({reason})"
             logger.info("cpu_decode=fused: decode steps run %s", self.decode_path)
+        self.last_probe = None
 
     def pack(self, batch: SchedulerOutput) -> dict[str, np.ndarray]:
         """The batch as NumPy arrays: input ids, positions, KV slots, block tables (zero-padded),
@@ -86,10 +87,20 @@ class ModelRunner:
         )
         return paddle.to_tensor(p["ids"]), meta, p["starts"].tolist()
 
-    def execute(self, batch: SchedulerOutput) -> StepLogits:
-        """Run the scheduled step (as its `StepRecord`) and hand the sampler its logits."""
+    def execute(self, batch: SchedulerOutput, lens: frozenset[str] | set[str] = frozenset()) -> StepLogits:
+        """Run the scheduled step (as its `StepRecord`) and hand the sampler its logits. ``lens``: requests
+        whose last scheduled token's attention is recorded (``engine.lens``; `last_probe` holds it)."""
         record = StepRecord.from_batch(batch, self.block_size)
-        logits = self.run(record)
+        probe = None
+        if lens:
+            from .lens import LensProbe
+
+            rows = {s.request.request_id: (int(record.starts[i + 1]) - 1, list(s.block_ids),
+                                           s.num_computed_tokens + s.num_new_tokens)
+                    for i, s in enumerate(batch.scheduled) if s.request.request_id in lens and s.completes_sequence}
+            probe = LensProbe(rows, self.kv_caches) if rows else None
+        self.last_probe = probe
+        logits = self.run(record, probe)
         if logits is None:
             return StepLogits(np.zeros((0, 0), np.float32), [])
         at = record.num_prompt_rows
@@ -97,12 +108,17 @@ class ModelRunner:
         return StepLogits(logits[at:], list(record.sample_request_ids), prompt_rows)
 
     @paddle.no_grad()
-    def run(self, record: StepRecord) -> np.ndarray | None:
+    def run(self, record: StepRecord, probe=None) -> np.ndarray | None:
         """One forward pass over the record's tokens on this runner's KV cache: float32 logits of
-        ``record.rows`` (None when no row needs them)."""
+        ``record.rows`` (None when no row needs them). With a ``probe`` (the attention lens) the step
+        runs through the model's layers, whose attention op hands it what it records."""
         rows = record.rows
         logits = None
-        if self.fused_decode is not None and record.decode_only:
+        if probe is not None:
+            input_ids, meta, _ = self.build_metadata(record)
+            with probing(probe):
+                hidden = self.model.forward(input_ids, meta.positions, meta, self.kv_caches)
+        elif self.fused_decode is not None and record.decode_only:
             # the fused step reads the packed arrays as they are: no Paddle tensors on this path
             hidden, logits = self.fused_decode.step(
                 record.ids, record.positions, record.slots, record.block_tables, record.context_lens, rows)

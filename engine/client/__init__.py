@@ -44,6 +44,9 @@ class EngineClient(Protocol):
 
     def reset_prefix_cache(self) -> int: ...
 
+    def attention_lens(self, token_ids: list[int], position: int, layer: int | None = None,
+                       head: int | None = None): ...
+
     def shutdown(self) -> None: ...
 
 

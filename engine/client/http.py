@@ -25,6 +25,7 @@ from typing import Iterator
 import httpx
 
 from ..config import EngineConfig
+from ..lens import AttentionLens
 from ..llm import EngineDeadError, _conversations
 from ..outputs import CompletionOutput, RequestOutput, StreamDelta
 from ..sampling_params import SamplingParams
@@ -121,6 +122,15 @@ class RemoteLLM:
 
     def reset_prefix_cache(self) -> int:
         return self._post("/engine/reset_prefix_cache", {})["freed"]
+
+    def attention_lens(self, token_ids: list[int], position: int, layer: int | None = None,
+                       head: int | None = None) -> AttentionLens:
+        """As ``LLM.attention_lens``, computed by the server's engine (``POST /engine/attention_lens``)."""
+        if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__len__"):
+            raise ValueError(f"token_ids must be a list of token ids; got {type(token_ids).__name__}")
+        body = {"token_ids": [int(t) if hasattr(t, "__index__") and not isinstance(t, bool) else t for t in token_ids],
+                "position": position, "layer": layer, "head": head}
+        return AttentionLens.from_dict(self._post("/engine/attention_lens", body))
 
     def shutdown(self) -> None:
         """Close this client's connections (the server goes on serving others)."""

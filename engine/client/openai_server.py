@@ -138,6 +138,15 @@ class OpenAIServer:
                              f"VLLM_SERVER_DEV_MODE=1: POST /reset_prefix_cache); it answered {response.status_code}")
         return 0
 
+    def attention_lens(self, token_ids, position, layer=None, head=None):
+        """Not available: the lens reads the engine's queries and KV cache, which an OpenAI-compatible server
+        does not expose."""
+        raise NotImplementedError(
+            f"the attention lens is not available on {self.server}: an OpenAI-compatible server exposes neither "
+            "its attention nor its KV blocks. It works in process (LLM, LLMProcess) and on this project's engine "
+            "server (python -m engine.entrypoints.openai.api_server) read through its /engine routes"
+            + (" (drop --openai-only)" if self._ours else ""))
+
     def shutdown(self) -> None:
         self._metrics.close()
         self._http.close()

@@ -11,7 +11,9 @@ is the same engine client over HTTP:
 * ``POST /engine/generate`` ``{"prompt", "sampling_params", "request_id"}``: the deltas as
   server-sent events (a bad request is a 400 before the stream starts; a client that goes
   away aborts its request);
-* ``POST /engine/abort`` ``{"request_id"}``; ``POST /engine/reset_prefix_cache``.
+* ``POST /engine/abort`` ``{"request_id"}``; ``POST /engine/reset_prefix_cache``;
+* ``POST /engine/attention_lens`` ``{"token_ids", "position", "layer", "head"}``: ``LLM.attention_lens``
+  as ``AttentionLens.to_dict`` (the weights as base64 float32); bad input is a 400 before any work.
 """
 
 from __future__ import annotations
@@ -109,6 +111,20 @@ def add_engine_routes(app: FastAPI, state) -> None:
         if not isinstance(rid, str):
             raise ApiError("request_id must be a string", param="request_id")
         return {"aborted": await asyncio.to_thread(state.llm.abort, rid)}
+
+    @app.post("/engine/attention_lens")
+    async def attention_lens(request: Request):
+        state.ready()
+        body = await read_json_object(request)
+        unknown = set(body) - {"token_ids", "position", "layer", "head"}
+        if unknown:
+            raise ApiError(f"unknown field(s) {sorted(unknown)}; accepted: token_ids, position, layer, head")
+        try:
+            lens = await asyncio.to_thread(state.llm.attention_lens, body.get("token_ids"), body.get("position"),
+                                           body.get("layer"), body.get("head"))
+        except ValueError as exc:
+            raise ApiError(str(exc)) from None
+        return lens.to_dict()
 
     @app.post("/engine/reset_prefix_cache")
     async def reset_prefix_cache():
