@@ -5,6 +5,8 @@ log-softmax, before penalties, min_tokens, temperature, top-k, top-p or min-p),
 so a token's logprob and rank describe what the model believed, whatever filter
 picked it. A request that sets a penalty or ``min_tokens`` picks from a copy of
 its row changed by ``LogitsAdjust``; every other request does no extra work.
+``logprobs_mode="processed"`` reports the distribution the token was drawn from
+instead (``engine.sampler_pipeline``, which recomputes the stages on demand).
 """
 
 from __future__ import annotations
@@ -98,6 +100,20 @@ def _logprob_dict(row, token_id: int, log_z: float, ids, vals, decode) -> dict[i
     return out
 
 
+@njit(cache=True)
+def _tempered(row, top, inv_t):
+    """The weights ``exp((x - max) / T)`` in float32 (the largest is 1), ``top`` the row's largest value."""
+    n = row.size
+    w = np.empty(n, np.float32)
+    scale = np.float32(inv_t)
+    for i in range(n):
+        w[i] = (row[i] - top) * scale
+    exp_shifted(w, np.float32(0.0))
+    for i in range(n // 8 * 8, n):
+        w[i] = np.exp(w[i])
+    return w
+
+
 @njit(cache=True)  # holds the interpreter lock, as _scan
 def _pick(row, top, inv_t, top_k, top_p, min_p, u):
     """The token ``u`` (uniform in [0, 1)) selects from the row's distribution under temperature
@@ -108,13 +124,7 @@ def _pick(row, top, inv_t, top_k, top_p, min_p, u):
     top-k. The pick is ``rng.choice``'s rule: the first token whose cumulative probability, in id
     order, is above ``u``."""
     n = row.size
-    w = np.empty(n, np.float32)                    # weights exp((x - max) / T): the largest is 1
-    scale = np.float32(inv_t)
-    for i in range(n):
-        w[i] = (row[i] - top) * scale
-    exp_shifted(w, np.float32(0.0))
-    for i in range(n // 8 * 8, n):
-        w[i] = np.exp(w[i])
+    w = _tempered(row, top, inv_t)
     if 0 < top_k < n:
         kth = _largest(row, top_k)[1][top_k - 1]
         for i in range(n):
@@ -261,7 +271,28 @@ class Sampler:
             token = best if params.greedy else sample_row(row, params, rng)
         if params.logprobs is None:
             return int(token), None
+        if params.logprobs_mode == "processed":
+            return int(token), self.processed_logprobs(row, params, adjust, int(token))
         return int(token), _logprob_dict(row, int(token), log_z, ids, vals, self.decode_token)
+
+    def processed_logprobs(self, row, params: SamplingParams, adjust, token: int) -> dict[int, Logprob]:
+        """Logprobs of the distribution ``token`` was drawn from (``engine.sampler_pipeline``): the
+        top ``params.logprobs`` of its kept set and the token, ranked within it."""
+        from .sampler_pipeline import pipeline
+
+        if params.greedy:   # greedy draws nothing: the penalised row's log-softmax (vLLM applies no temperature)
+            picked = adjust(row) if adjust is not None else row
+            _, log_z, ids, vals = _checked_scan(_row(picked), params.logprobs)
+            return _logprob_dict(_row(picked), token, log_z, ids, vals, self.decode_token)
+        last = pipeline(row, params, adjust).stages[-1]
+        kept = last.kept[np.argsort(-last.probs[last.kept], kind="stable")]
+        with np.errstate(divide="ignore"):
+            out = {int(t): Logprob(float(np.log(last.probs[t])), rank, self.decode_token(int(t)))
+                   for rank, t in enumerate(kept[: params.logprobs].tolist(), start=1)}
+            if token not in out:
+                p = last.probs[token]
+                out[token] = Logprob(float(np.log(p)), int((last.probs > p).sum()) + 1, self.decode_token(token))
+        return out
 
     def warm_up(self) -> None:
         """Compile (or load from Numba's disk cache) the passes for float32 rows, greedy and sampled,

@@ -42,6 +42,11 @@ class SamplingParams:
       ``stop_token_ids``) cannot be picked, and stop strings are not matched.
     - ``include_stop_str_in_output``: keep the matched stop string at the end of
       the text (the text is still cut right after it).
+    - ``logprobs_mode`` (FastDeploy's and vLLM's name): ``"raw"`` (the default, as
+      above) or ``"processed"``: the logprobs of the distribution the token was
+      drawn from, after penalties, temperature, top-k, min-p and top-p, over the
+      tokens those kept (``engine.sampler_pipeline``); FastDeploy's spellings
+      ``raw_logprobs`` / ``processed_logprobs`` are accepted.
 
     Every field is checked here, and again when it is set later, so a bad value
     is a ``ValueError`` naming the field and what it accepts before anything is
@@ -66,6 +71,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    logprobs_mode: str = "raw"
     _stop: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
@@ -200,4 +206,13 @@ _CHECKS = {
     "repetition_penalty": lambda v: _number("repetition_penalty", v, 0.0, None, low_open=True),
     "min_tokens": lambda v: _integer("min_tokens", v, 0, None, "an integer >= 0"),
     "include_stop_str_in_output": _flag("include_stop_str_in_output"),
+    "logprobs_mode": lambda v: _logprobs_mode(v),
 }
+
+
+def _logprobs_mode(value) -> str:
+    modes = {"raw": "raw", "processed": "processed", "raw_logprobs": "raw", "processed_logprobs": "processed"}
+    if not isinstance(value, str) or value not in modes:
+        raise ValueError(f"logprobs_mode must be 'raw' or 'processed' (or FastDeploy's 'raw_logprobs' / "
+                         f"'processed_logprobs'); got {_short(value)}")
+    return modes[value]

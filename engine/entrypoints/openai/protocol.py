@@ -2,7 +2,7 @@
 
 Field names and ranges are OpenAI's (``/v1/chat/completions``, ``/v1/completions``) plus the
 extras FastDeploy and vLLM accept (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
-``stop_token_ids``, ``include_stop_str_in_output``, ``ignore_eos``, ``chat_template_kwargs``,
+``stop_token_ids``, ``include_stop_str_in_output``, ``ignore_eos``, ``logprobs_mode``, ``chat_template_kwargs``,
 ``return_token_ids``, ``return_tokens_as_token_ids``, ``prompt_token_ids``, ``prompt_logprobs``,
 ``request_id``). Unknown fields are accepted and ignored, as vLLM does (clients send extras);
 ``unknown_fields`` names them so the server can log them. A bad value is an ``ApiError`` (HTTP 400) naming the field.
@@ -68,6 +68,7 @@ class _Request(BaseModel):
     prompt_token_ids: list[int] | None = None
     request_id: str | None = Field(None, min_length=1, max_length=256)
     skip_special_tokens: bool = True
+    logprobs_mode: str | None = None             # FastDeploy's / vLLM's: raw or processed (after the filters)
     user: str | None = None
 
     def unknown_fields(self) -> list[str]:
@@ -86,6 +87,8 @@ class _Request(BaseModel):
             extras["min_tokens"] = self.min_tokens
         if self.include_stop_str_in_output:
             extras["include_stop_str_in_output"] = True
+        if self.logprobs_mode is not None:
+            extras["logprobs_mode"] = self.logprobs_mode
         try:
             return SamplingParams(
                 max_tokens=max_tokens, seed=None if self.seed is None else self.seed + seed_offset,
