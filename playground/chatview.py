@@ -30,35 +30,48 @@ META_CSS = """
 .pg-meta .pg-nav:hover{background:#e0e7ff}.pg-meta .pg-nav.off{color:#cbd5e1;cursor:default;background:none}
 .pg-meta .pg-state{color:#b45309;font-weight:600}.pg-meta .pg-finish-length{color:#b45309;font-weight:600}
 .pg-meta .pg-finish-abort,.pg-meta .pg-finish-error{color:#b91c1c;font-weight:600}
+.pg-meta .pg-act{cursor:pointer;user-select:none;padding:0 6px;border-radius:4px;font-weight:600;color:#4338ca;
+ border:1px solid #c7d2fe}.pg-meta .pg-act:hover{background:#e0e7ff}.pg-meta .pg-raw{display:none}
+.pg-meta .pg-what{margin-right:2px}.pg-meta .pg-kept{color:#94a3b8}
 .pg-meta .pg-ctx{display:inline-flex;align-items:center;gap:4px}
 .pg-meta .pg-ctx i{display:inline-block;width:60px;height:6px;border-radius:3px;background:#e2e8f0;overflow:hidden}
 .pg-meta .pg-ctx i b{display:block;height:100%;background:#6366f1}
 """
 
 
-def _nav(tree: Conversation, node: Node) -> str:
+def _count(r) -> str:
+    """Tokens the engine generated for this reply; tokens kept from the reply it branched from (or forced,
+    or generated before Continue) are counted apart, so the count stays within max tokens."""
+    kept = f' <span class="pg-kept">+ {len(r.prefix_token_ids)} kept</span>' if r.prefix_token_ids else ""
+    return f'<span class="pg-count">{len(r.token_ids)} tokens{kept}</span>'
+
+
+def _nav(tree: Conversation, node: Node, what: str = "reply") -> str:
     pos, count = tree.siblings(node.node_id)
     if count < 2:
         return ""
     # The Chatbot's sanitizer drops data-* attributes but keeps classes: the target rides in them.
     prev_cls = f"pg-nav pg-prev pg-node-{node.node_id}" + ("" if pos > 1 else " off")
     next_cls = f"pg-nav pg-next pg-node-{node.node_id}" + ("" if pos < count else " off")
-    return (f'<span class="pg-branches"><span class="{prev_cls}" title="previous branch">‹</span>'
+    label = "" if what == "reply" else f'<span class="pg-what">{what}</span>'
+    return (f'<span class="pg-branches pg-{what}-branches">{label}<span class="{prev_cls}" title="previous {what}">‹</span>'
             f'<span class="pg-pos">{pos}/{count}</span>'
-            f'<span class="{next_cls}" title="next branch">›</span></span>')
+            f'<span class="{next_cls}" title="next {what}">›</span></span>')
 
 
 def reply_meta_html(tree: Conversation, node: Node, max_model_len: int | None = None) -> str:
     """The line under one reply: branch navigation, state or stats, context gauge."""
     r = node.reply
-    parts = [_nav(tree, node)]
+    user = tree.nodes.get(node.parent)
+    parts = [_nav(tree, user, "message") if user is not None and user.role == "user" else "",
+             _nav(tree, node, "reply")]
     if not r.finished and not r.stopped:
         parts.append(f'<span class="pg-state">{escape(r.state)}</span>')
         if r.token_ids:
-            parts.append(f"<span>{len(r.all_token_ids)} tokens</span>")
+            parts.append(_count(r))
     else:
         reason = "abort" if r.stopped else (r.finish_reason or "abort")
-        parts.append(f"<span>{len(r.all_token_ids)} tokens</span>")
+        parts.append(_count(r))
         if r.ttft is not None:
             parts.append(f"<span>TTFT {r.ttft * 1000:.0f} ms</span>")
         if r.decode_tps is not None:
@@ -68,6 +81,13 @@ def reply_meta_html(tree: Conversation, node: Node, max_model_len: int | None = 
                          f"{r.num_prompt_tokens} prompt tokens cached</span>")
         parts.append(f'<span class="pg-finish pg-finish-{escape(reason)}">{escape(FINISH_TEXT.get(reason, reason))}'
                      "</span>")
+        if reason == "length" and not r.error:
+            parts.append(f'<span class="pg-act pg-continue pg-node-{node.node_id}" title="generate more after this '
+                         'reply, in the same reply">Continue ↦</span>')
+        # The reply's own text for the copy link (the Chatbot's copy button would copy this meta line too).
+        raw = escape(r.text).replace("\n", "&#10;")
+        parts.append(f'<span class="pg-act pg-copy" title="copy the reply\'s text">copy</span>'
+                     f'<span class="pg-raw">{raw}</span>')
     if max_model_len and r.num_prompt_tokens:
         used = r.num_prompt_tokens + len(r.token_ids)
         pct = min(used / max_model_len, 1.0) * 100
@@ -87,8 +107,9 @@ def _reply_text(node: Node) -> str:
     return r.text
 
 
-def chat_messages(tree: Conversation, max_model_len: int | None = None) -> list[dict]:
-    """``gr.Chatbot`` messages of the shown path, each reply followed by its meta line."""
+def chat_messages(tree: Conversation, max_model_len: int | None = None, queued: list[str] = ()) -> list[dict]:
+    """``gr.Chatbot`` messages of the shown path, each reply followed by its meta line, then the
+    ``queued`` messages (sent while a reply streams, waiting for it)."""
     out = []
     for node in tree.path():
         if node.role == "user":
@@ -96,6 +117,7 @@ def chat_messages(tree: Conversation, max_model_len: int | None = None) -> list[
         else:
             out.append({"role": "assistant",
                         "content": _reply_text(node) + "\n\n" + reply_meta_html(tree, node, max_model_len)})
+    out += [{"role": "user", "content": text} for text in queued]
     return out
 
 

@@ -39,8 +39,16 @@ class Conversation:
     """The tree of one tab's messages, with the path that is shown."""
 
     def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        """Back to an empty conversation (the same object: whoever holds it sees it emptied)."""
         self._ids = itertools.count(1)
         self.nodes: dict[int, Node] = {0: Node(0, "root")}
+
+    def restart_ids(self, start: int) -> None:
+        """New nodes get ids from ``start`` on (a conversation rebuilt from a saved document)."""
+        self._ids = itertools.count(start)
 
     # -- reading ----------------------------------------------------------------
     def path(self) -> list[Node]:
@@ -114,6 +122,13 @@ class Conversation:
         """A user message after the last shown message."""
         last = self.last()
         return self._add(last.node_id if last else 0, "user", content=text)
+
+    def edit_user(self, node_id: int, text: str) -> Node:
+        """An edited copy of user message ``node_id``: a sibling of it (a new branch), shown."""
+        node = self.nodes.get(node_id)
+        if node is None or node.role != "user":
+            raise ValueError(f"message {node_id} is not a user message of this conversation")
+        return self._add(node.parent, "user", content=text)
 
     def add_reply(self, user_id: int, reply: Any) -> Node:
         """A reply to user message ``user_id`` (a sibling of its earlier replies), shown."""

@@ -10,12 +10,14 @@ is accepted; the handlers turn it into a ``gr.Error`` the visitor reads.
 from __future__ import annotations
 
 import math
+from html import escape
 from dataclasses import dataclass
 from typing import Any
 
 from engine import SamplingParams
 
-__all__ = ["InputError", "Limits", "text", "number", "sampling", "alternative_tokens"]
+__all__ = ["InputError", "Limits", "text", "number", "sampling", "stop_sequences", "alternative_tokens",
+           "SAMPLING_FIELDS", "FIELD_LABELS", "sampling_note"]
 
 MAX_SEED = 2**63 - 1
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing logits by a
@@ -25,7 +27,22 @@ MAX_FORCED_TOKENS = 64
 
 
 class InputError(ValueError):
-    """A visitor's value that the page cannot accept."""
+    """A visitor's value that the page cannot accept; ``field`` names the control it came from."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+# The sampling controls, in the order the page passes them (the first six were the only ones once: a
+# caller of the HTTP API that passes those six gets the defaults of the others).
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "logprobs",
+                   "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "stop")
+# How the page labels each of SamplingParams' fields.
+FIELD_LABELS = {"temperature": "temperature", "top_p": "top-p", "top_k": "top-k", "max_tokens": "max tokens",
+                "seed": "seed", "logprobs": "logprobs", "min_p": "min-p", "repetition_penalty": "repetition penalty",
+                "frequency_penalty": "frequency penalty", "presence_penalty": "presence penalty",
+                "stop": "stop sequences"}
 
 
 @dataclass
@@ -71,23 +88,70 @@ def number(value: Any, name: str, low: float, high: float, *, integer: bool = Fa
     return x
 
 
+def _field_of(message: str) -> str | None:
+    """The SamplingParams field an engine error names (its messages start with the field's name)."""
+    name = message.split(" ", 1)[0]
+    return name if name in FIELD_LABELS else None
+
+
+def stop_sequences(value: Any) -> list[str] | None:
+    """The stop sequences box: one sequence per line; ``\\n`` and ``\\t`` stand for a newline and a tab."""
+    value = text(value, "stop sequences", max_chars=4096)
+    stops = [line.replace("\\n", "\n").replace("\\t", "\t") for line in value.splitlines()]
+    return [s for s in stops if s] or None
+
+
 def sampling(temperature: Any, top_p: Any, top_k: Any, max_tokens: Any, seed: Any, n_logprobs: Any,
+             min_p: Any = 0.0, repetition_penalty: Any = 1.0, frequency_penalty: Any = 0.0,
+             presence_penalty: Any = 0.0, stop: Any = None,
              *, max_tokens_cap: int, vocab_size: int) -> SamplingParams:
-    """SamplingParams from the sampling controls' values (the sliders' own ranges)."""
-    seed = number(seed, "seed", -1, MAX_SEED, integer=True, default=-1)
-    k = number(n_logprobs, "logprobs", 0, 20, integer=True, default=0)
-    temperature = number(temperature, "temperature", 0.0, 2.0)
+    """SamplingParams from the sampling controls' values (the sliders' own ranges, then the engine's
+    own checks). An ``InputError`` names the control (``.field``) and what it accepts."""
+    def checked(name, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except InputError as exc:
+            raise InputError(str(exc), name) from None
+
+    seed = checked("seed", number, seed, "seed", -1, MAX_SEED, integer=True, default=-1)
+    k = checked("logprobs", number, n_logprobs, "logprobs", 0, 20, integer=True, default=0)
+    temperature = checked("temperature", number, temperature, "temperature", 0.0, 2.0)
+    values = dict(
+        temperature=0.0 if temperature < GREEDY_BELOW else temperature,
+        top_p=checked("top_p", number, top_p, "top-p", 0.0, 1.0),
+        top_k=checked("top_k", number, top_k, "top-k", 0, vocab_size, integer=True, default=0),
+        max_tokens=checked("max_tokens", number, max_tokens, "max tokens", 1, max_tokens_cap, integer=True),
+        seed=None if seed < 0 else seed,
+        logprobs=k or None,
+        min_p=checked("min_p", number, min_p, "min-p", 0.0, 1.0, default=0.0),
+        repetition_penalty=checked("repetition_penalty", number, repetition_penalty, "repetition penalty",
+                                   0.0, 2.0, default=1.0),
+        frequency_penalty=checked("frequency_penalty", number, frequency_penalty, "frequency penalty",
+                                  -2.0, 2.0, default=0.0),
+        presence_penalty=checked("presence_penalty", number, presence_penalty, "presence penalty",
+                                 -2.0, 2.0, default=0.0),
+        stop=checked("stop", stop_sequences, stop),
+    )
     try:    # the engine's own checks too (top-p 0 is in the slider's range, not in SamplingParams')
-        return SamplingParams(
-            temperature=0.0 if temperature < GREEDY_BELOW else temperature,
-            top_p=number(top_p, "top-p", 0.0, 1.0),
-            top_k=number(top_k, "top-k", 0, vocab_size, integer=True, default=0),
-            max_tokens=number(max_tokens, "max tokens", 1, max_tokens_cap, integer=True),
-            seed=None if seed < 0 else seed,
-            logprobs=k or None,
-        )
+        return SamplingParams(**values)
     except ValueError as exc:
-        raise InputError(str(exc)) from None
+        message = str(exc)
+        field = _field_of(message)
+        if field:   # the engine's name for the field, as the page labels it
+            message = FIELD_LABELS[field] + message[len(field):]
+        raise InputError(message, field) from None
+
+
+def sampling_note(*values: Any, max_tokens_cap: int, vocab_size: int) -> str:
+    """What the page shows under the sampling controls: "" when ``sampling`` accepts ``values``, else the
+    refused control's name and what it accepts (the controls' ``change`` event, before any send)."""
+    try:
+        sampling(*values, max_tokens_cap=max_tokens_cap, vocab_size=vocab_size)
+    except InputError as exc:
+        field = escape(FIELD_LABELS.get(exc.field or "", "sampling"))
+        return (f'<div class="sampling-error" data-field="{escape(exc.field or "")}" role="alert" '
+                f'style="color:#b91c1c;font-size:13px;padding:2px 4px">⚠ <b>{field}</b>: {escape(str(exc))}</div>')
+    return ""
 
 
 def alternative_tokens(value: Any, encode, vocab_size: int) -> list[int]:
