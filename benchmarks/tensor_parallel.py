@@ -108,9 +108,9 @@ class Row:
         self.recording: str | None = None
         run = runner.run
 
-        def timed(record):
+        def timed(record, *rest):
             t0 = time.perf_counter()
-            out = run(record)
+            out = run(record, *rest)
             total = time.perf_counter() - t0
             comm = runner.last_times["comm_s"] if hasattr(runner, "last_times") else 0.0
             want = self.recording

@@ -508,9 +508,11 @@ def engine_panel_html(
         '</span>decode only</span><span class="kv-legend-item"><span class="kv-swatch" '
         'style="background:#d97706"></span>with prefill</span></div>'
     )
+    from .tensor_parallel_view import tensor_parallel_html
+
     return (
         f'{_CSS}<div class="pg-panel engine-panel"><div class="pg-cards">{"".join(cards)}</div>'
-        f'<div class="pg-sub">{title}</div>{chart}{legend}</div>'
+        f'<div class="pg-sub">{title}</div>{chart}{legend}{tensor_parallel_html(snapshot)}</div>'
     )
 
 

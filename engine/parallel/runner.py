@@ -93,8 +93,10 @@ def _while_alive(ranks: Ranks, what: str, fn, timeout_s: float = STORE_TIMEOUT_S
 class TensorParallel:
     """Rank 0's handle on the group: the other ranks, the collectives, rank 0's shard."""
 
-    def __init__(self, world: int, ranks: Ranks, group: CollectiveGroup, model, spec: RankSpec):
+    def __init__(self, world: int, ranks: Ranks, group: CollectiveGroup, model, spec: RankSpec,
+                 layouts: dict[int, tuple[int, int, int]] | None = None):
         self.world, self.ranks, self.group, self.model, self.spec = world, ranks, group, model, spec
+        self.layouts = layouts or {0: model.kv_layout()}   # each rank's (layers, KV heads, head_dim)
         self.runner: TensorParallelRunner | None = None
         self.lock = threading.Lock()  # one conversation with the ranks at a time: a step, stats or a probe
         self._finalizer = weakref.finalize(self, _stop, ranks, group)
@@ -124,16 +126,18 @@ class TensorParallel:
                 0, world, ranks.store_address, ranks.store_rank, gid=gid))
             model = load_rank_model(spec, 0, world, group, checkpoint)
             replies = ranks.gather_reports(READY_TIMEOUT_S)
+            layouts = {0: model.kv_layout()}
             for rank, reply in replies.items():
                 if not (isinstance(reply, tuple) and reply[0] == "ready"):
                     raise RankFailure(f"tensor-parallel rank {rank} failed loading its shard: "
                                       f"{reply[1] if isinstance(reply, tuple) else reply!r}")
+                layouts[rank] = tuple(reply[1])
         except BaseException:
             _stop(ranks, group)
             raise
         logger.info("tensor_parallel_size=%d: %d ranks hold their shards (%.1f s)", world, world,
                     time.perf_counter() - t0)
-        return cls(world, ranks, group, model, spec)
+        return cls(world, ranks, group, model, spec, layouts)
 
     def make_runner(self, num_blocks: int, block_size: int, attention_backend, cpu_decode: str) -> "TensorParallelRunner":
         """Every rank allocates its KV cache (``num_blocks`` of its own KV heads) and runs the warm-up
@@ -207,10 +211,10 @@ class TensorParallelRunner(ModelRunner):
     def __init__(self, tp: TensorParallel, num_blocks: int, block_size: int, kv_dtype: str, attention_backend,
                  device: str):
         super().__init__(tp.model, num_blocks, block_size, kv_dtype, attention_backend, "paddle", device)
-        self.tp = tp
+        self.tp, self.num_blocks = tp, num_blocks
         self.failure: str | None = None
-        self.last_times = {"compute_s": 0.0, "comm_s": 0.0}
-        self.totals = {"steps": 0, "compute_s": 0.0, "comm_s": 0.0}
+        self.last_times = {"compute_s": 0.0, "comm_s": 0.0, "collectives": 0}
+        self.totals = {"steps": 0, "compute_s": 0.0, "comm_s": 0.0, "collectives": 0}
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -221,7 +225,7 @@ class TensorParallelRunner(ModelRunner):
             raise RankFailure(self.failure)
         group = self.tp.group
         with self.tp.lock:
-            t0, c0 = time.perf_counter(), group.comm_s
+            t0, c0, n0 = time.perf_counter(), group.comm_s, group.calls
             try:
                 self.tp.ranks.send_all(("step", record))
                 t1 = time.perf_counter()
@@ -230,11 +234,27 @@ class TensorParallelRunner(ModelRunner):
                 self.fail(exc)
         total = time.perf_counter() - t0
         comm = (t1 - t0) + group.comm_s - c0
-        self.last_times = {"compute_s": total - comm, "comm_s": comm}
+        calls = group.calls - n0
+        self.last_times = {"compute_s": total - comm, "comm_s": comm, "collectives": calls}
         self.totals["steps"] += 1
         self.totals["compute_s"] += total - comm
         self.totals["comm_s"] += comm
+        self.totals["collectives"] += calls
         return logits
+
+    def info(self) -> dict:
+        """The group as a snapshot shows it (plain JSON, ``EngineSnapshot.tensor_parallel``): each rank's
+        KV heads and paged-cache bytes (the block table is rank 0's, the same for every cache, so a
+        block's bytes on rank ``r`` are its ``bytes_per_block``), and rank 0's split of the last step
+        and of all steps so far (seconds; no round trip to the other ranks)."""
+        itemsize = self.kv_caches[0][0].element_size() if self.kv_caches else 4
+        ranks = []
+        for rank, (layers, kv_heads, head_dim) in sorted(self.tp.layouts.items()):
+            per_block = 2 * layers * kv_heads * head_dim * self.block_size * itemsize
+            ranks.append({"rank": rank, "kv_heads": kv_heads, "bytes_per_block": per_block,
+                          "kv_bytes": per_block * self.num_blocks})
+        return {"size": self.tp.world, "ranks": ranks, "last_step": dict(self.last_times), "totals": dict(self.totals),
+                "failure": self.failure}
 
     def fail(self, exc: BaseException):
         """Stop every rank and raise `RankFailure` naming what happened (later steps raise it too)."""
