@@ -26,6 +26,7 @@ from .loader import load_checkpoint
 from .model_impl import build_model, resolve_model_impl
 from .model_runner import ModelRunner, kv_block_bytes
 from .outputs import StreamDelta
+from .provenance import ProvenanceRecorder
 from .request import Request, RequestStatus
 from .sampler import LogitsAdjust, Sampler
 from .sampling_params import SamplingParams
@@ -124,6 +125,7 @@ class LLMEngine:
         self.step_count = 0
         self.last_step: StepInfo | None = None
         self._block_infos = BlockInfos()   # snapshots share the BlockInfo of unchanged blocks
+        self._provenance = ProvenanceRecorder(config.block_size)
 
     # -- requests -------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
@@ -217,6 +219,7 @@ class LLMEngine:
             self._emit("request_started", request_id=req.request_id, num_cached_tokens=cached[req.request_id])
         if batch.is_empty:
             return []
+        self._provenance.record_step(self.step_count + 1, batch)
         try:
             watched = self._lenses.keys() & {s.request.request_id for s in batch.scheduled} if self._lenses else ()
             attention = {rid for rid in watched if self._lens_kind[rid] == "attention"}
@@ -244,6 +247,7 @@ class LLMEngine:
                 req.prompt_logprobs.extend(self.sampler.prompt_logprobs(rows, targets, k))
             except Exception as exc:
                 deltas.append(self._fail(req, "computing prompt logprobs", exc))
+        decodes = {s.request.request_id for s in batch.scheduled if s.is_decode}
         for rid, row in zip(logits.sample_request_ids, logits.sample_rows):
             if rid in watched and self._lens_kind[rid] == "logits":
                 self._lenses[rid] = {"logits": np.array(row, np.float32)}
@@ -252,6 +256,7 @@ class LLMEngine:
                 continue
             try:
                 token, lp = self.sampler.sample(row, req.sampling_params, self._rngs[rid], self._adjust.get(rid))
+                ProvenanceRecorder.record_token(req, self.step_count + 1, len(batch.scheduled), rid in decodes)
                 deltas.append(self._append(req, token, lp))
             except Exception as exc:
                 deltas.append(self._fail(req, "sampling", exc))

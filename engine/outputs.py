@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .provenance import Provenance
 from .request import Logprob, Request, RequestMetrics
 
 
@@ -34,6 +35,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    provenance: Provenance | None = None   # each step's share of the request (engine.provenance)
 
     @property
     def error(self) -> str | None:
@@ -66,6 +68,7 @@ class RequestOutput:
             finished=req.is_finished,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             metrics=req.metrics,
+            provenance=req.provenance,
         )
 
 

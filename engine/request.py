@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from .provenance import Provenance
 from .sampling_params import SamplingParams
 
 
@@ -73,6 +74,7 @@ class Request:
     error: str | None = None  # why it failed, with finish_reason "error"
     output_text: str = ""
     metrics: RequestMetrics = None  # type: ignore[assignment]
+    provenance: Provenance = field(default_factory=Provenance)  # where its tokens' K/V came from (engine.provenance)
 
     def __post_init__(self) -> None:
         if self.metrics is None:
