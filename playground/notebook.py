@@ -49,7 +49,7 @@ from .inspector import block_inspector_html
 from .logprobs import token_records
 from .monitor import EngineMonitor
 from .prompt_view import prompt_view_html, score_prompt
-from .reprs import logprob_strip_html
+from .reprs import HOVER_HINT, logprob_strip_html
 
 __all__ = ["Playground", "show_blocks", "show_logprobs", "show_prompt", "show_prefix_stats", "show_alignment",
            "chat_html", "DEFAULT_SYSTEM_PROMPT"]
@@ -313,12 +313,15 @@ class Playground:
                     + "".join(parts) + "</div>")
 
         row = '<div style="display:flex;flex-wrap:wrap;gap:8px;margin-bottom:8px">'
-        return (f'<div class="pg-picture" data-step="{self.monitor.snapshot().get("step", 0)}">'
+        inspected = self.inspector.value if self.inspected is not None else ""
+        logprobs = self.logprob_view.value.replace(render.BRANCH_HINT, HOVER_HINT)   # nothing to click here
+        return (f'<div class="pg-picture" data-step="{self.monitor.snapshot().get("step", 0)}" '
+                'style="font-family:ui-sans-serif,system-ui,sans-serif;font-size:13px">'
                 f"<div style='margin-bottom:6px'>{self.header.value} <span style='color:#94a3b8'>"
                 "(a picture of the Playground widget: run the notebook to use it)</span></div>"
                 f'{row}{column("Chat", self.chat.value, "<div>" + self.status.value + "</div>")}'
-                f'{column("KV cache blocks", self.block_map.value, self.inspector.value)}</div>'
-                f'{row}{column("Logprobs of the reply", self.logprob_view.value)}'
+                f'{column("KV cache blocks", self.block_map.value, inspected)}</div>'
+                f'{row}{column("Logprobs of the reply", logprobs)}'
                 f'{column("Prefix cache", self.prefix_panel.value)}</div>'
                 f'{column("Engine", self.engine_panel.value)}</div>')
 
