@@ -122,8 +122,8 @@ def test_every_benchmark_names_itself_as_it_is_run():
         text = path.read_text()
         if "__main__" not in text:
             continue
-        progs = re.findall(r'ArgumentParser\(prog="([^"]+)"', text)
-        assert progs == [f"python -m benchmarks.{path.stem}"], f"{path.name}: ArgumentParser(prog=...) is {progs}"
+        progs = re.findall(r'(?:ArgumentParser|FlagParser)\(prog="([^"]+)"', text)
+        assert progs == [f"python -m benchmarks.{path.stem}"], f"{path.name}: the parser's prog is {progs}"
     out = subprocess.run([sys.executable, "-m", "benchmarks.kernels", "--help"], capture_output=True, text=True,
                          cwd=root.parent, timeout=120)
     assert out.returncode == 0 and out.stdout.startswith("usage: python -m benchmarks.kernels "), out.stdout[:200]
