@@ -127,3 +127,19 @@ def test_every_benchmark_names_itself_as_it_is_run():
     out = subprocess.run([sys.executable, "-m", "benchmarks.kernels", "--help"], capture_output=True, text=True,
                          cwd=root.parent, timeout=120)
     assert out.returncode == 0 and out.stdout.startswith("usage: python -m benchmarks.kernels "), out.stdout[:200]
+
+
+def test_the_committed_pages_are_rendered_from_the_committed_results():
+    """docs/benchmarks/NAME.md is what `python -m benchmarks.results NAME` renders from
+    benchmarks/results/NAME.json now, and every results file has its page, its plot and a row in the index."""
+    index = (results.DOCS / "README.md").read_text()
+    names = sorted(p.stem for p in results.RESULTS.glob("*.json"))
+    assert names, "no results files"
+    for name in names:
+        doc = json.loads((results.RESULTS / f"{name}.json").read_text())
+        page = results.DOCS / f"{name}.md"
+        assert page.exists() and (results.DOCS / f"{name}.png").exists(), f"{name}: run python -m benchmarks.results"
+        assert page.read_text() == results.markdown({**doc, "_default_dirs": True, "has_plot": True}), \
+            f"docs/benchmarks/{name}.md is not rendered from its results file: run python -m benchmarks.results {name}"
+        assert f"| [{name}]({name}.md) |" in index
+        assert doc["machine"]["cpu"] and "load_start" in doc["machine"] and doc["date"] and doc["command"]
