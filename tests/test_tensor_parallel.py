@@ -258,6 +258,18 @@ def test_closing_stops_the_ranks_and_releases_the_ports(tiny_dirs):
     assert llm.generate(tiny_prompts(1), GREEDY)[0].outputs[0].finish_reason == "length"
     stats = llm.engine.tensor_parallel.stats()
     assert stats[1]["steps"] == llm.engine.runner.totals["steps"] and stats[1]["calls"] == stats[0]["calls"]
+    # the snapshot carries each rank's cache and the collectives' time, through JSON as a server sends it
+    from engine.client.wire import snapshot_from_dict, snapshot_to_dict
+
+    snap = llm.snapshot()
+    info = snap.tensor_parallel
+    cache = sum(int(np.prod(t.shape)) * 4 for kv in llm.engine.runner.kv_caches for t in kv)
+    assert info["size"] == 2 and [(r["rank"], r["kv_heads"], r["kv_bytes"]) for r in info["ranks"]] == \
+        [(0, 1, cache), (1, 1, cache)]
+    assert info["last_step"]["collectives"] == 2 * 2 + 2           # 2 a layer, the embedding's, the logits'
+    steps = info["totals"]["steps"]
+    assert steps == stats[1]["steps"] and 5 * steps <= info["totals"]["collectives"] <= 6 * steps
+    assert snapshot_from_dict(json.loads(json.dumps(snapshot_to_dict(snap)))).tensor_parallel == info
     llm.shutdown()                                               # stops the ranks too
     assert [p.returncode for p in ranks.procs.values()] == [0]   # it left on the closed channel, not a signal
     assert not any(listening(p) for p in ports)
