@@ -29,7 +29,17 @@ MODELS = {
 }
 
 
-def main() -> int:
+def parse_args(argv: list[str]):
+    """``python app.py`` takes no flags (a Space gives none); ``--help`` says what configures it."""
+    from engine.config import FlagParser
+
+    return FlagParser(prog="python app.py", description="The Fleet Playground as a Hugging Face Space runs it.",
+                      epilog=f"Configured by PLAYGROUND_MODEL ({', '.join(MODELS)}), GRADIO_SERVER_NAME and "
+                             "GRADIO_SERVER_PORT; python -m playground takes flags instead.").parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parse_args(sys.argv[1:] if argv is None else argv)
     model = os.environ.get("PLAYGROUND_MODEL", "smollm2-135m-instruct")
     if model not in MODELS:
         raise SystemExit(f"PLAYGROUND_MODEL must be one of {', '.join(MODELS)}; got {model!r}")
@@ -38,7 +48,7 @@ def main() -> int:
         port = int(os.environ.get("GRADIO_SERVER_PORT", "7860"))
     except ValueError:
         raise SystemExit(f"GRADIO_SERVER_PORT must be a port number; got {os.environ['GRADIO_SERVER_PORT']!r}")
-    from playground.__main__ import _port_in_use, _say, _stop_on_sigterm, _warm_up
+    from playground.__main__ import _port_in_use, _say, _stop_on_sigterm, _warm_up, serve
 
     busy = _port_in_use(host, port)
     if busy:    # before the weights, Paddle and Gradio, not minutes later
@@ -52,7 +62,7 @@ def main() -> int:
 
     _say("Starting the Fleet Playground: importing PaddlePaddle and Gradio ...")
     from engine import LLMProcess
-    from playground.app import build_app, launch
+    from playground.app import build_app
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for name in ("engine", "playground"):
@@ -72,7 +82,7 @@ def main() -> int:
         _warm_up(llm)
         _say(f"Warmed up in {time.perf_counter() - t0:.1f} s")
         demo = build_app(llm)
-        launch(demo, server_name=host, server_port=port, prevent_thread_lock=True)
+        serve(demo, host, port, share=None)
         _say("Ready.")
         while demo.is_running:
             time.sleep(0.2)

@@ -32,7 +32,6 @@ compare the columns of one run, not runs on different machines.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import platform
@@ -41,6 +40,7 @@ import subprocess
 import time
 
 from engine import LLM, SamplingParams, add_engine_args, config_from_args
+from engine.config import FlagParser
 
 from . import fallback as bench_fallback
 from . import llama_cpp as peer
@@ -272,8 +272,8 @@ def environment() -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.engine",
-                                     description=__doc__.split("\n\n")[0].replace("``", ""))
+    parser = FlagParser(prog="python -m benchmarks.engine",
+                        description=__doc__.split("\n\n")[0].replace("``", ""))
     add_engine_args(parser)   # the engine's own flags (FastDeploy's names too); sections override what they compare
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)

@@ -18,11 +18,11 @@ The file holds ``tables_{batch}x{context}`` (int32 [batch, context / block_size]
 
 from __future__ import annotations
 
-import argparse
 import itertools
 
 import numpy as np
 
+from engine.config import FlagParser
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -87,7 +87,7 @@ def runs(tables: np.ndarray) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.engine_tables", description=__doc__.splitlines()[0])
+    parser = FlagParser(prog="python -m benchmarks.engine_tables", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="the .npz to write")
     parser.add_argument("--block-size", type=int, default=16)
     args = parser.parse_args(argv)

@@ -26,7 +26,6 @@ reported separately.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -34,6 +33,8 @@ import numpy as np
 
 import gpu_kernels
 from gpu_kernels.testing import make_problem
+
+from engine.config import FlagParser
 
 from . import results
 
@@ -443,8 +444,8 @@ def bench_gpu(sweep, only=None, split_rule=False, decode_mma=False, decode_large
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels",
-                                     description=__doc__.splitlines()[0].replace("``", ""))
+    parser = FlagParser(prog="python -m benchmarks.kernels",
+                        description=__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument("--sweep", action="store_true", help="GPU: also time kernel variants")
     parser.add_argument("--only", choices=["decode", "prefill"], help="GPU: one table only")
     parser.add_argument("--split-rule", action="store_true",

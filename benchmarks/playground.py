@@ -38,7 +38,6 @@ Starts the app as ``python -m playground`` does (the engine loaded in a process 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -53,6 +52,7 @@ from pathlib import Path
 import gradio_client
 
 from engine import LLM, LLMProcess, SamplingParams, add_engine_args, config_from_args
+from engine.config import FlagParser
 from playground.__main__ import _warm_up
 from playground.app import DEFAULT_SYSTEM_PROMPT, build_app, launch
 
@@ -398,8 +398,8 @@ def _median_shares(runs: list) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.playground",
-                                     description=__doc__.splitlines()[0].replace("``", ""))
+    parser = FlagParser(prog="python -m benchmarks.playground",
+                        description=__doc__.splitlines()[0].replace("``", ""))
     add_engine_args(parser)
     parser.add_argument("--tabs", type=int, default=4, help="open tabs, each streaming one chat")
     parser.add_argument("--max-tokens", type=int, default=48)

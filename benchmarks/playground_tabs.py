@@ -12,7 +12,6 @@ received per second per tab, and the polls' round-trip times.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -23,6 +22,8 @@ import time
 
 import gradio_client
 import httpx
+
+from engine.config import FlagParser
 
 SYSTEM = "You are a concise, friendly assistant. Answer in a few sentences."
 LOGPROBS = 5
@@ -137,8 +138,8 @@ def run_round(tabs: list[Tab], max_tokens: int | None, interval: float, ticks: b
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.playground_tabs",
-                                     description=__doc__.splitlines()[0].replace("``", ""))
+    parser = FlagParser(prog="python -m benchmarks.playground_tabs",
+                        description=__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument("url")
     parser.add_argument("--interval", type=float, default=0.2)
     parser.add_argument("--prompts", nargs="+", required=True, help="one chat per tab")

@@ -14,18 +14,19 @@ nothing (the profiler measures).
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 import gpu_kernels
+
+from engine.config import FlagParser
 
 from .kernels import contiguous, decode_case, prefill_case
 
 
 def parse(argv=None) -> list[str]:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.prefill_once",
-                                     description=__doc__.splitlines()[0],
-                                     epilog="default: one tensor-core prefill at 1 x 4096, fp16")
+    parser = FlagParser(prog="python -m benchmarks.prefill_once",
+                        description=__doc__.splitlines()[0],
+                        epilog="default: one tensor-core prefill at 1 x 4096, fp16")
     parser.add_argument("call", nargs="*", metavar="decode SEQS CONTEXT [sdpa]",
                         help="one fp16 decode step of SEQS sequences of CONTEXT keys instead (sdpa: the peer's)")
     call = parser.parse_args(argv).call

@@ -18,7 +18,6 @@ render as they are; ``raw`` keeps whatever else the benchmark wants on record.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import importlib.metadata
 import json
@@ -28,6 +27,8 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+
+from engine.config import FlagParser
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -353,9 +354,9 @@ def index() -> Path:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.results",
-                                     description="Render benchmark results files into docs/benchmarks/ "
-                                                 "(Markdown, PNG, the index).")
+    parser = FlagParser(prog="python -m benchmarks.results",
+                        description="Render benchmark results files into docs/benchmarks/ "
+                                    "(Markdown, PNG, the index).")
     parser.add_argument("names", nargs="*", help="results to render (default: every benchmarks/results/*.json)")
     args = parser.parse_args(argv)
     for name in args.names or sorted(p.stem for p in RESULTS.glob("*.json")):

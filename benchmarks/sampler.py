@@ -15,13 +15,13 @@ Results: ``benchmarks/results/sampler.json``, rendered into ``docs/benchmarks/sa
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import numpy as np
 
 from engine import LLM, SamplingParams, add_engine_args, config_from_args
+from engine.config import FlagParser
 from engine.sampling_reference import NumpySampler
 
 from . import results
@@ -58,8 +58,8 @@ def decode_tok_s(llm, prompts: list[str], params: SamplingParams) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.sampler",
-                                     description=__doc__.splitlines()[0].replace("``", ""))
+    parser = FlagParser(prog="python -m benchmarks.sampler",
+                        description=__doc__.splitlines()[0].replace("``", ""))
     add_engine_args(parser)
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)

@@ -42,6 +42,8 @@ from pathlib import Path
 
 from benchmarks.serving_load import RequestRecord, run_load, stream_chat, summarize
 
+from engine.config import FlagParser
+
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_SERVER = ROOT / "build" / "llama-server" / "bin" / "llama-server"
 SIDES = ("ours", "llama-server")
@@ -266,8 +268,8 @@ def main(argv=None) -> int:
     from benchmarks.results import start
     from benchmarks.serving_report import write
 
-    p = argparse.ArgumentParser(prog="python -m benchmarks.serving",
-                                description=__doc__.split("\n\n")[0].replace("``", ""))
+    p = FlagParser(prog="python -m benchmarks.serving",
+                   description=__doc__.split("\n\n")[0].replace("``", ""))
     p.add_argument("--model", default="smollm2-135m-instruct", help="zoo name (its GGUF goes to llama-server)")
     p.add_argument("--servers", nargs="+", choices=SIDES, default=list(SIDES))
     p.add_argument("--no-in-process", dest="in_process", action="store_false",

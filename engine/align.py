@@ -199,7 +199,9 @@ def read_prompts(path: str) -> list[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.align", description=__doc__.split("\n\n")[0])
+    from .config import FlagParser
+
+    parser = FlagParser(prog="python -m engine.align", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct", help="zoo name, .gguf path or HF model dir")
     parser.add_argument("--impls", default="native,paddleformers", help="two model_impl values, comma-separated")
     parser.add_argument("--prompts", help="file with one prompt per line (default: a built-in set)")

@@ -12,6 +12,7 @@ meaning in this engine (``--enable-chunked-prefill``, ``--engine-worker-queue-po
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
 from dataclasses import MISSING, dataclass, field, fields
@@ -179,6 +180,35 @@ ACCEPTED_ONLY = {
     "enable_logprob": ("--enable-logprob", {"action": "store_true"},
                        "logprobs are always available here (up to --max-logprobs a token)"),
 }
+
+
+class FlagParser(argparse.ArgumentParser):
+    """The project's command lines: an unknown flag is refused with the nearest known one
+    (``unknown flag --max-model-lenght; did you mean --max-model-len?``), and an error is one line,
+    not argparse's usage of every flag."""
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(unknown_arguments(self, extras))
+        return parsed
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists every flag)\n")
+
+
+def unknown_arguments(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """What is wrong with ``extras`` (what ``parser`` did not take), naming the nearest known flag."""
+    known = [flag for action in parser._actions if action.help is not argparse.SUPPRESS
+             for flag in action.option_strings if flag.startswith("--")]
+    flags = [arg.split("=", 1)[0] for arg in extras if arg.startswith("-") and len(arg) > 1]
+    if not flags:
+        return f"unexpected argument{'s' if len(extras) > 1 else ''}: {' '.join(extras)}"
+    said = []
+    for flag in flags:
+        near = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+        said.append(f"unknown flag {flag}" + (f"; did you mean {near[0]}?" if near else ""))
+    return "; ".join(said)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

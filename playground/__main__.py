@@ -26,15 +26,14 @@ from .inputs import Limits
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from engine import add_engine_args
+    from engine.config import FlagParser, add_engine_args
 
-    parser = argparse.ArgumentParser(prog="python -m playground",
-                                     description=__doc__.splitlines()[0].replace("``", ""),
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = FlagParser(prog="python -m playground", description=__doc__.splitlines()[0].replace("``", ""),
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_engine_args(parser)
     web = parser.add_argument_group("server")
     web.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 exposes it to the network)")
-    web.add_argument("--port", type=int, default=7860)
+    web.add_argument("--port", type=int, default=7860, help="port to listen on")
     web.add_argument("--share", action="store_true", help="also create a public gradio.live link")
     web.add_argument("--queue-size", type=int, default=32, help="requests allowed to wait; more are refused")
     web.add_argument("--max-input-chars", type=int, default=Limits.max_input_chars,
@@ -60,6 +59,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _say(message: str) -> None:
     print(message, flush=True)
+
+
+def serve(demo, host: str, port: int, share: bool | None) -> None:
+    """Start Gradio's server and say where it listens. Gradio's own start-up lines are left out: its
+    hint names its Python API (``share=True``); ``share=False`` says the flag (``--share``) instead,
+    ``None`` (a command without it) says nothing."""
+    from .app import launch
+
+    launch(demo, server_name=host, server_port=port, share=bool(share), prevent_thread_lock=True, quiet=True)
+    _say(f"* Running on local URL:  {demo.local_url}")
+    if share is False:
+        _say("  (--share adds a public gradio.live link)")
 
 
 def _stop_on_sigterm() -> None:
@@ -118,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine import LLM, LLMProcess, config_from_args
     from engine.llm import EngineDeadError
 
-    from .app import build_app, launch
+    from .app import build_app
 
     # Our own records at INFO; other libraries' (httpx logs every request Gradio makes) at WARNING.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -153,8 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         limits = Limits(max_input_chars=args.max_input_chars, max_batch=args.max_batch)
         demo = build_app(llm, limits=limits, queue_size=args.queue_size,
                          allow_engine_admin=args.allow_engine_admin)
-        launch(demo, server_name=args.host, server_port=args.port, share=args.share,
-               prevent_thread_lock=True)
+        serve(demo, args.host, args.port, share=args.share)
         _say("Ready. Press Ctrl-C to stop.")
         while demo.is_running:
             time.sleep(0.2)

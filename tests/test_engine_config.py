@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from engine.config import EngineConfig, accepted_only_notes, add_engine_args, config_from_args
+from engine.config import EngineConfig, FlagParser, accepted_only_notes, add_engine_args, config_from_args
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -76,3 +76,69 @@ def test_kv_cache_ratio_keeps_a_reserve_for_running_requests():
     assert _admitted(1.0) == ["r0", "r1", "r2", "r3"]   # 8 of 10 blocks
     assert _admitted(0.5) == ["r0", "r1", "r2"]          # stops once 6 of 10 (>= half) are used
     assert _admitted(0.1) == ["r0"]                      # the first always starts
+
+
+def _flag_parser():
+    p = add_engine_args(FlagParser(prog="python -m playground"))
+    p.add_argument("--port", type=int, help="port")
+    return p
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["--max-model-lenght", "64"], "unknown flag --max-model-lenght; did you mean --max-model-len?"),
+    (["--gpu-memory-utilisation=0.5"], "unknown flag --gpu-memory-utilisation; did you mean --gpu-memory-utilization?"),
+    (["--prot", "8000"], "unknown flag --prot; did you mean --port?"),
+    (["--block-size", "8", "--kv-cache-ratoi", "0.5", "--zzzz"],
+     "unknown flag --kv-cache-ratoi; did you mean --kv-cache-ratio?; unknown flag --zzzz"),
+    (["extra.gguf"], "unexpected argument: extra.gguf"),
+])
+def test_an_unknown_flag_is_refused_naming_the_nearest_known_one(capsys, argv, said):
+    with pytest.raises(SystemExit) as info:
+        _flag_parser().parse_args(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert err == f"python -m playground: error: {said} (--help lists every flag)\n"
+
+
+def test_other_errors_are_one_line_too(capsys):
+    with pytest.raises(SystemExit):
+        _flag_parser().parse_args(["--model-impl", "fastdeplo"])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "invalid choice: 'fastdeplo'" in err and "usage:" not in err
+
+
+def _parsers() -> dict:
+    """The command lines built on the engine's flags (each one's parser, not parsed)."""
+    import app
+    from engine.entrypoints.openai.api_server import make_arg_parser
+    from playground.__main__ import parse_args
+
+    built = {"python -m engine.entrypoints.openai.api_server": make_arg_parser()}
+    capture = pytest.MonkeyPatch()
+    capture.setattr(FlagParser, "parse_args", lambda self, *args, **kwargs: self)
+    try:
+        built["python -m playground"] = parse_args([])
+        built["python app.py"] = app.parse_args([])
+    finally:
+        capture.undo()
+    return built
+
+
+def test_every_flag_has_help():
+    for prog, p in _parsers().items():
+        assert isinstance(p, FlagParser), prog
+        for action in p._actions:
+            if action.help is not argparse.SUPPRESS:
+                assert action.help and "``" not in action.help, (prog, action.option_strings)
+        assert "``" not in (p.description or ""), prog
+
+
+def test_every_command_line_is_a_flag_parser():
+    """No command builds a plain argparse parser (which would refuse a typo without a suggestion)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sources = [root / "app.py", *(root / d for d in ("benchmarks", "engine", "playground") for _ in [0])]
+    files = [p for s in sources for p in ([s] if s.is_file() else s.rglob("*.py"))]
+    plain = [str(p.relative_to(root)) for p in files if "argparse.ArgumentParser(" in p.read_text()]
+    assert len(files) > 50 and not plain, plain

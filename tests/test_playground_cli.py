@@ -87,6 +87,7 @@ def test_start_up_is_announced_and_ctrl_c_or_sigterm_stops_it_cleanly(tiny):
         assert "Traceback" not in err and "FatalError" not in err, (signum, err[-3000:])
         assert "Error Message Summary" not in text and "No ccache found" not in err
         assert "HTTP Request:" not in text + err, "other libraries' INFO records (httpx) reach the terminal"
+        assert "share=True" not in text + err and "--share adds a public gradio.live link" in text
         said = [next(i for i, line in enumerate(lines) if line.startswith(start)) for start in
                 ("Starting", "Loading", "Warming up", "Warmed up", "* Running on local URL", "Ready",
                  "Stopped")]
@@ -127,6 +128,23 @@ def test_a_busy_port_fails_before_anything_loads():
                              capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "cannot listen on 127.0.0.1" in out.stderr and "--port" in out.stderr
     assert "importing PaddlePaddle" not in out.stdout and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("command,typo,said", [
+    (["-m", "playground"], ["--max-model-lenght", "64"], "did you mean --max-model-len?"),
+    (["-m", "engine.entrypoints.openai.api_server"], ["--tensor-paralel-size", "1"],
+     "did you mean --tensor-parallel-size?"),
+    (["app.py"], ["--port", "7861"], "unknown flag --port"),
+    (["-m", "benchmarks.serving"], ["--concurency", "4"], "did you mean --concurrency?"),
+])
+def test_an_unknown_flag_fails_before_paddle_or_gradio_is_imported(command, typo, said):
+    out = subprocess.run([sys.executable, "-X", "importtime", *command, *typo], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    said_lines = [line for line in out.stderr.splitlines() if not line.startswith("import time:")]
+    assert out.returncode == 2 and len(said_lines) == 1 and said in said_lines[0], out.stderr[-2000:]
+    assert said_lines[0].endswith("(--help lists every flag)")
+    assert "paddle" not in imported and "gradio" not in imported and "torch" not in imported
 
 
 def _space_env(port: int) -> dict:

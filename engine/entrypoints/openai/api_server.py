@@ -26,19 +26,19 @@ import socket
 import sys
 import threading
 
-from ...config import DEFAULT_MODEL, accepted_only_notes, add_engine_args, config_from_args
+from ...config import DEFAULT_MODEL, FlagParser, accepted_only_notes, add_engine_args, config_from_args
 
 logger = logging.getLogger("engine.server")
 
 
 def make_arg_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m engine.entrypoints.openai.api_server",
-                                     description=__doc__.splitlines()[0].replace("``", ""),
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = FlagParser(prog="python -m engine.entrypoints.openai.api_server",
+                        description=__doc__.splitlines()[0].replace("``", ""),
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_engine_args(parser)
     s = parser.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0: every interface)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=int, default=8000, help="port to listen on")
     s.add_argument("--metrics-port", type=int, default=None,
                    help="serve /metrics on this port too (default: only on --port)")
     s.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model)")
