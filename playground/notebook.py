@@ -11,11 +11,17 @@
     show_blocks(llm)         # the KV block map as it is now
 
 Works wherever ipywidgets does (JupyterLab, Notebook 7, VS Code, Colab).
-Every panel is an ``ipywidgets.HTML`` whose value comes from the same
-renderers as the Gradio app (``playground.render``): the KV block map, the
-prefix-cache panel, the logprob view (hover a token for its alternatives) and
-the engine panel. The ``show_*`` functions return ``IPython.display.HTML`` of
-those views, so they also survive in a saved notebook.
+Every panel is an HTML widget whose value comes from the same renderers as the
+Gradio app (``playground.render``): the KV block map, the prefix-cache panel,
+the logprob view (hover a token for its alternatives) and the engine panel.
+The map and the logprob view are ``ClickableHTML`` (``playground.clickable``):
+a click on a block opens it in the block inspector (``playground.inspector``),
+a click on a reply token offers its alternatives to branch from
+(``pick_token``, ``branch``). Every display of the app carries a picture of
+it (``text/html``, ``picture_html``) kept at its last state, for where no
+kernel runs; ``close()`` leaves the picture alone. The ``show_*`` functions
+return ``IPython.display.HTML`` of the views, so they also survive in a saved
+notebook.
 
 Threading: a reply streams on a background thread, so the kernel stays free
 (the Stop button works, other cells run). That thread only *sets widget
@@ -315,8 +321,9 @@ class Playground:
         row = '<div style="display:flex;flex-wrap:wrap;gap:8px;margin-bottom:8px">'
         inspected = self.inspector.value if self.inspected is not None else ""
         logprobs = self.logprob_view.value.replace(render.BRANCH_HINT, HOVER_HINT)   # nothing to click here
-        return (f'<div class="pg-picture" data-step="{self.monitor.snapshot().get("step", 0)}" '
-                'style="font-family:ui-sans-serif,system-ui,sans-serif;font-size:13px">'
+        # Drawn from the widgets' values alone, so it changes only when the app does (each change
+        # redraws every display of it).
+        return ('<div class="pg-picture" style="font-family:ui-sans-serif,system-ui,sans-serif;font-size:13px">'
                 f"<div style='margin-bottom:6px'>{self.header.value} <span style='color:#94a3b8'>"
                 "(a picture of the Playground widget: run the notebook to use it)</span></div>"
                 f'{row}{column("Chat", self.chat.value, "<div>" + self.status.value + "</div>")}'

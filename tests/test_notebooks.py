@@ -5,7 +5,6 @@ running it is a test; the executed copy is written to pytest's tmp_path."""
 import json
 import os
 import re
-import time
 from pathlib import Path
 
 import nbformat
@@ -15,8 +14,9 @@ from nbclient import NotebookClient
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
-CELL_TIMEOUT_S = 300           # one cell; a cold Numba cache compiles the kernels in the first one that calls them
-NOTEBOOK_BUDGET_S = 240        # a whole notebook on a busy 2-core CPU (they take about 20-60 s)
+# One cell, against a hang (not a speed goal: a cold Numba cache compiles the kernels in the first cell
+# that calls them, and a loaded 2-core machine runs a notebook several times slower than a quiet one).
+CELL_TIMEOUT_S = 600
 
 # What each notebook must have displayed: the playground's views (HTML), the
 # Playground widget, the kernel lab's timing plot.
@@ -68,19 +68,16 @@ def test_notebook_runs_and_its_checks_pass(path, tmp_path):
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                             resources={"metadata": {"path": str(NOTEBOOK_DIR)}})
-    start = time.monotonic()
     try:
         client.execute(env=_kernel_env())     # raises CellExecutionError with the cell's traceback
     finally:
         nbformat.write(nb, tmp_path / path.name)
-    elapsed = time.monotonic() - start
 
     last = nb.cells[-1]
     assert last.cell_type == "code" and "assert " in last.source, "a notebook must end with its checks"
     assert "all checks passed" in "".join(_outputs(nb, "stdout"))
     for kind in SHOWS[path.stem]:
         assert _outputs(nb, kind), f"{path.name} should display {kind}"
-    assert elapsed < NOTEBOOK_BUDGET_S, f"{path.name} took {elapsed:.0f} s"
     assert _noise(nb) == [], f"{path.name} leaves stderr or empty outputs in its cells"
     # The saved file as nbconvert --execute writes it (nbclient is its executor): every widget view
     # stands beside a picture (text/html) for where no kernel runs, none beside a bare repr.
@@ -95,6 +92,10 @@ def test_notebook_runs_and_its_checks_pass(path, tmp_path):
                 # its last state: the second turn and the branch taken in later cells
                 assert "Which of them is the colour of the sky?" in picture
                 assert 'data-index="2"' in picture and "lp-forced" in picture
+    if path.stem == "01_quickstart":
+        # and the widgets' state, from which JupyterLab draws them again when it reopens the file
+        state = saved["metadata"]["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+        assert any('class="pg-panel kv-map"' in str(m["state"].get("value", "")) for m in state.values())
 
 
 def _noise(nb) -> list[str]:
