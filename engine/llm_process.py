@@ -52,7 +52,8 @@ from .snapshot import keep_unchanged_blocks
 
 logger = logging.getLogger("engine")
 
-_CALLS = ("generate", "chat", "abort", "snapshot", "reset_prefix_cache", "attention_lens")   # run in the child, answer once
+_CALLS = ("generate", "chat", "abort", "snapshot", "reset_prefix_cache", "attention_lens",
+          "sampler_pipeline")   # run in the child, answer once
 HEARTBEAT_INTERVAL = 1.0   # seconds between the engine process's signs of life
 
 
@@ -153,6 +154,13 @@ class LLMProcess:
 
     def abort(self, request_id: str) -> bool:
         return self._call("abort", request_id)
+
+    def sampler_pipeline(self, token_ids: list[int], position: int, sampling_params: SamplingParams,
+                         num_prompt_tokens: int | None = None):
+        """As ``LLM.sampler_pipeline`` (computed in the engine process)."""
+        self._check_can_wait("sampler_pipeline")
+        return self._call("sampler_pipeline", list(token_ids) if isinstance(token_ids, (list, tuple)) else token_ids,
+                          position, sampling_params, num_prompt_tokens)
 
     def attention_lens(self, token_ids: list[int], position: int, layer: int | None = None,
                        head: int | None = None):

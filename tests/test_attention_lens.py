@@ -208,6 +208,8 @@ def test_lens_through_the_engine_process():
         np.testing.assert_allclose(lens.weights, reference[f"weights_{p}"], atol=ATOL, rtol=0)
         with pytest.raises(ValueError, match="position must be"):
             llm.attention_lens(ids, len(ids))
+        pipe = llm.sampler_pipeline(ids, p, SamplingParams(temperature=0.8, top_p=0.9))
+        assert pipe.token == ids[p] and pipe.stages[-1].name == "top_p" and pipe.kept.size >= 1
     finally:
         llm.shutdown()
 
