@@ -1,7 +1,7 @@
 """Tensor parallelism: one model sharded over ``tensor_parallel_size`` ranks (processes), which run
 every step together over Paddle's collectives (gloo on CPU).
 
-* `group` -- the ranks' gloo group (``all_reduce`` / ``all_gather``, timed), the step channel
+* `group` -- the ranks' gloo group (``all_reduce`` / ``gather``, timed), the step channel
   from rank 0 to the others, and starting the ranks on this machine;
 * `sharding` -- which slice of each weight a rank holds, and the checks made before loading;
 * `layers` -- the native decoder with row-parallel ``o_proj`` / ``down_proj``, a vocab-parallel

@@ -16,7 +16,7 @@ three collectives as the native decoder (`layers`):
 * `VocabParallelLookup` wraps the library's embedding (Gemma's scaled one included): ids outside
   the rank's vocab rows look up row 0 and are zeroed, and an all-reduce assembles the rows;
 * `TensorParallelPaddleFormers.compute_logits`: the (tied or own) LM head's rows of the rank, the
-  final soft-capping (elementwise) applied, then an all-gather of the logits, padding cut.
+  final soft-capping (elementwise) applied, then a gather of the logits on rank 0, padding cut.
 
 The embedding is vocab-parallel rather than replicated: Gemma 3 270M's 262,144 x 640 table is
 two thirds of the model (671 MB in float32), and a replicated table would put it whole in every
@@ -66,7 +66,7 @@ class VocabParallelLookup(nn.Layer):
 
 
 class TensorParallelPaddleFormers:
-    """One rank's `PaddleFormersModel` (everything else is the wrapped model's): logits all-gathered."""
+    """One rank's `PaddleFormersModel` (everything else is the wrapped model's): logits gathered on rank 0."""
 
     def __init__(self, inner, plan: ShardPlan, group):
         self.inner, self.plan, self.group = inner, plan, group
@@ -82,7 +82,9 @@ class TensorParallelPaddleFormers:
 
     def compute_logits(self, hidden):
         local = self.inner.compute_logits(hidden)                     # [rows, vocab / N], soft-capped
-        parts = self.group.all_gather(local)                          # [N, rows, vocab / N]
+        parts = self.group.gather(local)                              # rank 0: [N, rows, vocab / N]
+        if parts is None:                                             # the others sample nothing
+            return local[:0]
         full = paddle.transpose(parts, [1, 0, 2]).reshape([local.shape[0], -1])
         return full[:, : self.plan.cfg.vocab_size]
 

@@ -11,7 +11,7 @@ Two connections join the ranks of one engine:
   can start, stop and start again an engine's group (``init_parallel_env`` makes one default
   group per process, for its life) and so that the store lives where its port is released
   when the engine stops (below). The layers call `CollectiveGroup.all_reduce` /
-  ``all_gather``, which time themselves: that time is the step's communication.
+  ``gather``, which time themselves: that time is the step's communication.
 * the **step channel**: one TCP connection from each rank to rank 0 (`Channel`:
   length-prefixed pickles), on which rank 0 sends each step's `StepRecord` and commands
   and a rank reports a failure. A rank blocks on it between steps, so an idle engine has no
@@ -164,6 +164,18 @@ class CollectiveGroup:
         self.comm_s += time.perf_counter() - t0
         self.calls += 1
         return out.reshape([self.world] + list(tensor.shape))
+
+    def gather(self, tensor, root: int = 0):
+        """``[world, *tensor.shape]`` on rank ``root``: every rank's ``tensor``, in rank order; None on the
+        others (half the bytes of an all-gather at two ranks: only ``root`` receives)."""
+        import paddle
+
+        t0 = time.perf_counter()
+        out = paddle.empty([self.world * tensor.shape[0]] + list(tensor.shape[1:]), dtype=tensor.dtype)
+        self.pg.gather(tensor, out, root, True).wait()
+        self.comm_s += time.perf_counter() - t0
+        self.calls += 1
+        return out.reshape([self.world] + list(tensor.shape)) if self.rank == root else None
 
     def close(self) -> None:
         """Drop the group: Paddle keeps every process group in one map by id until it is cleared,

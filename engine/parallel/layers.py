@@ -5,8 +5,8 @@ and vocab (`ShardPlan.local_config`) and three layers swapped in:
   the full output, and an all-reduce adds the ranks' parts;
 * `VocabParallelEmbedding`: a rank looks up only the ids in its vocab range (zero rows for the
   rest) and an all-reduce assembles the embeddings;
-* `TensorParallelLlama.compute_logits`: each rank's logits cover its vocab range; an all-gather
-  lays them side by side, and the padding past the vocab is cut.
+* `TensorParallelLlama.compute_logits`: each rank's logits cover its vocab range; a gather on
+  rank 0 (the one that samples) lays them side by side, and the padding past the vocab is cut.
 
 The QKV and gate/up projections need no layer of their own: holding only their rank's columns
 (column parallel), they are the plain `Linear` with fewer outputs, and attention runs on the
@@ -66,7 +66,9 @@ class TensorParallelLlama(LlamaForCausalLM):
 
     def compute_logits(self, hidden):
         local = super().compute_logits(hidden)                        # [rows, vocab / N]
-        parts = self.group.all_gather(local)                          # [N, rows, vocab / N]
+        parts = self.group.gather(local)                              # rank 0: [N, rows, vocab / N]
+        if parts is None:                                             # the others sample nothing
+            return local[:0]
         full = paddle.transpose(parts, [1, 0, 2]).reshape([local.shape[0], -1])
         return full[:, : self.plan.cfg.vocab_size]
 

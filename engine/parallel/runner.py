@@ -12,7 +12,7 @@ Who sends what:
    every rank's cache has the same number of blocks, of its own KV heads) and sends
    ``("init", num_blocks, ...)``; then ``("warm_up",)``, which every rank runs together.
 3. Every step, `TensorParallelRunner.run` sends ``("step", StepRecord)`` and runs the record
-   itself; the layers all-reduce and all-gather inside the forward pass; the gathered logits
+   itself; the layers all-reduce and gather inside the forward pass; the gathered logits
    are rank 0's to sample from. Workers send nothing back during a step.
 4. A failure anywhere in a step (a rank's process gone, a collective failing, a rank's
    ``("error", text)`` report) stops every rank and fails that step and every later one with

@@ -10,7 +10,7 @@ Per decoder layer, with ``N`` ranks (HF names; HF stores linears ``[out, in]``):
 | ``gate_proj``, ``up_proj`` | column | ``r*I/N ... (r+1)*I/N`` | |
 | ``down_proj`` | row | the same range of inputs | all-reduce |
 | ``embed_tokens`` | vocab | rows ``r*V'/N ...`` of the vocab padded to ``V'`` | all-reduce |
-| ``lm_head`` (or the tied embedding) | vocab | the same rows | all-gather of logits |
+| ``lm_head`` (or the tied embedding) | vocab | the same rows | gather of logits on rank 0 |
 | ``o_proj`` / ``down_proj`` biases | rank 0 | the bias; zeros elsewhere | (added once) |
 | norms, q/k norms | replicated | everything | |
 
