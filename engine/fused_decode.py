@@ -5,7 +5,7 @@ sequence has exactly one new token through ``gpu_kernels.cpu.decode_step``
 instead of the Paddle layers. The kernel reads the very memory the Paddle model
 holds -- zero-copy views of its parameters, of the block-quantized weights
 (``engine.block_linear``) and of the runner's KV-cache tensors -- so both paths
-compute with the same weights and share one cache. Q4_0 / Q4_1 weights are read
+compute with the same weights and share one cache. Q4_0 / Q4_1 / Q4_K weights are read
 as nibbles (half the bytes of their int8 codes), packed once at start-up.
 
 Paddle stays the model definition, the prefill path and the reference: prefill
@@ -34,6 +34,7 @@ from .attention import AttentionMetadata
 from .models.llama import Linear, LlamaForCausalLM
 
 _F1 = types.float32[::1]  # the type of an empty list (no Q/K norms, no QKV bias)
+ACTIVATIONS = {"silu": kernel.SILU, "swish": kernel.SILU, "gelu_pytorch_tanh": kernel.GELU_TANH}
 MAX_THREADS = 8  # team size cap: a decode step of a small model has little work per phase
 
 
@@ -89,6 +90,9 @@ class FusedDecode:
             attn, mlp = layer.self_attn, layer.mlp
             norms.append(self._view(layer.input_layernorm.weight))
             norms.append(self._view(layer.post_attention_layernorm.weight))
+            if cfg.sandwich_norms:
+                norms.append(self._view(layer.pre_feedforward_layernorm.weight))
+                norms.append(self._view(layer.post_feedforward_layernorm.weight))
             if cfg.qk_norm:
                 qk_norms.append(self._view(attn.q_norm.weight))
                 qk_norms.append(self._view(attn.k_norm.weight))
@@ -111,11 +115,19 @@ class FusedDecode:
         self.norms, self.qk_norms, self.qkv_bias = typed_list(norms), typed_list(qk_norms), typed_list(bias)
         self.embed = self._view(model.embed_tokens.weight)
         self.final_norm = self._view(model.norm.weight)
-        self.cos, self.sin = self._view(model.rope.cos), self._view(model.rope.sin)
+        ropes = model.rope if isinstance(model.rope, (list, tuple)) else [model.rope] * len(model.layers)
+        self.cos = typed_list([self._view(r.cos) for r in ropes])  # per layer (the same arrays where shared)
+        self.sin = typed_list([self._view(r.sin) for r in ropes])
+        self.windows = np.zeros(len(model.layers), np.int64)
+        self.windows[:len(cfg.sliding_windows)] = cfg.sliding_windows
+        if cfg.activation not in ACTIVATIONS:
+            raise ValueError(f"activation {cfg.activation!r}: the fused decode step computes "
+                             f"{sorted(ACTIVATIONS)}")
+        self.activation = ACTIVATIONS[cfg.activation]
         self.k_caches = typed_list([self._view(k) for k, _ in kv_caches])
         self.v_caches = typed_list([self._view(v) for _, v in kv_caches])
         self._num_layers = len(kv_caches)
-        self.scale = np.float32(cfg.head_dim ** -0.5)
+        self.scale = np.float32(cfg.head_dim ** -0.5 if cfg.attn_scale is None else cfg.attn_scale)
         self.counters = np.zeros(kernel.num_phases(len(model.layers)) * STRIDE, np.int64)
         self.marks = np.zeros((kernel.num_phases(len(model.layers)), 0), np.int64)
         self.epoch = 0
@@ -171,7 +183,8 @@ class FusedDecode:
     def _blocks(blocks, f2, i8, u8):
         rows = blocks.codes.shape[0]
         scales = np.ascontiguousarray(blocks.scales)
-        if blocks.kind in ("Q4_0", "Q4_1"):
+        kinds = set(blocks.kind.split("+"))  # fused linears join their parts' formats with "+"
+        if kinds == {"Q4_0"} or kinds <= {"Q4_1", "Q4_K"}:  # codes 0 .. 15 (Q4_0's after the shift)
             codes, offsets = blocks.codes, blocks.offsets
             if blocks.kind == "Q4_0":  # codes q - 8: d * (q - 8) = d * q + (-8 d), exactly
                 codes, offsets = codes + np.int8(8), offsets - 8 * blocks.scales
@@ -217,14 +230,17 @@ class FusedDecode:
         if self.marks.shape[1] < items:
             self.marks = np.zeros((self.marks.shape[0], items), np.int64)
         args = (self.counters, self.marks, self.epoch, token_ids, positions, slots, block_tables, context_lens,
-                self.embed, self.norms, self.qk_norms, self.qkv_bias, self.final_norm, self.cos, self.sin,
-                self.formats, self.float_w, self.codes, self.nibbles, self.scales, self.offsets,
+                self.embed, np.float32(self.cfg.embed_scale), self.norms, self.qk_norms, self.qkv_bias,
+                self.final_norm, self.cos, self.sin, self.windows, self.cfg.grouped_qkv, self.activation, self.formats, self.float_w, self.codes, self.nibbles, self.scales, self.offsets,
                 self.k_caches, self.v_caches, self.cfg.num_heads, self.cfg.num_kv_heads,
                 np.float32(self.cfg.rms_norm_eps), self.scale, *self._buffers(num_tokens), out, rows, logits)
         if self._team is None:
             kernel.decode_step(0, 1, *args)
         else:
             self._team.run(args)
+        cap = self.cfg.final_logit_softcapping
+        if cap and self.has_head:
+            logits = np.tanh(logits / np.float32(cap)) * np.float32(cap)
         return out, (logits if self.has_head else None)
 
 

@@ -27,10 +27,31 @@ def test_unpacked_blocks_dequantize_exactly_like_gguf(qtype):
     assert blocks.nbytes < expected.nbytes / 3  # 1.25 bytes per weight instead of 4
 
 
+def test_q5_0_blocks_dequantize_exactly_like_gguf():
+    raw, expected = _quantized(np.random.default_rng(3), 12, 96, QT.Q5_0)
+    blocks = unpack(raw, QT.Q5_0, (12, 96))
+    assert blocks.codes.min() >= -16 and blocks.codes.max() <= 15 and blocks.kind == "Q5_0"
+    np.testing.assert_array_equal(blocks.dequantize(), expected)
+
+
+def test_q4_k_super_blocks_dequantize_exactly_like_gguf():
+    """Q4_K (gguf-py has no quantizer for it): random super-blocks -- any bytes are valid codes,
+    scales and mins -- with small f16 d / dmin, against ``gguf.quants.dequantize``."""
+    rng = np.random.default_rng(4)
+    rows, cols = 5, 512
+    raw = rng.integers(0, 256, (rows * cols // 256, 144), dtype=np.uint8)
+    for at in (0, 2):  # d, dmin
+        raw[:, at:at + 2] = (rng.random((len(raw), 1)) * 0.01).astype(np.float16).view(np.uint8)
+    raw = raw.reshape(rows, -1)
+    blocks = unpack(raw, QT.Q4_K, (rows, cols))
+    assert blocks.codes.min() >= 0 and blocks.codes.max() <= 15 and blocks.shape == (rows, cols)
+    np.testing.assert_array_equal(blocks.dequantize(), gguf.quants.dequantize(raw, QT.Q4_K).reshape(rows, cols))
+
+
 def test_formats_without_a_kernel_are_not_kept():
     assert unpack(np.zeros((4, 256), np.uint8), QT.F32, (4, 64)) is None
-    assert unpack(np.zeros((4, 210), np.uint8), QT.Q6_K, (4, 256)) is None
-    assert set(KEPT_FORMATS) == {"Q4_0", "Q4_1", "Q8_0"}
+    assert unpack(np.zeros((4, 210), np.uint8), QT.Q6_K, (4, 256)) is None  # blocks of 16: no per-32 scale
+    assert set(KEPT_FORMATS) == {"Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K"}
 
 
 def test_row_operations_follow_the_dequantized_rows():

@@ -5,9 +5,10 @@
   (``decode_path == "fused"``) with the greedy tokens of the eager library
   forward (``cpu_decode="paddle"``) and logprobs within 1e-4 -- on a tiny
   model and on SmolLM2's quantized GGUF;
-* what the kernel cannot compute stays eager, with the reason: Gemma 3's
-  layers by structure, a forward the structure check cannot see by the
-  load-time probe.
+* Gemma 3's layers too (sandwich norms, GELU, sliding windows, a RoPE base
+  per layer type, soft-capped logits);
+* what the kernel cannot compute stays eager, with the reason: a forward the
+  structure check cannot see fails the load-time probe.
 """
 
 import numpy as np
@@ -76,14 +77,47 @@ def test_captured_decode_matches_eager_on_smollm2_gguf():
     assert_same_decoding(outputs["paddle"], outputs["fused"])
 
 
-def test_gemma3_layers_stay_eager_and_say_why(tmp_path):
-    tiny = make_tiny_model(str(tmp_path / "gemma3"), "Gemma3ForCausalLM", seed=3)
-    llm = LLM(model=tiny, model_impl="paddleformers")
-    try:
-        path = llm.snapshot().decode_path
-    finally:
-        llm.shutdown()
-    assert path == "paddle (hidden_act is gelu_pytorch_tanh)"
+def tiny_gemma3(directory, **config):
+    """A tiny Gemma 3 (sandwich norms, (1 + w) norms, Q/K norms, GELU, scaled embeddings,
+    query_pre_attn_scalar, Q/K/V grouped per KV head) whose local layers (window 4) and global
+    layers rotate with different RoPE bases, and ``config`` on top."""
+    import json
+
+    path = make_tiny_model(directory, "Gemma3ForCausalLM", seed=3, sliding_window=4, layers=3)
+    with open(f"{path}/config.json") as fh:
+        c = json.load(fh)
+    c.update({"rope_theta": 1_000_000.0, "query_pre_attn_scalar": 24, **config})
+    with open(f"{path}/config.json", "w") as fh:
+        json.dump(c, fh)
+    return path
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_captured_decode_matches_eager_on_a_tiny_gemma3(tmp_path, softcap):
+    """Prompts of 20-24 tokens, far past the local layers' window of 4."""
+    tiny = tiny_gemma3(str(tmp_path / "gemma3"), final_logit_softcapping=softcap)
+    outputs, paths = generate_both_ways(tiny, tiny_prompts(4), LOGPROBS, block_size=4)
+    assert paths == {"paddle": "paddle", "fused": "fused"}
+    assert_same_decoding(outputs["paddle"], outputs["fused"])
+
+
+def test_the_probe_sees_gemma3s_window_and_local_rope(tmp_path):
+    """The load-time probe (6 tokens, window 4) rejects a description without the sliding
+    window, or with the global RoPE tables on the local layers."""
+    import dataclasses
+
+    from engine.fallback.captured import describe_decoder, verify
+    from engine.fallback.paddleformers import build_paddleformers_model
+
+    wrapped = build_paddleformers_model(load_checkpoint(tiny_gemma3(str(tmp_path / "gemma3"))), "float32", "cpu")
+    view = describe_decoder(wrapped)
+    assert view.cfg.sliding_windows == (4, 0, 4) and view.cfg.grouped_qkv and view.cfg.sandwich_norms
+    assert view.cfg.activation == "gelu_pytorch_tanh" and view.cfg.attn_scale == 24 ** -0.5
+    assert verify(wrapped, view) is None
+    no_window = dataclasses.replace(view, cfg=dataclasses.replace(view.cfg, sliding_windows=()))
+    assert "departs from the eager" in verify(wrapped, no_window)
+    one_rope = dataclasses.replace(view, rope=[view.rope[1]] * 3)
+    assert "departs from the eager" in verify(wrapped, one_rope)
 
 
 def test_a_forward_the_kernel_does_not_compute_fails_the_probe(tmp_path):

@@ -64,24 +64,37 @@ def test_fused_decode_matches_paddle_layers_on_smollm2(smollm2_llm):
     assert_same_decoding(reference, fused)
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q8_0])
+def random_blocks(rng, qtype, out_features, in_features):
+    """A random weight in ``qtype``'s blocks: gguf's quantizer, or (Q4_K, which gguf-py cannot
+    quantize) random super-blocks with small f16 d / dmin -- any other bytes are valid."""
+    if qtype != QT.Q4_K:
+        raw = gguf.quants.quantize(rng.standard_normal((out_features, in_features)).astype(np.float32), qtype)
+        return unpack(raw, qtype, (out_features, in_features))
+    raw = rng.integers(0, 256, (out_features * in_features // 256, 144), dtype=np.uint8)
+    for at in (0, 2):
+        raw[:, at:at + 2] = (rng.random((len(raw), 1)) * 0.01).astype(np.float16).view(np.uint8)
+    return unpack(raw.reshape(out_features, -1), qtype, (out_features, in_features))
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q5_0, QT.Q4_K])
 @pytest.mark.parametrize("tokens", [1, 3, 5, 17])  # dot products; the micro-kernel, 16 + 8 token columns
 def test_block_linears_compute_with_the_checkpoint_weights(qtype, tokens):
     rng = np.random.default_rng(int(qtype) + tokens)
-    out_features, in_features = 70, 96
-    raw = gguf.quants.quantize(rng.standard_normal((out_features, in_features)).astype(np.float32), qtype)
-    blocks = unpack(raw, qtype, (out_features, in_features))
+    out_features, in_features = 70, (256 if qtype == QT.Q4_K else 96)
+    blocks = random_blocks(rng, qtype, out_features, in_features)
 
     class Layer:  # what FusedDecode reads from a native Linear
         block_weight = BlockWeight(blocks)
     f2, i8, u8 = np.zeros((1, 1), np.float32), np.zeros((1, 1), np.int8), np.zeros((1, 1), np.uint8)
     fmt, _, codes, nibbles, scales, offsets = FusedDecode._linear(FusedDecode.__new__(FusedDecode), Layer, f2, i8, u8)
-    assert fmt == (kernel.INT8 if qtype == QT.Q8_0 else kernel.NIBBLE)
+    assert fmt == (kernel.INT8 if qtype in (QT.Q8_0, QT.Q5_0) else kernel.NIBBLE)  # 4-bit codes as nibbles
 
-    assert offsets.shape[1] == (0 if qtype == QT.Q8_0 else in_features // 32)  # Q8_0: no offsets to read
+    no_offsets = qtype in (QT.Q8_0, QT.Q5_0)
+    assert offsets.shape[1] == (0 if no_offsets else in_features // 32)  # Q8_0 / Q5_0: no offsets to read
     x = rng.standard_normal((tokens, in_features)).astype(np.float32)
     results = []
-    for half in (False, True):  # GGUF's float16 scales and offsets kept as they are (bits in uint16): exact
+    # GGUF's float16 scales and offsets kept as they are (bits in uint16): exact (Q4_K's d * sc_j: float32)
+    for half in ((False,) if qtype == QT.Q4_K else (False, True)):
         params = [typed_list([np.ascontiguousarray(a, np.float16).view(np.uint16) if half else a])
                   for a in (scales, offsets)]
         lists = (np.array([fmt]), typed_list([f2]), typed_list([codes]), typed_list([nibbles]), *params)

@@ -4,28 +4,34 @@ Our analogue of FastDeploy's CUDA Graph for this backend. An eager decode
 step of a PaddleFormers Llama runs ~1,600 Paddle ops (SmolLM2-135M, 30
 layers), each dispatched from Python; the native model's decode step is one
 Numba call (``engine.fused_decode``, ``gpu_kernels.cpu.decode_step``). That
-kernel computes a pre-norm decoder layer from a handful of arrays (norm
+kernel computes a decoder layer from a handful of arrays and flags (norm
 weights, fused QKV / gate-up / O / down linears, optional QKV bias and Q/K
-head norms, rotate-half RoPE tables), and a borrowed model whose layers are
-that computation can hand it those arrays: `describe_decoder` reads them from
-the library's own modules (after `fusion` fused Q/K/V and gate/up, the very
-parameters the eager forward multiplies by, zero-copy) into a `DecoderView`,
-the duck-typed stand-in for the native model that ``FusedDecode`` reads.
+head norms, rotate-half RoPE tables per layer, a sliding window per layer,
+SiLU or GELU, Llama's pre-norm layer or Gemma 3's norms around attention and
+MLP, an embedding scale, the attention scale, logit soft-capping), and a
+borrowed model whose layers are that computation can hand it those arrays:
+`describe_decoder` reads them from the library's own modules (the Q/K/V and
+gate/up products `fusion` fused, or the library's own fused ``qkv_proj`` /
+``up_gate_proj``: the very parameters the eager forward multiplies by,
+zero-copy; Gemma's ``1 + w`` norm weights computed once) into a
+`DecoderView`, the duck-typed stand-in for the native model that
+``FusedDecode`` reads.
 
 PaddleFormers stays the definition of the architecture. The reading is
 gated twice:
 
 1. **structure** -- every decoder layer holds exactly the kernel's parts
-   (pre-norm RMSNorms, the Q/K/V and gate/up products fused, an unbiased O
-   projection, SiLU MLP), no sliding window, no soft-capping; the RoPE tables
-   are what the model's own ``rotary_emb`` returns for positions
-   ``0 .. max_position_embeddings - 1``;
+   (RMSNorms -- PaddleFormers' or Gemma 3's --, one Q/K/V and one gate/up
+   product, unbiased O / down projections, a SiLU or tanh-GELU activation),
+   all layers alike; the RoPE tables are what the model's own rotary
+   embeddings (Gemma 3's local one on its sliding layers, `fixups`) return
+   for positions ``0 .. max_position_embeddings - 1``;
 2. **numbers** -- `verify` runs a few tokens of prefill and one decode step of
    the eager library forward and of the kernel on the same throwaway cache and
    requires the same hidden states. An architecture that departs in anything
-   the structure check cannot see (embedding scale, interleaved RoPE, a
-   different residual) fails here, at load, and keeps the eager path, with the
-   reason in the log and in the runner's ``decode_path``.
+   the structure check cannot see (an embedding scale it does not expose,
+   interleaved RoPE, a different residual) fails here, at load, and keeps the
+   eager path, with the reason in the log and in the runner's ``decode_path``.
 
 Prefill and mixed steps always run the library's eager forward; the engine's
 ``cpu_decode="paddle"`` setting runs every step there.
@@ -43,8 +49,9 @@ from ..models.llama import DecoderConfig
 from .fusion import FusedLinear, ProjectionSlice
 
 LAYER_PARTS = {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
-ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj", "fused_qkv", "q_norm", "k_norm"}
-MLP_PARTS = {"gate_proj", "up_proj", "down_proj", "fused_gate_up", "act_fn"}
+SANDWICH_PARTS = {"pre_feedforward_layernorm", "post_feedforward_layernorm"}  # Gemma 2/3
+ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj", "fused_qkv", "qkv_proj", "q_norm", "k_norm"}
+MLP_PARTS = {"gate_proj", "up_proj", "down_proj", "fused_gate_up", "up_gate_proj", "act_fn"}
 PROBE_TOKENS = 5
 TOLERANCE = 1e-4  # max |hidden eager - hidden captured| relative to max |hidden eager|
 
@@ -57,7 +64,7 @@ class DecoderView:
     layers: list
     embed_tokens: SimpleNamespace
     norm: SimpleNamespace
-    rope: SimpleNamespace
+    rope: list          # per layer: its cos/sin tables (shared between layers of one rotary embedding)
     lm_head_blocks: object | None
 
 
@@ -66,14 +73,38 @@ def _linear(layer) -> SimpleNamespace:
                            block_weight=getattr(layer, "block_weight", None))
 
 
-def _rms_norm_weight(layer, kind: str):
+def _norm(layer, kind: str) -> tuple[paddle.Tensor, float]:
+    """An RMSNorm's weight as the kernel multiplies by it, and its epsilon: PaddleFormers'
+    ``RMSNorm`` (``x * w``) or Gemma 3's (``x * (1 + w)``, the weight read as ``1 + w``)."""
     from paddleformers.nn.norm import RMSNorm
 
-    if type(layer) is not RMSNorm:
-        raise _NotCapturable(f"{kind} is {type(layer).__name__}, not PaddleFormers' RMSNorm")
-    if getattr(layer, "bias", None) is not None:
-        raise _NotCapturable(f"{kind} has a bias")
-    return layer.weight
+    if type(layer) is RMSNorm:
+        if getattr(layer, "bias", None) is not None:
+            raise _NotCapturable(f"{kind} has a bias")
+        return layer.weight, float(layer.variance_epsilon)
+    if type(layer) in _unit_offset_norms():
+        return 1.0 + layer.weight.astype("float32"), float(layer.eps)
+    raise _NotCapturable(f"{kind} is {type(layer).__name__}, not an RMSNorm the kernel computes")
+
+
+def _unit_offset_norms() -> tuple[type, ...]:
+    try:
+        from paddleformers.transformers.gemma3_text.modeling import Gemma3RMSNorm, Gemma3RMSNormPipe
+    except ImportError:
+        return ()
+    return Gemma3RMSNorm, Gemma3RMSNormPipe  # the Pipe variant's forward unwraps a tuple, then is its parent's
+
+
+def _activation(mlp, i: int) -> str:
+    """The gated MLP's activation by its module: SiLU, or GELU's tanh approximation (Gemma)."""
+    from paddleformers.transformers.activations import PaddleGELUTanh
+
+    act = getattr(mlp, "act_fn", None)
+    if getattr(mlp, "fuse_swiglu", False) or act is None or type(act) is paddle.nn.Silu:
+        return "silu"
+    if type(act) is PaddleGELUTanh:
+        return "gelu_pytorch_tanh"
+    raise _NotCapturable(f"layer {i}'s MLP activation is {type(act).__name__}, not SiLU or GELU (tanh)")
 
 
 class _NotCapturable(Exception):
@@ -92,85 +123,117 @@ def describe_decoder(wrapped) -> DecoderView | str:
         return str(exc)
 
 
+def _qkv(attn, i: int) -> tuple[object, bool]:
+    """Layer ``i``'s one Q/K/V linear and whether its outputs are grouped per KV head.
+
+    Ours (`fusion`: ``fused_qkv``, all queries | all keys | all values), or the library's own
+    ``qkv_proj`` (Gemma 3, ERNIE 4.5), which holds per KV head its query heads, key and value
+    (``weights.fuse_qkv``, the ``fused_qkv`` rule it splits by)."""
+    fused = getattr(attn, "fused_qkv", None)
+    if isinstance(fused, FusedLinear):
+        if not all(isinstance(getattr(attn, n, None), ProjectionSlice) for n in ("q_proj", "k_proj", "v_proj")):
+            raise _NotCapturable(f"layer {i}'s q/k/v projections are not the fused product's slices")
+        return fused, False
+    own = getattr(attn, "qkv_proj", None)
+    if type(own) is paddle.nn.Linear and not hasattr(attn, "q_proj"):
+        return own, True
+    raise _NotCapturable(f"layer {i}'s Q/K/V are not fused (engine.fallback.fusion)")
+
+
+def _gate_up(mlp, i: int):
+    """Layer ``i``'s one gate/up linear (``[gate | up]``): ours (`fusion`) or the library's ``up_gate_proj``."""
+    fused = getattr(mlp, "fused_gate_up", None)
+    if isinstance(fused, FusedLinear):
+        return fused
+    own = getattr(mlp, "up_gate_proj", None)
+    if type(own) is paddle.nn.Linear and not hasattr(mlp, "gate_proj"):
+        return own
+    raise _NotCapturable(f"layer {i}'s gate/up are not fused (engine.fallback.fusion)")
+
+
 def _describe(wrapped) -> DecoderView:
     model, body, config = wrapped.model, wrapped.body, wrapped.config
-    if wrapped.softcap:
-        raise _NotCapturable("final_logit_softcapping")
-    if getattr(config, "hidden_act", "silu") != "silu":
-        raise _NotCapturable(f"hidden_act is {config.hidden_act}")
     embed = getattr(body, "embed_tokens", None)
     norm = getattr(body, "norm", None)
     rotary = getattr(body, "rotary_emb", None)
     if embed is None or norm is None or rotary is None:
         raise _NotCapturable(f"{type(body).__name__} has no embed_tokens / norm / rotary_emb")
-    layers, eps, qk_norm, qkv_bias = [], None, None, None
+    local_rotary = getattr(body, "rotary_emb_local", None)  # Gemma 3's sliding layers' (`fixups`)
+    layers, rotaries, windows, eps = [], [], [], set()
+    kinds = dict(qk_norm=set(), qkv_bias=set(), grouped=set(), sandwich=set(), activation=set(), scale=set())
     for i, layer in enumerate(body.layers):
-        extra = _sublayer_names(layer) - LAYER_PARTS
-        if extra or not LAYER_PARTS <= _sublayer_names(layer):
-            raise _NotCapturable(f"decoder layer {i} ({type(layer).__name__}) has parts {sorted(_sublayer_names(layer))}")
+        names = _sublayer_names(layer)
+        sandwich = SANDWICH_PARTS <= names
+        if names != LAYER_PARTS | (SANDWICH_PARTS if sandwich else set()):
+            raise _NotCapturable(f"decoder layer {i} ({type(layer).__name__}) has parts {sorted(names)}")
         attn, mlp = layer.self_attn, layer.mlp
-        if getattr(attn, "sliding_window", None):
-            raise _NotCapturable(f"layer {i} attends through a sliding window")
         if _sublayer_names(attn) - ATTENTION_PARTS or _sublayer_names(mlp) - MLP_PARTS:
             raise _NotCapturable(f"layer {i}'s attention / MLP has parts the kernel lacks: "
                                  f"{sorted((_sublayer_names(attn) - ATTENTION_PARTS) | (_sublayer_names(mlp) - MLP_PARTS))}")
-        qkv, gate_up = getattr(attn, "fused_qkv", None), getattr(mlp, "fused_gate_up", None)
-        if not isinstance(qkv, FusedLinear) or not isinstance(gate_up, FusedLinear):
-            raise _NotCapturable(f"layer {i}'s Q/K/V or gate/up are not fused (engine.fallback.fusion)")
-        if not all(isinstance(getattr(attn, n), ProjectionSlice) for n in ("q_proj", "k_proj", "v_proj")):
-            raise _NotCapturable(f"layer {i}'s q/k/v projections are not the fused product's slices")
+        qkv, grouped = _qkv(attn, i)
+        gate_up = _gate_up(mlp, i)
         if gate_up.bias is not None or getattr(attn.o_proj, "bias", None) is not None \
                 or getattr(mlp.down_proj, "bias", None) is not None:
             raise _NotCapturable(f"layer {i} has biases outside Q/K/V")
-        if type(getattr(mlp, "act_fn", paddle.nn.Silu())) is not paddle.nn.Silu:
-            raise _NotCapturable(f"layer {i}'s MLP activation is {type(mlp.act_fn).__name__}, not SiLU")
         if type(attn.o_proj) is not paddle.nn.Linear or type(mlp.down_proj) is not paddle.nn.Linear:
             raise _NotCapturable(f"layer {i}'s o_proj / down_proj are not paddle.nn.Linear")
         has_norms = hasattr(attn, "q_norm")
-        qk_norm = has_norms if qk_norm is None else qk_norm
-        qkv_bias = (qkv.bias is not None) if qkv_bias is None else qkv_bias
-        if has_norms != qk_norm or (qkv.bias is not None) != qkv_bias:
-            raise _NotCapturable("layers differ in Q/K norms or QKV bias")
-        view = SimpleNamespace(
-            input_layernorm=SimpleNamespace(weight=_rms_norm_weight(layer.input_layernorm, f"layer {i} input norm")),
-            post_attention_layernorm=SimpleNamespace(
-                weight=_rms_norm_weight(layer.post_attention_layernorm, f"layer {i} post-attention norm")),
-            self_attn=SimpleNamespace(qkv_proj=_linear(qkv), o_proj=_linear(attn.o_proj)),
-            mlp=SimpleNamespace(gate_up_proj=_linear(gate_up), down_proj=_linear(mlp.down_proj)))
+        sliding = getattr(layer, "attention_type", None) == "sliding_attention"
+        windows.append(int(getattr(attn, "sliding_window", None) or 0))
+        rotaries.append(local_rotary if sliding and local_rotary is not None else rotary)
+        for key, value in (("qk_norm", has_norms), ("qkv_bias", qkv.bias is not None), ("grouped", grouped),
+                           ("sandwich", sandwich), ("activation", _activation(mlp, i)),
+                           ("scale", getattr(attn, "scaling", None))):
+            kinds[key].add(value)
+        norm_names = ["input_layernorm", "post_attention_layernorm"] + (
+            ["pre_feedforward_layernorm", "post_feedforward_layernorm"] if sandwich else [])
+        view = SimpleNamespace(self_attn=SimpleNamespace(qkv_proj=_linear(qkv), o_proj=_linear(attn.o_proj)),
+                               mlp=SimpleNamespace(gate_up_proj=_linear(gate_up), down_proj=_linear(mlp.down_proj)))
+        for name in norm_names:  # input, post-attention[, pre-feedforward, post-feedforward]
+            weight, e = _norm(getattr(layer, name), f"layer {i} {name}")
+            setattr(view, name, SimpleNamespace(weight=weight))
+            eps.add(e)
         if has_norms:
-            view.self_attn.q_norm = SimpleNamespace(weight=_rms_norm_weight(attn.q_norm, f"layer {i} q_norm"))
-            view.self_attn.k_norm = SimpleNamespace(weight=_rms_norm_weight(attn.k_norm, f"layer {i} k_norm"))
-        norms = [layer.input_layernorm, layer.post_attention_layernorm] + ([attn.q_norm, attn.k_norm] if has_norms else [])
-        for n in norms:
-            eps = n.variance_epsilon if eps is None else eps
-            if n.variance_epsilon != eps:
-                raise _NotCapturable("norms differ in epsilon")
+            for name in ("q_norm", "k_norm"):
+                weight, e = _norm(getattr(attn, name), f"layer {i} {name}")
+                setattr(view.self_attn, name, SimpleNamespace(weight=weight))
+                eps.add(e)
         layers.append(view)
+    mixed = [key for key, values in kinds.items() if len(values) > 1]
+    if mixed:
+        raise _NotCapturable(f"layers differ in {', '.join(mixed)}")
+    final_weight, final_eps = _norm(norm, "the final norm")
+    eps.add(final_eps)
+    if len(eps) > 1:
+        raise _NotCapturable(f"norms differ in epsilon ({sorted(eps)})")
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = wrapped.head_dim
     if layers and tuple(layers[0].self_attn.qkv_proj.weight.shape)[1] != (heads + 2 * kv_heads) * head_dim:
         raise _NotCapturable("the fused Q/K/V width is not (heads + 2 kv_heads) * head_dim")
+    one = {key: next(iter(values)) if values else None for key, values in kinds.items()}
+    embed_scale = getattr(embed, "embed_scale", None)  # Gemma's scaled embedding (a float32 buffer)
     cfg = DecoderConfig(
         vocab_size=int(embed.weight.shape[0]), hidden_size=config.hidden_size,
         intermediate_size=int(layers[0].mlp.gate_up_proj.weight.shape[1]) // 2 if layers else 0,
         num_layers=len(layers), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        rms_norm_eps=float(_rms_norm_epsilon(norm) if eps is None else eps), rope_theta=0.0, rope_scaling=None,
+        rms_norm_eps=eps.pop(), rope_theta=0.0, rope_scaling=None,
         max_position_embeddings=config.max_position_embeddings,
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        qkv_bias=bool(qkv_bias), qk_norm=bool(qk_norm))
-    if _rms_norm_epsilon(norm) != cfg.rms_norm_eps:
-        raise _NotCapturable("the final norm's epsilon differs from the layers'")
-    _rms_norm_weight(norm, "the final norm")
+        qkv_bias=bool(one["qkv_bias"]), qk_norm=bool(one["qk_norm"]),
+        embed_scale=1.0 if embed_scale is None else float(embed_scale.astype("float32")),
+        attn_scale=None if one["scale"] is None else float(one["scale"]),
+        activation=one["activation"] or "silu", sandwich_norms=bool(one["sandwich"]),
+        sliding_windows=tuple(windows) if any(windows) else (), grouped_qkv=bool(one["grouped"]),
+        final_logit_softcapping=float(wrapped.softcap) if wrapped.softcap else None)
     head = getattr(model, "lm_head", None)
     head_blocks = wrapped.lm_head_blocks if getattr(head, "bias", None) is None else None
+    tables = {}
+    for r in rotaries:
+        if id(r) not in tables:
+            tables[id(r)] = _rope_tables(r, embed.weight, config.max_position_embeddings)
     return DecoderView(cfg=cfg, layers=layers, embed_tokens=SimpleNamespace(weight=embed.weight),
-                       norm=SimpleNamespace(weight=norm.weight), rope=_rope_tables(rotary, embed.weight,
-                                                                                    config.max_position_embeddings),
+                       norm=SimpleNamespace(weight=final_weight), rope=[tables[id(r)] for r in rotaries],
                        lm_head_blocks=head_blocks)
-
-
-def _rms_norm_epsilon(norm) -> float:
-    return norm.variance_epsilon
 
 
 def _rope_tables(rotary, like: paddle.Tensor, max_positions: int) -> SimpleNamespace:

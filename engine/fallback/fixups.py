@@ -12,7 +12,10 @@ Gemma 3 local RoPE (paddleformers 1.2)
     one rotary embedding from ``rope_theta`` and passes it to every layer (a
     TODO in its source). The fixup registers a forward pre-hook on each
     sliding layer that swaps the ``position_embeddings`` argument for cos/sin
-    computed with the local base (by the library's own rotary class).
+    computed with the local base (by the library's own rotary class), and
+    leaves that rotary embedding where a fixed library keeps its own, as the
+    body's ``rotary_emb_local`` (not a sublayer: nothing the library saves or
+    converts changes), which the captured decode step reads its tables from.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class Gemma3LocalRope:
         local_config = copy.deepcopy(model.config)
         local_config.rope_parameters = {"rope_type": "default", "rope_theta": float(model.config.rope_local_base_freq)}
         self.rotary = type(body.rotary_emb)(config=local_config)  # the library's Gemma3RotaryEmbedding
+        object.__setattr__(body, "rotary_emb_local", self.rotary)
         self._memo: tuple[paddle.Tensor, tuple] | None = None
         for layer in body.layers:
             if layer.attention_type == "sliding_attention":

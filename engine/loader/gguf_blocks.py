@@ -9,13 +9,20 @@ inputs is ``scale * code + offset`` with a small integer ``code`` and one
 | Q8_0 | 2 + 32 | int8 | 0 |
 | Q4_0 | 2 + 16 | nibble - 8 | 0 |
 | Q4_1 | 2 + 2 + 16 | nibble | f16 ``m`` |
+| Q5_0 | 2 + 4 + 16 | nibble + 16 x high bit - 16 | 0 |
+| Q4_K | (2 + 2 + 12 + 128) / 8 | nibble | ``-dmin * m_j`` |
+
+Q4_K is a "K-quant": a super-block of 256 inputs holds f16 ``d`` and ``dmin`` and,
+per block ``j`` of 32, 6-bit ``sc_j`` and ``m_j``; its weights are
+``(d * sc_j) * q - dmin * m_j``, i.e. the blocks of 32 above with scale
+``d * sc_j`` and offset ``-dmin * m_j`` (computed in float32, as gguf computes them).
 
 `BlockQuantized` holds those codes as int8 (one byte per weight instead of
 four) with float32 scales and offsets; `dequantize` gives back exactly the
 float32 values ``gguf.quants.dequantize`` produces, so a matmul on the
 blocks computes with the same weights as one on the dequantized tensor.
-Other formats (K-quants, Q5_*) are not kept (`unpack` returns None) and run
-on their float weights.
+Other formats (Q6_K's blocks of 16, Q5_1, Q5_K, ...) are not kept (`unpack`
+returns None) and run on their float weights.
 
 Every transformation the loaders apply to linear weights permutes or
 concatenates *rows* (outputs): `map_rows` and `concat_rows` apply them to
@@ -33,7 +40,8 @@ from gguf import GGMLQuantizationType as QT
 from .gguf_names import hf_name, undo_rope_permutation
 
 BLOCK = 32
-KEPT_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
+KEPT_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K")
+SUPER = 256  # inputs per K-quant super-block
 
 
 @dataclass(frozen=True)
@@ -80,11 +88,20 @@ def unpack(raw: np.ndarray, tensor_type: QT, shape: tuple[int, ...]) -> BlockQua
     if tensor_type.name not in KEPT_FORMATS or len(shape) != 2 or shape[1] % BLOCK:
         return None
     rows, nblk = shape[0], shape[1] // BLOCK
+    if tensor_type == QT.Q4_K:
+        codes, scales, offsets = _q4_k(np.ascontiguousarray(raw).view(np.uint8).reshape(rows * nblk // 8, -1))
+        return BlockQuantized(codes.reshape(rows, nblk, BLOCK), scales.reshape(rows, nblk),
+                              offsets.reshape(rows, nblk), tensor_type.name)
     blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(rows * nblk, -1)
     scales = blocks[:, :2].copy().view(np.float16).astype(np.float32)[:, 0]
     offsets = np.zeros_like(scales)
     if tensor_type == QT.Q8_0:
         codes = blocks[:, 2:].copy().view(np.int8)
+    elif tensor_type == QT.Q5_0:  # f16 d, 32 high bits (bit j: input j), 16 bytes of low nibbles
+        high = (blocks[:, 2:6].copy().view(np.uint32) >> np.arange(BLOCK, dtype=np.uint32)) & 1
+        packed = blocks[:, 6:]
+        low = np.concatenate([packed & 0x0F, packed >> 4], axis=1)
+        codes = (low | (high.astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
     else:
         if tensor_type == QT.Q4_1:
             offsets = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0]
@@ -94,6 +111,23 @@ def unpack(raw: np.ndarray, tensor_type: QT, shape: tuple[int, ...]) -> BlockQua
             codes -= 8
     return BlockQuantized(codes.reshape(rows, nblk, BLOCK), scales.reshape(rows, nblk),
                           offsets.reshape(rows, nblk), tensor_type.name)
+
+
+def _q4_k(supers: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K super-blocks (uint8 ``[n, 144]``) -> codes int8 ``[n * 8, 32]``, scales and offsets ``[n * 8]``
+    (``gguf.quants.Q4_K``'s layout: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, then 4 runs
+    of 32 bytes, each the low nibbles of block 2i and the high nibbles of block 2i + 1)."""
+    from gguf.quants import Q4_K
+
+    n = supers.shape[0]
+    d = supers[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = supers[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(supers[:, 4:16].copy())
+    qs = supers[:, 16:].reshape(n, 4, 1, 32)
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(n * 8, BLOCK).astype(np.int8)
+    scales = (d * sc.astype(np.float32)).reshape(-1)
+    offsets = -(dmin * m.astype(np.float32)).reshape(-1)
+    return codes, scales, offsets
 
 
 def iter_gguf_blocks(f, config: dict) -> Iterator[tuple[str, BlockQuantized]]:

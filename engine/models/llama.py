@@ -44,6 +44,15 @@ class DecoderConfig:
     tie_word_embeddings: bool
     qkv_bias: bool = False
     qk_norm: bool = False
+    # what only borrowed decoders have (``engine.fallback.captured`` reads them; the native
+    # decoder refuses configs that need them, `from_hf`), as the fused decode step takes them:
+    embed_scale: float = 1.0                    # embedding rows times this (Gemma: sqrt(hidden))
+    attn_scale: float | None = None             # softmax scale; None: head_dim ** -0.5
+    activation: str = "silu"                    # the gated MLP's: "silu" or "gelu_pytorch_tanh"
+    sandwich_norms: bool = False                # attention and MLP outputs normed before their residual adds
+    sliding_windows: tuple[int, ...] = ()       # per layer (0: the whole context); () none anywhere
+    grouped_qkv: bool = False                   # the QKV product per KV head: its query heads, key, value
+    final_logit_softcapping: float | None = None
 
     @classmethod
     def from_hf(cls, architecture: str, c: dict) -> "DecoderConfig":

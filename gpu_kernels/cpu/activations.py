@@ -3,6 +3,9 @@
 ``silu_mul(gate_up, out)``
     ``out[i] = silu(g_i) * u_i`` for a row ``gate_up = [g_0 .. g_n-1, u_0 .. u_n-1]``,
     ``silu(g) = g / (1 + exp(-g))`` (the MLP's activation);
+``gelu_tanh_mul(gate_up, out)``
+    the same with GELU's tanh approximation (Gemma's ``gelu_pytorch_tanh``):
+    ``0.5 g (1 + tanh(z)) = g / (1 + exp(-2 z))``, ``z = sqrt(2 / pi) (g + 0.044715 g^3)``;
 ``exp_shifted(s, shift)``
     ``s[i] = exp(s[i] - shift)`` in place (softmax weights of attention scores).
 
@@ -47,27 +50,47 @@ def _exp(builder, x):
     return builder.fmul(y, builder.bitcast(builder.shl(n, ir.Constant(_V8I, [23] * 8)), _V8F))
 
 
-@intrinsic
-def silu_mul(typingctx, gate_up, out):
-    """``out[i] = silu(gate_up[i]) * gate_up[n + i]`` for ``i < n // 8 * 8``, ``n = len(out)`` (module docstring)."""
-    for a in (gate_up, out):
-        if not (isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and a.dtype == types.float32):
-            raise TypeError(f"silu_mul: expected contiguous 1-d float32 arrays, got {a}")
-
-    def codegen(context, builder, sig, args):
-        gu, res = _data(context, builder, sig.args[0], args[0]), _data(context, builder, sig.args[1], args[1])
-        n = builder.extract_value(context.make_array(sig.args[1])(context, builder, args[1]).shape, 0)
-        with cgutils.for_range(builder, builder.udiv(n, ir.Constant(_I64, 8))) as loop:
-            i = builder.mul(loop.index, ir.Constant(_I64, 8))
-            g = _load_vec(builder, gu, i, _V8F, 4)
-            u = _load_vec(builder, gu, builder.add(i, n), _V8F, 4)
-            e = _exp(builder, builder.fsub(_const(0.0), g))
-            value = builder.fmul(builder.fdiv(g, builder.fadd(_const(1.0), e)), u)
-            builder.store(value, builder.bitcast(builder.gep(res, [i]), _V8F.as_pointer()), align=4)
-        return context.get_dummy_value()
-    return types.void(gate_up, out), codegen
+_GELU_C = 2.0 * 0.7978845608028654  # 2 sqrt(2 / pi)
 
 
+def _silu_gate(builder, g):
+    """silu(g) = g / (1 + exp(-g))."""
+    return builder.fdiv(g, builder.fadd(_const(1.0), _exp(builder, builder.fsub(_const(0.0), g))))
+
+
+def _gelu_tanh_gate(builder, g):
+    """GELU (tanh approximation) as g / (1 + exp(-2 z)), z = sqrt(2 / pi) (g + 0.044715 g^3)."""
+    cube = builder.fmul(builder.fmul(g, g), g)
+    two_z = builder.fmul(_const(_GELU_C), builder.fadd(g, builder.fmul(_const(0.044715), cube)))
+    return builder.fdiv(g, builder.fadd(_const(1.0), _exp(builder, builder.fsub(_const(0.0), two_z))))
+
+
+def _gated(name, gate):
+    """An intrinsic ``out[i] = gate(gate_up[i]) * gate_up[n + i]`` for ``i < n // 8 * 8``, ``n = len(out)``."""
+
+    def typer(typingctx, gate_up, out):
+        for a in (gate_up, out):
+            if not (isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and a.dtype == types.float32):
+                raise TypeError(f"{name}: expected contiguous 1-d float32 arrays, got {a}")
+
+        def codegen(context, builder, sig, args):
+            gu, res = _data(context, builder, sig.args[0], args[0]), _data(context, builder, sig.args[1], args[1])
+            n = builder.extract_value(context.make_array(sig.args[1])(context, builder, args[1]).shape, 0)
+            with cgutils.for_range(builder, builder.udiv(n, ir.Constant(_I64, 8))) as loop:
+                i = builder.mul(loop.index, ir.Constant(_I64, 8))
+                g = _load_vec(builder, gu, i, _V8F, 4)
+                u = _load_vec(builder, gu, builder.add(i, n), _V8F, 4)
+                value = builder.fmul(gate(builder, g), u)
+                builder.store(value, builder.bitcast(builder.gep(res, [i]), _V8F.as_pointer()), align=4)
+            return context.get_dummy_value()
+        return types.void(gate_up, out), codegen
+
+    typer.__name__ = name
+    return intrinsic(typer)
+
+
+silu_mul = _gated("silu_mul", _silu_gate)
+gelu_tanh_mul = _gated("gelu_tanh_mul", _gelu_tanh_gate)
 
 
 @intrinsic

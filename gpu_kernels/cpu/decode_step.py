@@ -5,7 +5,10 @@ dispatch; for a small model the step is then mostly dispatch, not arithmetic.
 ``decode_step`` runs the whole stack -- embedding, every layer (RMSNorm, QKV
 projection, optional Q/K head norms, RoPE, KV-cache write, paged attention,
 output projection, MLP), the final norm and the LM head -- for ``T`` sequences
-with one new token each. Each weight row is read once per step and applied to
+with one new token each. The layer is Llama's pre-norm layer or Gemma 3's
+"sandwich" (norms after attention and MLP too, scaled embeddings, GELU, a
+sliding window on some layers, a RoPE base per layer): `decode_step` lists
+the arrays and flags that say which. Each weight row is read once per step and applied to
 all ``T`` tokens.
 
 A team of threads calls ``decode_step`` together (`engine.fused_decode` keeps
@@ -19,7 +22,7 @@ ones itself rather than wait, so no thread ever waits for another (a
 descheduled one on a busy machine costs the others one item, not the step);
 a matmul phase ends on ``TAIL_ITEMS`` items a quarter that size, so the
 item a thread runs twice at the end of a phase is a small one.
-Cheap row-wise work between matmuls (norms, residual adds, SiLU) every thread
+Cheap row-wise work between matmuls (norms, residual adds, the activation) every thread
 does for itself on its own copy. Every phase writes its own per-layer buffer,
 so a thread that falls behind never finds its inputs overwritten; it finds the
 items finished and catches up. A result does not depend on which thread
@@ -46,12 +49,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .activations import silu_mul
+from .activations import gelu_tanh_mul, silu_mul
 from .attention import decode_item, store_rows
 from .block_matmul import BLOCK, MATVEC_T, SMALL_T, blas_rows, block_sums, matvec_rows, padded_transpose, tiled_rows
 from .sync import claim, finish, finished, join_step, leave_step
 
 FLOAT, INT8, NIBBLE = 0, 1, 2
+SILU, GELU_TANH = 0, 1  # the MLP's activation (``activation``)
 QKV, O_PROJ, GATE_UP, DOWN = 0, 1, 2, 3
 PHASES_PER_LAYER = 5  # QKV, attention, O, gate/up, down
 
@@ -156,10 +160,10 @@ def _linear_phase(k, x, formats, float_w, codes, nibbles, scales, offsets, out, 
 
 @njit(**_SEQ)
 def _attention_item(item, layer, qkv, positions, slots, block_tables, context_lens, qk_norms, qkv_bias,
-                    cos_table, sin_table, k_cache, v_cache, num_heads, num_kv_heads, eps, scale,
+                    cos_table, sin_table, window, grouped, k_cache, v_cache, num_heads, num_kv_heads, eps, scale,
                     q, part_m, part_l, part_acc, out):
     """Sequence ``t``, KV head ``h``: bias, Q/K norms and RoPE of its heads, its K/V into the cache,
-    paged attention of its query heads."""
+    paged attention of its query heads (over the last ``window`` keys where ``window > 0``)."""
     head_dim = k_cache.shape[3]
     block_size = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -168,9 +172,15 @@ def _attention_item(item, layer, qkv, positions, slots, block_tables, context_le
     row = qkv[t].copy()
     if len(qkv_bias) > 0:
         row += qkv_bias[layer]
-    qh = row[h * group * head_dim:(h + 1) * group * head_dim].reshape((group, head_dim))
-    kh = row[q_size + h * head_dim:q_size + (h + 1) * head_dim].reshape((1, head_dim))
-    vh = row[q_size + kv_size + h * head_dim:q_size + kv_size + (h + 1) * head_dim]
+    if grouped:  # per KV head: its query heads, its key, its value
+        q_at = h * (group + 2) * head_dim
+        k_at = q_at + group * head_dim
+        v_at = k_at + head_dim
+    else:  # all queries, all keys, all values
+        q_at, k_at, v_at = h * group * head_dim, q_size + h * head_dim, q_size + kv_size + h * head_dim
+    qh = row[q_at:q_at + group * head_dim].reshape((group, head_dim))
+    kh = row[k_at:k_at + head_dim].reshape((1, head_dim))
+    vh = row[v_at:v_at + head_dim]
     if len(qk_norms) > 0:
         _rms_norm(qh.copy(), qk_norms[2 * layer], eps, qh)
         _rms_norm(kh.copy(), qk_norms[2 * layer + 1], eps, kh)
@@ -182,28 +192,28 @@ def _attention_item(item, layer, qkv, positions, slots, block_tables, context_le
     blk, off = slot // block_size, slot % block_size
     k_cache[blk, h, off, :] = kh[0]
     v_cache[blk, h, off, :] = vh
-    decode_item(q, k_cache, v_cache, block_tables, context_lens, scale, 0, t, h, 0, part_m, part_l, part_acc)
+    decode_item(q, k_cache, v_cache, block_tables, context_lens, scale, window, t, h, 0, part_m, part_l, part_acc)
     store_rows(out, t, 1, h * group, group, part_l[t, h, 0], part_acc[t, h, 0])
 
 
 @njit(**_SEQ)
 def _attention_phase(layer, qkv, positions, slots, block_tables, context_lens, qk_norms, qkv_bias,
-                     cos_table, sin_table, k_cache, v_cache, num_heads, num_kv_heads, eps, scale,
+                     cos_table, sin_table, window, grouped, k_cache, v_cache, num_heads, num_kv_heads, eps, scale,
                      q, part_m, part_l, part_acc, out, counters, marks, epoch, phase):
     """Attention of every (sequence, KV head) as the phase's items -> out [T, num_heads, head_dim]."""
     items = qkv.shape[0] * num_kv_heads
     item = claim(counters, phase)
     while item < items:
         _attention_item(item, layer, qkv, positions, slots, block_tables, context_lens, qk_norms, qkv_bias,
-                        cos_table, sin_table, k_cache, v_cache, num_heads, num_kv_heads, eps, scale,
-                        q, part_m, part_l, part_acc, out)
+                        cos_table, sin_table, window, grouped, k_cache, v_cache, num_heads, num_kv_heads, eps,
+                        scale, q, part_m, part_l, part_acc, out)
         finish(marks, phase, item, epoch)
         item = claim(counters, phase)
     for item in range(items):
         if not finished(marks, phase, item, epoch):
             _attention_item(item, layer, qkv, positions, slots, block_tables, context_lens, qk_norms, qkv_bias,
-                            cos_table, sin_table, k_cache, v_cache, num_heads, num_kv_heads, eps, scale,
-                            q, part_m, part_l, part_acc, out)
+                            cos_table, sin_table, window, grouped, k_cache, v_cache, num_heads, num_kv_heads,
+                            eps, scale, q, part_m, part_l, part_acc, out)
             finish(marks, phase, item, epoch)
 
 
@@ -233,8 +243,8 @@ def _rope(heads, cos, sin):
 
 @njit(**_SEQ)
 def decode_step(tid, team_size, counters, marks, epoch, token_ids, positions, slots, block_tables, context_lens,
-                embed, norms, qk_norms, qkv_bias, final_norm, cos_table, sin_table,
-                formats, float_w, codes, nibbles, scales, offsets,
+                embed, embed_scale, norms, qk_norms, qkv_bias, final_norm, cos_tables, sin_tables, windows,
+                grouped_qkv, activation, formats, float_w, codes, nibbles, scales, offsets,
                 k_caches, v_caches, num_heads, num_kv_heads, eps, scale,
                 qkv_buf, attn_buf, o_buf, gate_up_buf, down_buf, out, logit_rows, logits):
     """Thread ``tid`` (of ``team_size``)'s part of one decode step for ``T`` sequences (one new token each).
@@ -248,8 +258,16 @@ def decode_step(tid, team_size, counters, marks, epoch, token_ids, positions, sl
     step's number, never used before with these marks (`cpu.sync`);
     token_ids, positions, slots: [T] (new token, its position, its KV-cache slot);
     block_tables [T, max_blocks] and context_lens [T] (including the new token)
-    as for ``paged_decode``; norms: 2 per layer (input, post-attention);
+    as for ``paged_decode``; embed_scale: the embedding rows' factor (Gemma's
+    ``sqrt(hidden)``, else 1); norms: RMSNorm weights (as multiplied: Gemma's ``1 + w``),
+    2 per layer (input, post-attention: a pre-norm layer) or 4 (input, post-attention,
+    pre-feedforward, post-feedforward: a "sandwich" layer, whose attention and MLP
+    outputs are normed before their residual adds);
     qk_norms: 2 per layer (Q, K) or empty; qkv_bias: 1 per layer or empty;
+    cos_tables / sin_tables: per layer, rotate-half RoPE tables ``[positions, head_dim]``;
+    windows: int64 [num_layers], a layer's sliding window (0: the whole context);
+    grouped_qkv: the QKV product is laid out per KV head (its query heads, key, value)
+    rather than all queries, all keys, all values; activation: ``SILU`` or ``GELU_TANH``;
     k_caches / v_caches: float32 ``[num_blocks, kv_heads, block_size, head_dim]`` per layer;
     ``*_buf``: the shared per-layer results, ``[num_layers, T, ...]`` (attention's
     ``[num_layers, T, num_heads, head_dim]``).
@@ -261,9 +279,11 @@ def decode_step(tid, team_size, counters, marks, epoch, token_ids, positions, sl
     group = num_heads // num_kv_heads
     q_size = num_heads * head_dim
     inter = gate_up_buf.shape[2] // 2
+    sandwich = len(norms) == 4 * num_layers
+    per_layer = 4 if sandwich else 2
     x = np.empty((num_tokens, hidden), np.float32)  # this thread's copy of the residual stream
     for t in range(num_tokens):
-        x[t] = embed[token_ids[t]]
+        x[t] = embed[token_ids[t]] * embed_scale
     h = np.empty_like(x)
     act = np.empty((num_tokens, inter), np.float32)
     q = np.empty((num_tokens, num_heads, head_dim), np.float32)
@@ -271,28 +291,33 @@ def decode_step(tid, team_size, counters, marks, epoch, token_ids, positions, sl
     part_l = np.empty((num_tokens, num_kv_heads, 1, group), np.float32)
     part_acc = np.empty((num_tokens, num_kv_heads, 1, group, head_dim), np.float32)
     for layer in range(num_layers):
-        lin, phase = 4 * layer, PHASES_PER_LAYER * layer
-        _rms_norm(x, norms[2 * layer], eps, h)
+        lin, phase, norm = 4 * layer, PHASES_PER_LAYER * layer, per_layer * layer
+        _rms_norm(x, norms[norm], eps, h)
         _linear_phase(lin + QKV, h, formats, float_w, codes, nibbles, scales, offsets, qkv_buf[layer],
                       counters, marks, epoch, phase, team_size)
         _attention_phase(layer, qkv_buf[layer], positions, slots, block_tables, context_lens, qk_norms, qkv_bias,
-                         cos_table, sin_table, k_caches[layer], v_caches[layer], num_heads, num_kv_heads, eps,
+                         cos_tables[layer], sin_tables[layer], windows[layer], grouped_qkv,
+                         k_caches[layer], v_caches[layer], num_heads, num_kv_heads, eps,
                          scale, q, part_m, part_l, part_acc, attn_buf[layer], counters, marks, epoch, phase + 1)
         _linear_phase(lin + O_PROJ, attn_buf[layer].reshape((num_tokens, q_size)), formats, float_w, codes,
                       nibbles, scales, offsets, o_buf[layer], counters, marks, epoch, phase + 2, team_size)
-        x += o_buf[layer]
-        _rms_norm(x, norms[2 * layer + 1], eps, h)
+        if sandwich:
+            _rms_norm(o_buf[layer], norms[norm + 1], eps, h)
+            x += h
+            _rms_norm(x, norms[norm + 2], eps, h)
+        else:
+            x += o_buf[layer]
+            _rms_norm(x, norms[norm + 1], eps, h)
         _linear_phase(lin + GATE_UP, h, formats, float_w, codes, nibbles, scales, offsets, gate_up_buf[layer],
                       counters, marks, epoch, phase + 3, team_size)
-        gate_up = gate_up_buf[layer]
-        for t in range(num_tokens):
-            silu_mul(gate_up[t], act[t])
-            for i in range(inter // 8 * 8, inter):
-                g = gate_up[t, i]
-                act[t, i] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[t, inter + i]
+        _activate(gate_up_buf[layer], activation, act)
         _linear_phase(lin + DOWN, act, formats, float_w, codes, nibbles, scales, offsets, down_buf[layer],
                       counters, marks, epoch, phase + 4, team_size)
-        x += down_buf[layer]
+        if sandwich:
+            _rms_norm(down_buf[layer], norms[norm + 3], eps, h)
+            x += h
+        else:
+            x += down_buf[layer]
     _rms_norm(x, final_norm, eps, h)
     if tid == 0:
         out[:] = h
@@ -302,6 +327,24 @@ def decode_step(tid, team_size, counters, marks, epoch, token_ids, positions, sl
             rows[i] = h[logit_rows[i]]
         _linear_phase(4 * num_layers, rows, formats, float_w, codes, nibbles, scales, offsets, logits,
                       counters, marks, epoch, PHASES_PER_LAYER * num_layers, team_size)
+
+
+@njit(**_SEQ)
+def _activate(gate_up, activation, act):
+    """act[t] = activation(gate) * up for each row [gate | up] of gate_up [T, 2 * inter]."""
+    inter = act.shape[1]
+    for t in range(gate_up.shape[0]):
+        if activation == GELU_TANH:
+            gelu_tanh_mul(gate_up[t], act[t])
+        else:
+            silu_mul(gate_up[t], act[t])
+        for i in range(inter // 8 * 8, inter):  # the vector routines leave the last inter % 8 to us
+            g = gate_up[t, i]
+            if activation == GELU_TANH:
+                z = np.float32(0.7978845608028654) * (g + np.float32(0.044715) * g * g * g)
+                act[t, i] = np.float32(0.5) * g * (np.float32(1.0) + np.tanh(z)) * gate_up[t, inter + i]
+            else:
+                act[t, i] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[t, inter + i]
 
 
 @njit(**_SEQ)
