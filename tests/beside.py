@@ -50,8 +50,25 @@ NICE = 10      # the runs beside yield the CPU to the suite's own process
 SIMULATOR_TESTS = ("test_kernels_cudasim.py::test_cuda_kernels_in_the_simulator",
                    "test_kernels_mma.py::test_tensor_core_prefill_in_the_simulator",
                    "test_engine_on_cuda_kernels.py::test_engine_on_cuda_kernels_in_the_simulator")
-NOTE_AFTER_S = 30.0     # a test waited for this long says so on the terminal, and again after as long
 REPORT_ENV = "FLEET_TESTS_BESIDE_REPORT"    # set in the beside process: where its reports go
+
+
+def say(config, text: str) -> None:
+    """Write ``text`` on a line of its own on the terminal, whatever pytest captures (``-q`` shows
+    only dots), with capture suspended as pytest's live-logging plugin does."""
+    capture = config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        sys.stdout.write(f"\n{text} ")
+        sys.stdout.flush()
+
+
+def waits_for(item) -> str:
+    """What ``item`` waits for, when it reads a run beside the suite (for the heartbeat's line)."""
+    if isinstance(item, BesideItem):
+        return ", waiting for the process beside the suite"
+    if item.nodeid.endswith(SIMULATOR_TESTS) and not in_a_run_beside():
+        return ", waiting for its run in the CUDA simulator"
+    return ""
 
 
 def in_a_run_beside() -> bool:
@@ -83,6 +100,13 @@ class _Output:
 
     def text(self) -> str:
         with self._cond:
+            return "".join(self._chunks)
+
+    def whole(self) -> str:
+        """All of it, once the pipe has closed."""
+        with self._cond:
+            while not self._done:
+                self._cond.wait()
             return "".join(self._chunks)
 
     def relay(self, stream) -> str:
@@ -219,14 +243,7 @@ class BesideItem(pytest.Item):
         self.keywords.update(original.keywords)
 
     def runtest(self):
-        phases, waited = self.run.reports(self.nodeid, timeout_s=NOTE_AFTER_S), NOTE_AFTER_S
-        while phases is None and not self.run.ended() and waited < 3600:
-            # no silent stretch: say what the suite waits for (-q prints nothing else meanwhile)
-            with self.config.pluginmanager.get_plugin("capturemanager").global_and_fixture_disabled():
-                sys.stdout.write(f"\n[{self.nodeid} beside the suite, {waited:.0f} s] ")
-                sys.stdout.flush()
-            phases = self.run.reports(self.nodeid, timeout_s=NOTE_AFTER_S)
-            waited += NOTE_AFTER_S
+        phases = self.run.reports(self.nodeid)      # conftest's heartbeat says meanwhile what it waits for
         if phases is None:
             out = self.run.output.text() if self.run.output else ""
             pytest.fail(f"the process beside the suite ended without running this test:\n{out[-4000:]}",
@@ -285,9 +302,14 @@ def collection_modifyitems(config, items: list[pytest.Item], first=()) -> None:
 
 
 def runtest_setup(item) -> None:
-    """Note when the main process has run its own tests and starts reading the runs beside."""
-    if item is item.config.__dict__.get("_first_beside_item"):
-        item.config.__dict__["_own_tests_ended"] = time.monotonic()
+    """Note (and say) when the main process has run its own tests and starts reading the runs beside."""
+    config = item.config
+    if item is config.__dict__.get("_first_beside_item"):
+        config.__dict__["_own_tests_ended"] = time.monotonic()
+        queues = config.__dict__.get("_beside_queues", ())
+        left = [_describe(run) for queue in queues for run in queue.runs if not run.ended()]
+        say(config, f"[this process's own tests done after {time.monotonic() - queues[0].started:.0f} s; "
+                    f"now the tests run beside it" + (f", {', '.join(left)} still running" if left else "") + "]")
 
 
 def _simulator_run(config, path: str) -> _Run:
@@ -302,6 +324,12 @@ def collection_finish(session) -> None:
     lanes = session.config.__dict__.get("_beside_lanes")
     if lanes:
         session.config.__dict__["_beside_queues"] = [_Queue(runs) for runs in lanes]
+        first = session.config.__dict__.get("_first_beside_item")
+        beside_items = len(session.items) - session.items.index(first) if first is not None else 0
+        plan = "; ".join(f"{n}) " + ", then ".join(_describe(run) for run in runs) for n, runs in enumerate(lanes, 1))
+        queues = f"{len(lanes)} queue{'s' * (len(lanes) > 1)}"
+        say(session.config, f"[{len(session.items) - beside_items} tests in this process, then {beside_items} read "
+                            f"from the runs beside it, at nice {NICE}, in {queues}: {plan}]")
 
 
 def _describe(run) -> str:
@@ -316,7 +344,7 @@ def terminal_summary(terminalreporter, config) -> None:
     queues = [q for q in config.__dict__.get("_beside_queues", ()) if q.timings]
     if not queues:
         return
-    terminalreporter.write_sep("-", "beside the suite, in two queues")
+    terminalreporter.write_sep("-", f"beside the suite, in {len(queues)} queue{'s' * (len(queues) > 1)}")
     own_ended = config.__dict__.get("_own_tests_ended")
     for number, queue in enumerate(queues, 1):
         for what, seconds, returncode in queue.timings:
@@ -328,13 +356,27 @@ def terminal_summary(terminalreporter, config) -> None:
         terminalreporter.write_line(f"the main process ran its own tests for {own_ended - queues[0].started:.0f} s")
     for queue in queues:
         for run in queue.runs:
-            if isinstance(run, _BesideRun) and run.ended() and run.proc.returncode not in (0, 1):
-                terminalreporter.write_line(f"the process beside the suite exited with {run.proc.returncode}:\n"
-                                            f"{run.output.text()[-3000:]}", red=True)
+            if isinstance(run, _Run) and run.output is not None:
+                terminalreporter.write_sep("-", f"beside the suite: {_describe(run)}")
+                terminalreporter.write_line(_summary(run))
+
+
+def _summary(run: _Run) -> str:
+    """What a run's output says in the end: its short test summary and result line; all of its last
+    3000 characters where it did not end as pytest does (exit codes other than 0 and 1)."""
+    text = run.output.text().rstrip()
+    if run.ended() and run.proc.returncode not in (0, 1):
+        return f"exited with {run.proc.returncode}:\n{text[-3000:]}"
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines) if "short test summary info" in line]
+    return "\n".join(lines[starts[-1] + 1:] if starts else lines[-1:])
 
 
 def sessionfinish(session) -> None:
-    for queue in session.config.__dict__.get("_beside_queues", ()):
+    queues = session.config.__dict__.get("_beside_queues", ())
+    if any(run.running() for queue in queues for run in queue.runs):
+        say(session.config, "[waiting for the runs beside the suite to end]")
+    for queue in queues:
         # a session that ran to its end lets each queue's last run finish
         queue.stop(wait_s=0.0 if session.shouldstop or session.shouldfail else 120.0)
 
@@ -356,14 +398,10 @@ def runtest_logreport(report) -> None:
 
 
 def relay_cudasim_run(config, path: str, capsys) -> tuple[int, str]:
-    """Wait for the simulator run of ``path`` (started now if it is not queued), writing its
-    progress to the terminal as it comes; return its exit code and output."""
+    """Wait for the simulator run of ``path`` (started now if it is not queued); return its exit code
+    and output, which the session's summary shows under its own heading (`terminal_summary`)."""
     run = _simulator_run(config, path)
     if run.proc is None and not any(run is r for lane in config.__dict__.get("_beside_lanes", ()) for r in lane):
         run.start()
     run.wait_started()
-    with capsys.disabled():
-        sys.stdout.write(f"\n[{os.path.basename(path)} in the CUDA simulator] ")
-        out = run.output.relay(sys.stdout)
-        sys.stdout.write("\n")
-    return run.proc.wait(), out
+    return run.proc.wait(), run.output.whole()

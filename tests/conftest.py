@@ -1,9 +1,10 @@
 """Shared fixtures: real models are loaded once per test session.
 
-What a test needs from outside Python's reach (Debian's chromium, the torch /
-transformers references of the "reference" extra) is skipped with a reason when
-it is absent -- except in CI (``CI`` set, as ``.ci/run`` does), where it must be
-there and its absence fails the test.
+What a test needs from outside Python's reach (Debian's chromium) is skipped with a reason when
+it is absent -- except in CI (``CI`` set, as ``.ci/run`` does), where it must be there and its
+absence fails the test. The comparisons with HF transformers (marked ``reference``) compute its
+answers live where the "reference" extra (torch) is installed and read their recordings
+otherwise (`hf_recorded`).
 """
 
 import contextlib
@@ -23,7 +24,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))  # tests/tiny_models.py
 
 import beside  # noqa: E402
-from beside import relay_cudasim_run  # noqa: E402,F401  (the simulator files' outer tests)
+from beside import relay_cudasim_run, say  # noqa: E402,F401  (relay: the simulator files' outer tests)
+import hf_recorded  # noqa: E402
 from hf_reference import gguf_read_once  # noqa: E402
 
 _MISSING = object()
@@ -53,36 +55,75 @@ def _missing_reference() -> list[str]:
 
 
 def require_reference() -> None:
-    """The independent references (torch, transformers) of the "reference" extra."""
+    """The independent references (torch, transformers) of the "reference" extra, where transformers'
+    answers are computed live (``HF_REFERENCE=live``, or torch installed)."""
     missing = _missing_reference()
     if missing:
-        unavailable(f"needs {', '.join(missing)}: pip install -e \".[test,reference]\"")
+        unavailable(f"HF_REFERENCE={hf_recorded.mode()} needs {', '.join(missing)}: pip install torch --index-url "
+                    "https://download.pytorch.org/whl/cpu && pip install -e \".[reference]\"")
 
 
-@contextlib.contextmanager
-def announced_while(config, what: str, every: float = 30.0):
-    """Say on the terminal what a long fixture is doing, every ``every`` seconds, so a ``-q`` run
-    has no silent stretch (a cold Numba cache makes the first engine compile for minutes).
+# ------------------------------------------------- what the terminal says while the suite works
 
-    The notice is written with pytest's capture suspended, as its live-logging plugin does.
-    """
-    capture = config.pluginmanager.getplugin("capturemanager")
-    done = threading.Event()
-    start = time.monotonic()
+HEARTBEAT_S = 30.0      # a test (or collection) busy this long says so, and again each time as long
 
-    def speak():
-        while not done.wait(every):
-            with capture.global_and_fixture_disabled():
-                sys.stdout.write(f"\n[{what}: {time.monotonic() - start:.0f} s] ")
-                sys.stdout.flush()
 
-    thread = threading.Thread(target=speak, name="announce", daemon=True)
-    thread.start()
-    try:
+class Heartbeat:
+    """One thread for the session: while one thing (a test, collection, or what `doing` names)
+    takes longer than ``HEARTBEAT_S``, it says what and for how long, so that no minute passes
+    without a line."""
+
+    def __init__(self, config):
+        self.config, self._lock, self._stack = config, threading.Lock(), []
+        threading.Thread(target=self._beat, daemon=True, name="heartbeat").start()
+
+    @contextlib.contextmanager
+    def doing(self, what: str):
+        entry = [what, time.monotonic(), 0]     # what, since, beats said
+        with self._lock:
+            self._stack.append(entry)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._stack.remove(entry)
+
+    def _beat(self):
+        while True:
+            time.sleep(1.0)
+            with self._lock:
+                if not self._stack:
+                    continue
+                entry = self._stack[-1]
+                elapsed = time.monotonic() - entry[1]
+                if elapsed < (entry[2] + 1) * HEARTBEAT_S:
+                    continue
+                entry[2] += 1
+            say(self.config, f"[{entry[0]}: {elapsed:.0f} s]")
+
+
+def heartbeat(config) -> Heartbeat:
+    if "_heartbeat" not in config.__dict__:
+        config.__dict__["_heartbeat"] = Heartbeat(config)
+    return config.__dict__["_heartbeat"]
+
+
+def announced_while(config, what: str):
+    """Say on the terminal what a long fixture is doing while it takes long (a cold Numba cache
+    makes the first engine compile for minutes)."""
+    return heartbeat(config).doing(what)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_collection(session):
+    with heartbeat(session.config).doing("collecting: importing the test modules"):
         yield
-    finally:
-        done.set()
-        thread.join()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    with heartbeat(item.config).doing(f"{item.nodeid}{beside.waits_for(item)}"):
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -186,6 +227,9 @@ class ReferenceProcess:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    def ended(self) -> bool:
+        return self._proc is not None and self._proc.poll() is not None
+
     def kill(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
@@ -237,6 +281,17 @@ def torch_transformers():
             del sys.modules["torchcodec"]
         else:
             sys.modules["torchcodec"] = codec
+
+
+@pytest.fixture(scope="module")
+def hf_transformers():
+    """`torch_transformers` where transformers' answers are computed live (`hf_recorded.live`);
+    None where they are read from their recordings."""
+    if not hf_recorded.live():
+        yield None
+        return
+    with torch_transformers() as module:
+        yield module
 
 
 # ------------------------------------------------- memory between tests
@@ -347,7 +402,8 @@ class Gemma3Reference(ReferenceProcess):
 @pytest.hookimpl(trylast=True)      # after -m / -k have deselected
 def pytest_collection_modifyitems(config, items):
     first = []
-    if (not beside.in_a_run_beside() and not config.option.collectonly and not _missing_reference()
+    if (not beside.in_a_run_beside() and not config.option.collectonly and hf_recorded.live()
+            and not _missing_reference()
             and any(item.nodeid.endswith(GEMMA3_WEIGHTS_TEST) for item in items)):
         from engine.loader.zoo import zoo_path
 

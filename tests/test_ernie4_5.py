@@ -13,17 +13,18 @@ and causal mask, no engine cache -- on the same weights:
   (the fused CPU step and Paddle), equals a greedy loop over the library model;
 * the row permutation is exactly interleaved RoPE (checked on random vectors).
 
-HF transformers' own ``Ernie4_5ForCausalLM`` is compared where the "reference"
-extra is installed (`test_native_matches_hf_transformers_ernie`).
+HF transformers' own ``Ernie4_5ForCausalLM`` is compared too
+(`test_native_matches_hf_transformers_ernie`): live with the "reference" extra, else its
+recorded logits for the same directory (`hf_recorded`).
 """
 
 import json
 import os
 
 import numpy as np
+import hf_recorded
 import paddle
 import pytest
-from conftest import torch_transformers
 
 from engine import LLM, SamplingParams
 from engine.loader import load_checkpoint
@@ -149,25 +150,25 @@ def test_ernie_with_biases_is_left_to_paddleformers(ernie_dir):
         build_native_model("Ernie4_5ForCausalLM", config, checkpoint.weights("float32"), "float32")
 
 
-@pytest.fixture(scope="module")
-def transformers():
-    with torch_transformers() as module:
-        yield module
-
-
-def test_native_matches_hf_transformers_ernie(ernie_dir, transformers):
+@pytest.mark.reference
+def test_native_matches_hf_transformers_ernie(ernie_dir, hf_transformers):
     """HF transformers' Ernie4_5ForCausalLM (the independent implementation) on the same directory."""
-    import torch
+    prompts = [p["prompt_token_ids"] for p in tiny_prompts(3)]
 
-    if not hasattr(transformers, "Ernie4_5ForCausalLM"):
-        pytest.skip(f"transformers {transformers.__version__} has no Ernie4_5ForCausalLM")
-    hf = transformers.Ernie4_5ForCausalLM.from_pretrained(ernie_dir, dtype=torch.float32).eval()
+    def compute():
+        import torch
+
+        hf = hf_transformers.Ernie4_5ForCausalLM.from_pretrained(ernie_dir, dtype=torch.float32).eval()
+        with torch.no_grad():
+            return [hf(torch.tensor([ids])).logits[0].float().numpy() for ids in prompts]
+
+    inputs = {"weights": hf_recorded.file_digest(*(os.path.join(ernie_dir, name)
+                                                   for name in ("model.safetensors", "config.json"))),
+              "prompts": prompts}
+    reference = hf_recorded.answer("ernie4_5-logits", inputs, compute)
     checkpoint = load_checkpoint(ernie_dir)
     native = build_model("native", checkpoint, "float32", "cpu")
-    for prompt in tiny_prompts(3):
-        ids = prompt["prompt_token_ids"]
-        with torch.no_grad():
-            theirs = hf(torch.tensor([ids])).logits[0].float().numpy()
+    for ids, theirs in zip(prompts, reference):
         with paddle.no_grad():
             x = paddle.to_tensor(np.asarray(ids, np.int64))
             ours = native.compute_logits(native(x, paddle.arange(len(ids), dtype="int64"))).numpy()

@@ -5,19 +5,22 @@
 * (Gemma 3: test_loader_gemma3.py);
 * permutation/quantization round trips through tiny GGUF files written with
   `gguf.GGUFWriter` exactly as llama.cpp's converter writes them;
-* HF model directories written by transformers' ``save_pretrained``;
+* HF model directories as transformers' ``save_pretrained`` writes them;
 * clear errors for missing paths, truncated files and unknown architectures.
+
+transformers' answers (marked ``reference``) are computed live with the "reference" extra (torch)
+and read from their recording without it (`hf_recorded`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 
+import hf_recorded
 import numpy as np
 import pytest
-from conftest import torch_transformers
+from hf_reference import tensor_digest
 
 from engine.loader import load_checkpoint, resolve_model, zoo
 
@@ -30,20 +33,18 @@ TEXTS = [
     "def f(x):\n    return x**2\n",
     "   leading spaces and trailing\n",
 ]
+LOGITS_PROMPT = "The capital of France is Paris. The capital of Italy is"
+TOP_LOGITS = 32     # transformers' largest logits kept per position
 
 
 @pytest.fixture(scope="module")
-def transformers():
-    with torch_transformers() as module:
-        yield module
-
-
-@pytest.fixture(scope="module")
-def hf_smollm2(transformers, smollm2_checkpoint):
-    """transformers' own reading of the SmolLM2 GGUF: (model, tokenizer)."""
+def hf_smollm2(hf_transformers, smollm2_checkpoint):
+    """transformers' own reading of the SmolLM2 GGUF: (model, tokenizer); None without torch."""
+    if hf_transformers is None:
+        return None
     directory, name = os.path.split(smollm2_checkpoint.path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    model = hf_transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name)
+    tokenizer = hf_transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
     return model.eval(), tokenizer
 
 
@@ -54,18 +55,11 @@ def _logits(model, ids):
         return model(torch.tensor([ids])).logits[0].float().numpy()
 
 
-def _model_from_checkpoint(transformers, ckpt, state_dict):
-    """A transformers model built from *our* config dict and *our* weights."""
-    import torch
+def _transformers_module(hf_transformers):
+    """transformers as the tests may use it whatever the mode: its tokenizers need no torch."""
+    import transformers
 
-    config_class = transformers.AutoConfig.for_model(ckpt.config["model_type"]).__class__
-    config = config_class(**{k: v for k, v in ckpt.config.items() if k != "model_type"})
-    model = getattr(transformers, ckpt.architecture)(config).eval()
-    missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in state_dict.items()},
-                                                strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    model.tie_weights()
-    return model
+    return hf_transformers or transformers
 
 
 # -- SmolLM2 (llama architecture, Q4_1) ----------------------------------------------------
@@ -83,54 +77,96 @@ def test_smollm2_checkpoint_metadata(smollm2_checkpoint):
     assert tok.chat_template is not None
 
 
+@pytest.mark.reference
 @pytest.mark.slow
-def test_smollm2_weights_equal_transformers(hf_smollm2, smollm2_state_dict):
-    model, _ = hf_smollm2
-    reference = {k: v.float().numpy() for k, v in model.state_dict().items()}
+def test_smollm2_weights_equal_transformers(hf_smollm2, smollm2_checkpoint, smollm2_state_dict):
+    """Every tensor equals transformers' reading of the file, compared through per-tensor digests."""
+    reference = hf_recorded.answer(
+        "smollm2-weights", hf_recorded.gguf_inputs(smollm2_checkpoint.path),
+        lambda: {k: tensor_digest(v.float().numpy()) for k, v in hf_smollm2[0].state_dict().items()})
     assert set(smollm2_state_dict) == set(reference) - {"lm_head.weight"}  # lm_head is tied
+    differ = {}
     for name, ours in smollm2_state_dict.items():
-        assert ours.dtype == np.float32 and ours.shape == reference[name].shape, name
-        np.testing.assert_array_equal(ours, reference[name], err_msg=name)
+        assert ours.dtype == np.float32 and list(ours.shape) == reference[name]["shape"], name
+        if tensor_digest(ours) != reference[name]:
+            differ[name] = {"ours": tensor_digest(ours), "transformers": reference[name]}
+    assert not differ, f"{len(differ)} tensors differ from transformers': {differ}"
     # Q/K rows come back in HF order: not the permuted layout llama.cpp stores
     q = smollm2_state_dict["model.layers.0.self_attn.q_proj.weight"]
     assert q.shape == (576, 576)
 
 
-def test_smollm2_config_drives_same_logits(transformers, hf_smollm2, smollm2_checkpoint, smollm2_state_dict):
-    model, _ = hf_smollm2
-    ours = _model_from_checkpoint(transformers, smollm2_checkpoint, smollm2_state_dict)
-    ids = smollm2_checkpoint.tokenizer.encode("The capital of France is Paris. The capital of Italy is")
-    a, b = _logits(ours, ids), _logits(model, ids)
-    assert np.abs(a - b).max() < 1e-4
-    assert smollm2_checkpoint.tokenizer.decode([int(a[-1].argmax())]) == " Rome"
+@pytest.mark.reference
+def test_smollm2_logits_equal_transformers(hf_smollm2, smollm2_checkpoint, smollm2_state_dict):
+    """The native model on our config and weights against transformers' own reading of the file:
+    its largest logits at every position of a prompt (and so the same next token)."""
+    import paddle
+
+    from engine.models import build_native_model
+
+    ids = smollm2_checkpoint.tokenizer.encode(LOGITS_PROMPT)
+
+    def compute():
+        logits = _logits(hf_smollm2[0], ids)
+        top = np.argsort(-logits, axis=-1)[:, :TOP_LOGITS]
+        return {"token_ids": top, "logits": np.take_along_axis(logits, top, axis=-1)}
+
+    inputs = {**hf_recorded.gguf_inputs(smollm2_checkpoint.path), "ids": ids, "top": TOP_LOGITS}
+    reference = hf_recorded.answer("smollm2-logits", inputs, compute)
+    native = build_native_model(smollm2_checkpoint.architecture, smollm2_checkpoint.config,
+                                iter(smollm2_state_dict.items()), "float32")
+    with paddle.no_grad():
+        x = paddle.to_tensor(np.asarray(ids, np.int64))
+        ours = native.compute_logits(native(x, paddle.arange(len(ids), dtype="int64"))).numpy()
+    top = reference["token_ids"].astype(np.int64)
+    assert (ours.argmax(-1) == top[:, 0]).all()
+    assert np.abs(np.take_along_axis(ours, top, axis=-1) - reference["logits"]).max() < 1e-3
+    assert smollm2_checkpoint.tokenizer.decode([int(ours[-1].argmax())]) == " Rome"
 
 
+@pytest.mark.reference
 def test_smollm2_tokenizer_matches_transformers(hf_smollm2, smollm2_checkpoint):
-    _, reference = hf_smollm2
+    texts = TEXTS + ["<|im_start|>user\nhi<|im_end|>\n"]
+
+    def compute():
+        reference = hf_smollm2[1]
+        answers = []
+        for text in texts:
+            ids = reference.encode(text, add_special_tokens=False)
+            answers.append({"ids": ids, "text": reference.decode(ids, skip_special_tokens=True),
+                            "text_with_special": reference.decode(ids)})
+        return answers
+
+    inputs = {**hf_recorded.gguf_inputs(smollm2_checkpoint.path), "texts": texts}
+    reference = hf_recorded.answer("smollm2-tokenizer", inputs, compute)
     tok = smollm2_checkpoint.tokenizer
-    for text in TEXTS + ["<|im_start|>user\nhi<|im_end|>\n"]:
+    for text, theirs in zip(texts, reference):
         ids = tok.encode(text, add_special_tokens=False)
-        assert ids == reference.encode(text, add_special_tokens=False), text
-        assert tok.decode(ids) == reference.decode(ids, skip_special_tokens=True)
-        assert tok.decode(ids, skip_special_tokens=False) == reference.decode(ids) == text
+        assert ids == theirs["ids"], text
+        assert tok.decode(ids) == theirs["text"]
+        assert tok.decode(ids, skip_special_tokens=False) == theirs["text_with_special"] == text
     # the GGUF says add_bos_token = false (transformers ignores that flag and adds one)
     assert tok.encode("hi") == tok.encode("hi", add_special_tokens=False)
     ids = tok.encode("<|im_start|>user<|im_end|>")
     assert ids[0] == 1 and ids[-1] == 2 and tok.decode(ids) == "user"
 
 
+@pytest.mark.reference
 def test_smollm2_chat_template_matches_transformers(hf_smollm2, smollm2_checkpoint):
-    _, reference = hf_smollm2
     conversations = [
         [{"role": "user", "content": "What is the capital of France?"}],
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 🤗"},
          {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"}],
     ]
-    for messages in conversations:
-        for add in (True, False):
+    inputs = {**hf_recorded.gguf_inputs(smollm2_checkpoint.path), "conversations": conversations}
+    reference = hf_recorded.answer(
+        "smollm2-chat-template", inputs,
+        lambda: [[hf_smollm2[1].apply_chat_template(messages, tokenize=False, add_generation_prompt=add)
+                  for add in (True, False)] for messages in conversations])
+    for messages, theirs in zip(conversations, reference):
+        for add, text in zip((True, False), theirs):
             ours = smollm2_checkpoint.tokenizer.apply_chat_template(messages, add_generation_prompt=add)
-            theirs = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=add)
-            assert ours == theirs
+            assert ours == text
     assert ours.startswith("<|im_start|>system\nBe brief.<|im_end|>\n")
 
 
@@ -145,12 +181,38 @@ def test_stream_decoder_matches_decode(smollm2_checkpoint):
     assert None in pieces  # the emoji spans several byte-level tokens
 
 
+def _safetensors_header(path) -> dict:
+    """``{name: [dtype, shape]}`` of a safetensors file (its JSON header)."""
+    with open(path, "rb") as fh:
+        size = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(size))
+    return {k: [v["dtype"], v["shape"]] for k, v in sorted(header.items()) if k != "__metadata__"}
+
+
 @pytest.fixture(scope="module")
-def smollm2_hf_dir(tmp_path_factory, hf_smollm2, smollm2_checkpoint):
-    """SmolLM2 as an HF model directory: config + safetensors written by transformers'
-    ``save_pretrained``, tokenizer.json + tokenizer_config.json as the Hub ships them."""
+def smollm2_hf_dir(tmp_path_factory, hf_smollm2, smollm2_checkpoint, smollm2_state_dict):
+    """SmolLM2 as an HF model directory: config.json and model.safetensors as transformers'
+    ``save_pretrained`` writes them, tokenizer.json + tokenizer_config.json as the Hub ships them.
+
+    Without torch, config.json is the one transformers wrote and the safetensors file holds the
+    tensors it wrote (names, dtypes and shapes recorded), their values those of the GGUF file
+    (which test_smollm2_weights_equal_transformers finds equal to transformers' reading)."""
     directory = tmp_path_factory.mktemp("smollm2-hf")
-    hf_smollm2[0].save_pretrained(directory)
+
+    def compute():
+        hf_smollm2[0].save_pretrained(directory)
+        return {"config": json.loads((directory / "config.json").read_text()),
+                "tensors": _safetensors_header(directory / "model.safetensors")}
+
+    saved = hf_recorded.answer("smollm2-save-pretrained", hf_recorded.gguf_inputs(smollm2_checkpoint.path),
+                               compute)
+    if not hf_recorded.live():
+        from safetensors.numpy import save_file
+
+        (directory / "config.json").write_text(json.dumps(saved["config"], indent=2))
+        assert {dtype for dtype, _ in saved["tensors"].values()} == {"F32"}, saved["tensors"]
+        save_file({name: smollm2_state_dict[name] for name in saved["tensors"]},
+                  str(directory / "model.safetensors"), metadata={"format": "pt"})
     tok = smollm2_checkpoint.tokenizer
     tok.backend.save(str(directory / "tokenizer.json"))
     with open(directory / "tokenizer_config.json", "w") as fh:
@@ -160,7 +222,8 @@ def smollm2_hf_dir(tmp_path_factory, hf_smollm2, smollm2_checkpoint):
     return directory
 
 
-def test_hf_directory(transformers, smollm2_hf_dir, smollm2_state_dict):
+@pytest.mark.reference
+def test_hf_directory(hf_transformers, smollm2_hf_dir, smollm2_state_dict):
     ckpt = load_checkpoint(str(smollm2_hf_dir))
     assert (ckpt.format, ckpt.architecture) == ("hf", "LlamaForCausalLM")
     assert ckpt.config["num_key_value_heads"] == 3 and ckpt.config["head_dim"] == 64
@@ -168,7 +231,7 @@ def test_hf_directory(transformers, smollm2_hf_dir, smollm2_state_dict):
     assert set(weights) == set(smollm2_state_dict)
     for name, value in weights.items():
         np.testing.assert_array_equal(value, smollm2_state_dict[name], err_msg=name)
-    reference = transformers.AutoTokenizer.from_pretrained(smollm2_hf_dir)
+    reference = _transformers_module(hf_transformers).AutoTokenizer.from_pretrained(smollm2_hf_dir)
     tok = ckpt.tokenizer
     for text in TEXTS:
         assert tok.encode(text) == reference.encode(text), text
@@ -180,25 +243,44 @@ def test_hf_directory(transformers, smollm2_hf_dir, smollm2_state_dict):
     assert reference.eos_token_id in tok.eos_token_ids
 
 
-def test_hf_directory_bf16_qwen3(tmp_path, transformers, smollm2_hf_dir):
+def build_bf16_qwen3(transformers, directory) -> None:
+    """A tiny random Qwen3 in bfloat16 saved by transformers (``record`` mode writes the fixture)."""
     import torch
+    from tiny_models import VOCAB, _tokenizer
 
-    config = transformers.Qwen3Config(vocab_size=49152, hidden_size=64, intermediate_size=128,
+    config = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                       head_dim=32, tie_word_embeddings=False, eos_token_id=2)
     torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(tmp_path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm2_hf_dir / name, tmp_path / name)
-    with open(tmp_path / "generation_config.json", "w") as fh:
+    transformers.Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    _tokenizer().save(os.path.join(directory, "tokenizer.json"))
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as fh:
+        json.dump({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}, fh)
+    with open(os.path.join(directory, "generation_config.json"), "w") as fh:
         json.dump({"eos_token_id": [2, 0]}, fh)
-    ckpt = load_checkpoint(str(tmp_path))
+
+
+@pytest.mark.reference
+def test_hf_directory_bf16_qwen3(hf_transformers):
+    directory = hf_recorded.FIXTURES / "qwen3-bf16"
+    if hf_recorded.recording():
+        build_bf16_qwen3(hf_transformers, directory)
+
+    def compute():
+        import torch
+
+        model = hf_transformers.Qwen3ForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
+        return {name: tensor_digest(t.float().numpy()) for name, t in model.state_dict().items()}
+
+    reference = hf_recorded.answer("qwen3-bf16-weights", {"weights": hf_recorded.file_digest(
+        directory / "model.safetensors", directory / "config.json")}, compute)
+    ckpt = load_checkpoint(str(directory))
     assert ckpt.architecture == "Qwen3ForCausalLM" and ckpt.tokenizer.eos_token_ids >= {0, 2}
     weights = dict(ckpt.weights("float32"))
     assert "model.layers.1.self_attn.q_norm.weight" in weights and "lm_head.weight" in weights
-    for name, tensor in model.state_dict().items():
-        np.testing.assert_array_equal(weights[name], tensor.float().numpy(), err_msg=name)
+    assert set(weights) == set(reference)
+    for name, digest in reference.items():
+        assert tensor_digest(weights[name]) == digest, name
     bf16 = dict(ckpt.weights("bfloat16"))
     assert str(bf16["lm_head.weight"].dtype) == "bfloat16"
 

@@ -1,7 +1,8 @@
 """Loader and tokenizer of Gemma 3 270M (gemma3 architecture, Q4_K_M mix, SentencePiece
 vocabulary) checked against independent references:
 
-* weights, config and logits vs HF `transformers` loading the same GGUF file;
+* weights, config and logits vs HF `transformers` loading the same GGUF file (live with the
+  "reference" extra, else its recorded answers: `hf_recorded`);
 * the tokenizer vs `sentencepiece` (Gemma's native tokenizer library) with a model built
   from the GGUF vocabulary (transformers approximates Gemma's BPE vocabulary with a Unigram
   model and splits some words differently).
@@ -11,17 +12,17 @@ Its own module, so that test_loader.py's SmolLM2 references are freed before Gem
 
 from __future__ import annotations
 
+import hashlib
+import json
+
+import hf_recorded
 import numpy as np
 import pytest
-from conftest import queued_reference, torch_transformers
+from conftest import queued_reference
 from hf_reference import tensor_digest
 from test_loader import TEXTS
 
-
-@pytest.fixture(scope="module")
-def transformers():
-    with torch_transformers() as module:
-        yield module
+CONTINUATIONS = [("Question: What is 2+3?\nAnswer:", " 2+3=5"), ("def fibonacci(n):", "\n    if n == 0:")]
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +31,26 @@ def gemma3_state_dict(gemma3_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def gemma3_reference_model(transformers, gemma3_checkpoint, gemma3_state_dict):
+def gemma3_digests(gemma3_state_dict):
+    """`tensor_digest` of each of our tensors: what transformers' answers computed on our weights
+    were computed on."""
+    return {name: tensor_digest(value) for name, value in gemma3_state_dict.items()}
+
+
+def weights_inputs(digests) -> str:
+    return hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def gemma3_reference_model(hf_transformers, gemma3_checkpoint, gemma3_state_dict):
     """transformers' Gemma3ForCausalLM built from our config, its parameters our weights
     themselves (shared with `gemma3_state_dict`, not copied: a gigabyte less; the norms, which
-    test_gemma3_norm_convention changes in place, are copies)."""
+    test_gemma3_norm_convention changes in place, are copies). None without torch."""
+    if hf_transformers is None:
+        return None
     import torch
+
+    transformers = hf_transformers
     from accelerate import init_empty_weights
 
     config_class = transformers.AutoConfig.for_model(gemma3_checkpoint.config["model_type"]).__class__
@@ -98,63 +114,82 @@ def test_gemma3_checkpoint_metadata(gemma3_checkpoint):
     assert tok.eos_token_ids == {1, 106} and tok.id_to_token(106) == "<end_of_turn>"
 
 
+@pytest.mark.reference
 @pytest.mark.slow
-def test_gemma3_weights_equal_transformers(request, gemma3_checkpoint, gemma3_state_dict):
+def test_gemma3_weights_equal_transformers(request, gemma3_checkpoint, gemma3_state_dict, gemma3_digests):
     """Every tensor equals transformers' own reading of the file (dequantized, renamed, Q/K
     layout), compared through per-tensor digests from `hf_reference.py`'s process (queued
     beside the suite at its start, see conftest.py)."""
-    run = queued_reference(request.config, "gemma3-weights", "weights", gemma3_checkpoint.path)
-    try:
-        reference = run.result()
-    finally:
-        run.close()
+    def compute():
+        run = queued_reference(request.config, "gemma3-weights", "weights", gemma3_checkpoint.path)
+        try:
+            return run.result()
+        finally:
+            run.close()
+
+    reference = hf_recorded.answer("gemma3-weights", hf_recorded.gguf_inputs(gemma3_checkpoint.path), compute)
     assert set(reference) == set(gemma3_state_dict)
     differ = {}
     for name, ours in gemma3_state_dict.items():
         assert ours.dtype == np.float32, name
-        digest = tensor_digest(ours)
+        digest = gemma3_digests[name]
         if digest != reference[name]:
             differ[name] = {"ours": digest, "transformers": reference[name]}
     assert not differ, f"{len(differ)} tensors differ from transformers': {differ}"
 
 
+@pytest.mark.reference
 @pytest.mark.slow
-def test_gemma3_norm_convention(transformers, gemma3_checkpoint, gemma3_state_dict, gemma3_reference_model):
+def test_gemma3_norm_convention(gemma3_checkpoint, gemma3_state_dict, gemma3_digests, gemma3_reference_model):
     """HF Gemma RMSNorm multiplies by (1 + w); llama.cpp stores w + 1.  With the shift undone
-    the model predicts plain English well; leaving it in (w + 1) ruins it."""
-    import torch
-
+    the model (transformers' Gemma 3 on our weights) predicts plain English well; leaving it in
+    (w + 1) ruins it."""
     text = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France, and Berlin "
             "is the capital of Germany. Water boils at 100 degrees Celsius.")
-    ids = torch.tensor([gemma3_checkpoint.tokenizer.encode(text)])
-    norms = {n: p for n, p in gemma3_reference_model.named_parameters() if n.endswith("norm.weight")}
-    assert norms.keys() == {k for k in gemma3_state_dict if k.endswith("norm.weight")}
-    with torch.no_grad():
-        good = gemma3_reference_model(ids, labels=ids).loss.item()
-        for name, param in norms.items():      # the same model with the shift left in
-            param.copy_(torch.from_numpy(gemma3_state_dict[name] + 1))
-        try:
-            bad = gemma3_reference_model(ids, labels=ids).loss.item()
-        finally:
-            for name, param in norms.items():
-                param.copy_(torch.from_numpy(gemma3_state_dict[name]))
-    assert good < 3.0 and bad > good + 5.0
+    ids = gemma3_checkpoint.tokenizer.encode(text)
+
+    def compute():
+        import torch
+
+        tensor = torch.tensor([ids])
+        norms = {n: p for n, p in gemma3_reference_model.named_parameters() if n.endswith("norm.weight")}
+        assert norms.keys() == {k for k in gemma3_state_dict if k.endswith("norm.weight")}
+        with torch.no_grad():
+            good = gemma3_reference_model(tensor, labels=tensor).loss.item()
+            for name, param in norms.items():      # the same model with the shift left in
+                param.copy_(torch.from_numpy(gemma3_state_dict[name] + 1))
+            try:
+                bad = gemma3_reference_model(tensor, labels=tensor).loss.item()
+            finally:
+                for name, param in norms.items():
+                    param.copy_(torch.from_numpy(gemma3_state_dict[name]))
+        return {"good": good, "bad": bad}
+
+    loss = hf_recorded.answer("gemma3-norm-convention", {"weights": weights_inputs(gemma3_digests), "ids": ids},
+                              compute, atol=1e-3)
+    assert loss["good"] < 3.0 and loss["bad"] > loss["good"] + 5.0
 
 
+@pytest.mark.reference
 @pytest.mark.slow
-@pytest.mark.parametrize("prompt,expected", [
-    ("Question: What is 2+3?\nAnswer:", " 2+3=5"),
-    ("def fibonacci(n):", "\n    if n == 0:"),
-])
-def test_gemma3_greedy_continuation(gemma3_checkpoint, gemma3_reference_model, prompt, expected):
-    import torch
-
+@pytest.mark.parametrize("index", range(len(CONTINUATIONS)))
+def test_gemma3_greedy_continuation(gemma3_checkpoint, gemma3_digests, gemma3_reference_model, index):
+    """transformers' Gemma 3 on our weights continues plain prompts as expected."""
+    prompt, expected = CONTINUATIONS[index]
     tok = gemma3_checkpoint.tokenizer
     ids = tok.encode(prompt)
     assert ids[0] == tok.bos_token_id  # the GGUF asks for BOS
-    with torch.no_grad():
-        out = gemma3_reference_model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
-    assert tok.decode(out[0, len(ids):].tolist()).startswith(expected)
+
+    def compute():
+        import torch
+
+        with torch.no_grad():
+            out = gemma3_reference_model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+        return out[0, len(ids):].tolist()
+
+    tokens = hf_recorded.answer(f"gemma3-continuation-{index}",
+                                {"weights": weights_inputs(gemma3_digests), "ids": ids}, compute)
+    assert tok.decode(tokens).startswith(expected)
 
 
 def test_gemma3_tokenizer_matches_sentencepiece(gemma3_checkpoint, sentencepiece_gemma3):

@@ -1,24 +1,27 @@
 """The native Qwen2 / Qwen3 decoder against HF transformers (the independent implementation).
 
-Tiny random ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` are built *in
-transformers* (its own initialisation and ``save_pretrained``), saved, and
-loaded by the engine from that HF directory: logits over whole prompts within
-1e-4, and greedy decoding through the engine (fused CPU decode and Paddle
-paths) equal to HF's greedy loop. The variants cover what separates them from
+Tiny random ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` built *in transformers* (its own
+initialisation and ``save_pretrained``, kept in tests/fixtures/hf/) are loaded by the engine
+from that HF directory: logits over whole prompts within 1e-4 of transformers' on the same
+directory, and greedy decoding through the engine (fused CPU decode and Paddle paths) equal to
+HF's greedy loop. The variants cover what separates them from
 Llama: Q/K/V bias (Qwen2), per-head Q/K RMSNorm (Qwen3), tied and untied
 embeddings, a non-default ``head_dim``, and a ``sliding_window`` that is
 configured but not in use (Qwen2's default) -- a window actually in use is
 refused natively, with the layers it covers, instead of being ignored.
 
-Needs the "reference" extra (torch, transformers); skipped without it.
+transformers' answers are computed live with the "reference" extra (torch) and read from their
+recording without it (`hf_recorded`; ``scripts/record_hf_references.py`` writes both the
+directories and the answers).
 """
 
+import json
 import os
 
+import hf_recorded
 import numpy as np
 import paddle
 import pytest
-from conftest import torch_transformers
 
 from engine import LLM, SamplingParams
 from engine.loader import load_checkpoint
@@ -37,14 +40,8 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def transformers():
-    with torch_transformers() as module:
-        yield module
-
-
 def build_hf(transformers, variant: str, directory: str):
-    """A random tiny model made and saved by transformers; (model, directory)."""
+    """A random tiny model made and saved by transformers (``record`` mode writes the fixtures)."""
     import torch
 
     family, extra = VARIANTS[variant]
@@ -60,11 +57,30 @@ def build_hf(transformers, variant: str, directory: str):
     model.save_pretrained(directory, safe_serialization=True)
     _tokenizer().save(os.path.join(directory, "tokenizer.json"))
     with open(os.path.join(directory, "tokenizer_config.json"), "w") as fh:
-        import json
-
         json.dump({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": CHAT_TEMPLATE},
                   fh)
-    return model, directory
+    return directory
+
+
+def model_dir(transformers, variant: str) -> str:
+    """The variant's directory as transformers saved it (tests/fixtures/hf/VARIANT)."""
+    directory = str(hf_recorded.FIXTURES / variant)
+    if hf_recorded.recording():
+        build_hf(transformers, variant, directory)
+    return directory
+
+
+def hf_answer(transformers, variant: str, directory: str, prompts: list[list[int]], n: int):
+    """transformers' logits over each prompt and its ``n`` greedy tokens, on the directory's model."""
+    def compute():
+        model = getattr(transformers, f"{VARIANTS[variant][0]}ForCausalLM").from_pretrained(directory).eval()
+        return {"logits": [hf_logits(model, ids) for ids in prompts],
+                "greedy": [hf_greedy(model, ids, n) for ids in prompts]}
+
+    inputs = {"weights": hf_recorded.file_digest(os.path.join(directory, "model.safetensors"),
+                                                 os.path.join(directory, "config.json")),
+              "prompts": prompts, "greedy_tokens": n}
+    return hf_recorded.answer(f"qwen-{variant}", inputs, compute)
 
 
 def hf_logits(model, ids):
@@ -81,23 +97,25 @@ def hf_greedy(model, ids, n):
     return ids[-n:]
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_native_qwen_matches_hf_transformers(variant, transformers, tmp_path):
-    hf, directory = build_hf(transformers, variant, str(tmp_path / variant))
+def test_native_qwen_matches_hf_transformers(variant, hf_transformers):
+    directory = model_dir(hf_transformers, variant)
+    prompts = tiny_prompts(3)
+    reference = hf_answer(hf_transformers, variant, directory, [p["prompt_token_ids"] for p in prompts],
+                          GREEDY.max_tokens)
     checkpoint = load_checkpoint(directory)
     assert checkpoint.architecture == f"{VARIANTS[variant][0]}ForCausalLM"
     native = build_native_model(checkpoint.architecture, checkpoint.config, checkpoint.weights("float32"), "float32")
     assert native.cfg.qkv_bias == variant.startswith("qwen2") and native.cfg.qk_norm == variant.startswith("qwen3")
-    prompts = tiny_prompts(3)
-    for prompt in prompts:
+    for prompt, theirs in zip(prompts, reference["logits"]):
         ids = prompt["prompt_token_ids"]
         with paddle.no_grad():
             x = paddle.to_tensor(np.asarray(ids, np.int64))
             ours = native.compute_logits(native(x, paddle.arange(len(ids), dtype="int64"))).numpy()
-        theirs = hf_logits(hf, ids)
         assert np.abs(ours - theirs).max() <= 1e-4
         assert (ours.argmax(-1) == theirs.argmax(-1)).all()
-    expected = [hf_greedy(hf, p["prompt_token_ids"], GREEDY.max_tokens) for p in prompts]
+    expected = reference["greedy"]
     for decode in ("fused", "paddle"):
         llm = LLM(model=directory, model_impl="native", cpu_decode=decode, block_size=4)
         try:
@@ -107,8 +125,11 @@ def test_native_qwen_matches_hf_transformers(variant, transformers, tmp_path):
             llm.shutdown()
 
 
-def test_a_sliding_window_in_use_is_refused_natively(transformers, tmp_path):
-    config = transformers.Qwen2Config(**COMMON, sliding_window=4, use_sliding_window=True, max_window_layers=1)
+def test_a_sliding_window_in_use_is_refused_natively(hf_transformers):
+    import transformers     # its configurations need no torch; the torch copy where it is imported
+
+    config = (hf_transformers or transformers).Qwen2Config(**COMMON, sliding_window=4, use_sliding_window=True,
+                                                           max_window_layers=1)
     hf_config = config.to_dict()
     with pytest.raises(ValueError, match=r"sliding-window layers \(\[1, 2\]"):
         build_native_model("Qwen2ForCausalLM", hf_config, iter(()), "float32")
