@@ -2,7 +2,7 @@
 
 Needs the "reference" extra (CPU torch is enough)::
 
-    pip install torch --index-url https://download.pytorch.org/whl/cpu && pip install -e ".[test,reference]"
+    pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu && pip install -e ".[test,reference]"
     python scripts/record_hf_references.py              # every test marked `reference`
     python scripts/record_hf_references.py -k qwen      # some of them (pytest's own arguments)
 
@@ -45,12 +45,16 @@ def manifest() -> dict:
 
 
 def main() -> int:
+    import tomllib
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["reference"]
+    torch = next(r for r in extra if r.startswith("torch"))
     for name in ("torch", "transformers"):
         try:
             version(name)
         except Exception:   # noqa: BLE001  PackageNotFoundError
-            sys.exit(f"recording needs the reference extra ({name} is missing): "
-                     'pip install torch --index-url https://download.pytorch.org/whl/cpu && pip install -e ".[reference]"')
+            sys.exit(f"recording needs the reference extra ({name} is missing): pip install '{torch}' "
+                     "--index-url https://download.pytorch.org/whl/cpu && pip install -e '.[reference]'")
     env = dict(os.environ, HF_REFERENCE="record")
     returncode = subprocess.call([sys.executable, "-m", "pytest", "-q", "-m", "reference", *sys.argv[1:]],
                                  cwd=ROOT, env=env)

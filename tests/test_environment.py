@@ -128,8 +128,8 @@ def test_ci_runs_the_readme_command_then_the_live_comparisons_on_cpu_torch():
     readme_job = run.index("cmd=$(grep -m1 -A1 '^# Run the tests' README.md | tail -1)")
     live_job = run.index("HF_REFERENCE=live python -m pytest -q -m reference")
     assert readme_job < run.index('bash -c "$cmd"') < live_job
-    assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in run
-    assert 'pip install -e ".[reference]"' in run
+    assert "pip install '$torch' --index-url https://download.pytorch.org/whl/cpu" in run
+    assert "pip install -e '.[reference]'" in run
 
 
 def _requirements_of(requirements, extras=("",)) -> list[Requirement]:
