@@ -32,8 +32,10 @@ capture belongs to the cell being executed, not to the thread.
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from html import escape
@@ -198,6 +200,20 @@ def chat_html(messages: Sequence[Mapping[str, Any]], *, streaming: bool = False)
 # --------------------------------------------------------------------------- #
 # The live app
 # --------------------------------------------------------------------------- #
+_SHOWN: "weakref.WeakSet[Playground]" = weakref.WeakSet()     # apps displayed in this kernel
+
+
+def _leave_pictures() -> None:
+    """At the kernel's exit (a restart, a shutdown): every displayed app becomes its picture alone, so
+    a notebook saved afterwards does not reopen on a view of a widget that no kernel holds ("Error
+    displaying widget: model not found" in JupyterLab, whichever other types the output has)."""
+    for app in list(_SHOWN):
+        try:
+            app._update_picture(live=False)
+        except Exception:   # noqa: BLE001  (the kernel is exiting: leave the others their chance)
+            pass
+
+
 class Playground:
     """An ipywidgets app on ``llm``: chat with streaming replies next to live
     views of the KV block map, the prefix cache, the reply's logprobs and the
@@ -351,6 +367,9 @@ class Playground:
         bundle = self._bundle()
         self._handles.append(display(bundle, raw=True, display_id=True))
         self._shown_picture = bundle["text/html"]
+        if not _SHOWN:
+            atexit.register(_leave_pictures)
+        _SHOWN.add(self)
         shell = get_ipython()
         if shell is not None and self._hook is None:
             self._hook = self._update_picture

@@ -217,3 +217,47 @@ def test_paddleformers_prints_nothing_when_the_engine_imports_it(tmp_path):
     assert "PyTorch was not found" not in stderr and "compatibility issues" not in stderr
     assert "distutils" not in stderr
     assert "a later warning still shows" in stderr
+
+
+def test_a_kernel_restart_leaves_the_playgrounds_picture(tmp_path):
+    """JupyterLab draws an output carrying a widget view with its widget renderer whatever other types
+    it has (@jupyter-widgets/jupyterlab-manager's WidgetRenderer), so a notebook saved after a restart
+    reopened on "Error displaying widget: model not found". At its exit the kernel turns each displayed
+    Playground into its picture alone (an update of its display); JupyterLab 4.6 applies it, and the
+    saved notebook reopens on the picture."""
+    from queue import Empty
+
+    from jupyter_client import KernelManager
+
+    km = KernelManager(kernel_name="python3")
+    km.start_kernel(env=_kernel_env(), cwd=str(tmp_path))
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=120)
+        shown = []
+        reply = kc.execute_interactive(
+            "from engine import LLM\nfrom playground.notebook import Playground\n"
+            "pg = Playground(LLM(model='smollm2-135m-instruct', kv_cache_memory=16 * 1024**2))\npg",
+            timeout=CELL_TIMEOUT_S, output_hook=lambda msg: shown.append(msg))
+        assert reply["content"]["status"] == "ok"
+        view = next(m["content"] for m in shown if m["msg_type"] == "display_data"   # not the loader's bar
+                    and "pg-picture" in m["content"]["data"].get("text/html", ""))
+        assert "application/vnd.jupyter.widget-view+json" in view["data"]
+        display_id = view["transient"]["display_id"]
+        km.shutdown_kernel(restart=True)            # what a restart asks of the kernel
+        updates = []
+        while True:
+            try:
+                msg = kc.get_iopub_msg(timeout=5)
+            except Empty:
+                break
+            if msg["msg_type"] == "update_display_data" and msg["content"]["transient"]["display_id"] == display_id:
+                updates.append(msg["content"]["data"])
+    finally:
+        kc.stop_channels()
+        if km.is_alive():
+            km.shutdown_kernel(now=True)
+    assert updates, "the kernel exited without leaving the picture"
+    assert "application/vnd.jupyter.widget-view+json" not in updates[-1]
+    assert 'class="pg-panel kv-map"' in updates[-1]["text/html"]
