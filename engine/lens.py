@@ -11,8 +11,8 @@ else is recorded and no other step is touched: the probe exists only for that st
 through the model's layers (never the fused decode kernel); the decode path is unchanged.
 
 The probabilities are the kernels' own definition (``gpu_kernels.reference``): scores
-``q . k * scale``, keys at ``p > position - window`` on sliding-window layers (zero outside),
-softmax in float64, returned as float32.
+``q . k * scale`` (float32, as the kernels), keys at ``p > position - window`` on sliding-window
+layers (zero outside), softmax in float64, returned as float32.
 """
 
 from __future__ import annotations
@@ -28,12 +28,16 @@ def attention_row(query: np.ndarray, keys: np.ndarray, scale: float, window: int
     """Softmax probabilities of one query over keys ``0..P``: ``query`` ``[H, D]``, ``keys``
     ``[P + 1, KVH, D]`` (grouped-query heads share a KV head: head h reads KV head ``h // (H // KVH)``).
     Returns ``[H, P + 1]``; on a sliding-window layer keys at ``p <= P - window`` get zero."""
+    return _softmax_row(query, np.ascontiguousarray(keys.transpose(1, 0, 2), dtype=np.float32), scale, window)
+
+
+def _softmax_row(query: np.ndarray, keys: np.ndarray, scale: float, window: int | None) -> np.ndarray:
+    """``keys`` ``[KVH, P + 1, D]``: the dot products in float32 (as the kernels), the softmax in float64."""
     num_heads, head_dim = query.shape
-    ctx, num_kv_heads, _ = keys.shape
-    group = num_heads // num_kv_heads
-    q = query.astype(np.float64).reshape(num_kv_heads, group, head_dim)
-    k = keys.astype(np.float64).transpose(1, 0, 2)                      # [KVH, P + 1, D]
-    scores = np.einsum("ngd,npd->ngp", q, k).reshape(num_heads, ctx) * scale
+    num_kv_heads, ctx, _ = keys.shape
+    q = np.ascontiguousarray(query, dtype=np.float32).reshape(num_kv_heads, num_heads // num_kv_heads, head_dim)
+    # einsum's own loop, not BLAS: a matrix-vector product on BLAS's threads waits for cores on a busy machine
+    scores = np.einsum("kpd,kgd->kgp", keys, q).reshape(num_heads, ctx).astype(np.float64) * scale
     if window is not None and ctx > window:
         scores[:, : ctx - window] = -np.inf
     scores -= scores.max(axis=1, keepdims=True)
@@ -68,9 +72,10 @@ class LensProbe:
             used = table[: -(-ctx // block_size)]
             pages = paddle.index_select(k_cache, paddle.to_tensor(np.asarray(used, dtype=np.int64)))
             pages = pages.astype("float32").numpy()                   # [blocks, KVH, bs, D]
-            keys = pages.transpose(0, 2, 1, 3).reshape(-1, pages.shape[1], pages.shape[3])[:ctx]
+            n, kvh, bs, d = pages.shape
+            keys = np.ascontiguousarray(pages.transpose(1, 0, 2, 3)).reshape(kvh, n * bs, d)[:, :ctx]
             query = q[row].astype("float32").numpy()                  # [H, D]
-            self._weights[rid][layer] = attention_row(query, keys, scale, sliding_window)
+            self._weights[rid][layer] = _softmax_row(query, keys, scale, sliding_window)
 
     def result(self, request_id: str) -> np.ndarray:
         layers = self._weights[request_id]
