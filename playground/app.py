@@ -19,6 +19,7 @@ import gradio as gr
 
 from . import render
 from .chat import ChatSession
+from .api_names import name_api
 from .chatview import META_CSS
 from .handlers import Handlers, Limits
 from .monitor import EngineMonitor
@@ -27,8 +28,13 @@ from .live_map import LIVE_MAP_JS, ROUTE_POLL_JS
 from .live_panels import LIVE_PANELS_JS, wrap
 from .minimap import MINIMAP_HTML, MINIMAP_JS
 from .prompt_view import PROMPT_VIEW_EMPTY
+from .inputs import sampling_note as _sampling_note
+from .revise import ACT_JS, Revise
+from .sidebar import Sidebar
 from .serve_commands import serve_commands_html
-from .timeline import timeline_html
+from .handlers import timeline_plot
+from .timeline import WINDOWS
+from .timeline_chart import timeline_figure
 
 __all__ = ["build_app", "launch", "DEFAULT_SYSTEM_PROMPT", "THEME", "CSS"]
 
@@ -66,8 +72,10 @@ CSS = """
 .pg-badge{display:inline-block;background:#eef2ff;color:#3730a3;border-radius:999px;padding:1px 9px;
  margin-right:6px;font-size:12px;font-weight:600}
 #kv-map, #prefix-panel, #engine-panel, #logprobs, #batch-view{padding:6px 4px}
-#nav-bridge{display:none}
+#nav-bridge, #act-bridge{display:none}
 #chat .bubble-wrap{padding-top:34px}
+#chat .pg-meta .pg-nav{display:inline-flex;align-items:center;justify-content:center;min-width:28px;min-height:28px}
+@media (max-width:640px){#kv-map .kv-grid{grid-template-columns:repeat(auto-fill,minmax(24px,1fr))!important}}
 """ + META_CSS
 
 
@@ -167,12 +175,31 @@ def build_app(
         # A plain function, not the bound method: Gradio deep-copies the page
         # config (which lists this callback) on every page load.
         session = gr.State(lambda: ChatSession(), delete_callback=lambda s: h.stop(s))
+        # This browser's key to its conversations (kept by the server: playground.library says why).
+        browser_key = gr.BrowserState(None, storage_key="fleet-playground-browser")
+        S, R = Sidebar(h), Revise(h)
+        with gr.Sidebar(label="Conversations", open=True, elem_id="conv-sidebar"):
+            new_conv = gr.Button("+ New conversation", size="sm", variant="primary", elem_id="conv-new")
+            conv_list = gr.Radio([], label="Conversations", elem_id="conv-list")
+            with gr.Row():
+                conv_name = gr.Textbox(placeholder="Rename the shown conversation", show_label=False, scale=3,
+                                       max_lines=1, elem_id="conv-name")
+                rename_conv = gr.Button("Rename", size="sm", scale=1, min_width=60, elem_id="conv-rename")
+            delete_conv = gr.Button("Delete the shown conversation", size="sm", variant="stop",
+                                    elem_id="conv-delete")
+            with gr.Row():
+                export_conv = gr.Button("Export JSON", size="sm", elem_id="conv-export")
+                import_conv = gr.UploadButton("Import JSON", size="sm", file_types=[".json"], type="filepath",
+                                              elem_id="conv-import")
+            export_file = gr.File(visible=False, show_label=False, elem_id="conv-file")
+            conv_note = _html("", "conv-note")
         _html(_header(snap, limits, base_model), "header")
         _html(MINIMAP_HTML, "kv-mini", js=MINIMAP_JS)
         with gr.Row(equal_height=False):
             with gr.Column(scale=5, min_width=420):
-                chatbot = gr.Chatbot(label="Chat", height=440, elem_id="chat", buttons=["copy"])
+                chatbot = gr.Chatbot(label="Chat", height=440, elem_id="chat", buttons=["copy"], editable="user")
                 nav = _html("", "nav-bridge", js=NAV_JS)
+                act = _html("", "act-bridge", js=ACT_JS)
                 with gr.Row():
                     msg = gr.Textbox(placeholder="Type a message and press Enter", show_label=False,
                                      scale=8, max_lines=6, elem_id="msg")
@@ -197,6 +224,15 @@ def build_app(
                                                step=1, label="max tokens")
                         seed = gr.Number(value=-1, precision=0, label="seed (-1 = random)")
                         n_logprobs = gr.Slider(0, 20, value=5, step=1, label="logprobs (top-k alternatives)")
+                    with gr.Row():
+                        min_p = gr.Slider(0.0, 1.0, value=0.0, step=0.01, label="min-p (0 = off)")
+                        repetition_penalty = gr.Slider(0.0, 2.0, value=1.0, step=0.05,
+                                                       label="repetition penalty (1 = off)")
+                        frequency_penalty = gr.Slider(-2.0, 2.0, value=0.0, step=0.1, label="frequency penalty")
+                        presence_penalty = gr.Slider(-2.0, 2.0, value=0.0, step=0.1, label="presence penalty")
+                    stop_seqs = gr.Textbox("", label="stop sequences", lines=1, max_lines=4, elem_id="stop-seqs",
+                                           info="one per line; \\n is a newline")
+                    sampling_note = _html("", "sampling-note")
                 gr.Markdown("**Logprobs of the reply shown last** — hover a token for its alternatives, "
                             "click it to branch from there (the original reply is kept: ‹ › under it).")
                 lp_metric = gr.Radio(["probability", "logprob", "rank"], value="probability", show_label=False,
@@ -227,7 +263,10 @@ def build_app(
                                           elem_id="reset-prefix")
                     with gr.Tab("Engine"):
                         engine = _html(wrap("engine-panel", render.engine_panel_html(snap)), "engine-panel")
-                        timeline = _html(wrap("timeline", timeline_html(monitor.timeline.series())), "timeline")
+                        window = gr.Radio([f"{w} s" for w in WINDOWS], value="120 s", label="timeline window",
+                                          elem_id="timeline-window")
+                        timeline = gr.Plot(timeline_plot(timeline_figure(monitor.timeline.series(120))),
+                                           show_label=False, elem_id="timeline")
                         align = gr.Button(f"Check backend consistency: {h.llm.model_impl} vs {h.aligner.impl}",
                                           size="sm", elem_id="align", interactive=allow_engine_admin)
                         if not allow_engine_admin:
@@ -249,7 +288,8 @@ def build_app(
         # The chat events' values reach the page without Gradio's per-output postprocessing (see
         # _serialized_chat): C(h.send) is h.send with the Chatbot's value already serialized.
         C = functools.partial(_serialized_chat, chatbot=chatbot)
-        sampling = [temperature, top_p, top_k, max_tokens, seed, n_logprobs]
+        sampling = [temperature, top_p, top_k, max_tokens, seed, n_logprobs,
+                    min_p, repetition_penalty, frequency_penalty, presence_penalty, stop_seqs]
         chat_out = [chatbot, msg, lp_view, prefix, token_index, alternative]
         # preprocess=False: handlers check the raw values themselves (playground.inputs), so a bad
         # value from the HTTP API is a readable error, not a failure inside a component.
@@ -270,9 +310,31 @@ def build_app(
                         **chat_q),
             branch.click(T(C(h.branch)), [token_index, alternative, session, *sampling], chat_out, api_name="branch",
                          **chat_q),
+            act.click(T(C(R.continue_reply), event_data=True), [session, system, *sampling, mode], chat_out,
+                      api_visibility="private", **chat_q),
+            chatbot.edit(T(C(R.edit), event_data=True), [session, system, *sampling, mode], chat_out,
+                         api_visibility="private", **chat_q),
             fire.click(T(h.batch_demo), [n_batch, session, system, *sampling], [batch_view], api_name="batch_demo",
                        concurrency_limit=1, concurrency_id="batch", preprocess=False),
         ]
+        for event in chat_events[:2]:        # a first message names the conversation in the list
+            event.then(T(S.conversations), [session], [conv_list], api_visibility="private", queue=False,
+                       show_progress="hidden")
+        # A sampling value the page or the engine refuses is named under the controls as it is set.
+        for control in sampling:
+            control.change(functools.partial(_sampling_note, max_tokens_cap=limits.max_tokens, vocab_size=h.vocab_size),
+                           sampling, [sampling_note], api_visibility="private", queue=False,
+                           show_progress="hidden", preprocess=False)
+        switched = [*chat_out, conv_list, conv_note]
+        side = dict(api_visibility="private", show_progress="hidden")
+        demo.load(T(S.restore), [browser_key, session], [browser_key, *switched], **side)
+        new_conv.click(T(S.new), [session], switched, **side)
+        conv_list.input(T(S.open), [session, conv_list], switched, **side)
+        rename_conv.click(T(S.rename), [session, conv_name], [conv_list, conv_note, conv_name], **side)
+        conv_name.submit(T(S.rename), [session, conv_name], [conv_list, conv_note, conv_name], **side)
+        delete_conv.click(T(S.delete), [session], switched, **side)
+        export_conv.click(T(S.export), [session, system], [export_file, conv_note], **side)
+        import_conv.upload(T(S.import_), [session, import_conv], switched, **side)
         # Stop skips the queue, so it works even when the queue is full.
         stop.click(T(C(h.stop)), [session], chat_out, cancels=chat_events, api_name="stop", queue=False, **posted
                    ).then(T(C(h.settled)), [session], chat_out, api_visibility="private", queue=False, **posted)
@@ -289,6 +351,8 @@ def build_app(
                     api_visibility="private", show_progress="hidden")
         lp_metric.change(T(h.set_metric), [session, lp_metric], [lp_view], api_name="logprob_metric",
                          preprocess=False)
+        window.change(T(h.set_timeline_window), [session, window], [timeline], api_visibility="private",
+                      queue=False, show_progress="hidden", preprocess=False)
         reset.click(T(h.reset_prefix_cache), [session], [prefix], api_name="reset_prefix_cache")
         align.click(T(h.align), [session, system], [align_view], api_name="align", concurrency_limit=1,
                     concurrency_id="align", preprocess=False)
@@ -302,6 +366,9 @@ def build_app(
         demo.load(T(h.map_panel), [session], [block_map], **live)
         demo.load(T(h.refresh_panels, on_loop=True), [session], [prefix, engine, timeline, inspector], **live)
         demo.unload(h.tabs.forget)
+    # "Use via API": every public event's parameters named after its inputs (message, temperature, ...).
+    name_api(demo, {id(msg): "message", id(token_index): "token_index", id(alternative): "alternative",
+                    id(lp_metric): "metric"})
     # After every queued event Gradio recomputes the summary of its monitoring dashboard (a pandas
     # table of up to 10,000 past events) unless told to do it less often; the page never shows it.
     os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", "1000")

@@ -65,15 +65,20 @@ class ChatSession:
     selected: int | None = None                          # token picked in the logprob view
     selected_node: int | None = None                     # the reply that token belongs to (app)
     active_request_id: str | None = None
-    queued: int | None = None                            # a user message waiting for the streaming reply (app)
+    queued: list[tuple[object, str]] = field(default_factory=list)   # messages waiting for the streaming
+                                                          # reply, oldest first: (ticket, text) (app)
     tree: Conversation = field(default_factory=Conversation)   # every reply and branch (app)
     labels: dict[str, str] = field(default_factory=dict)  # this tab's recent requests → legend name
     last_render_key: Any = None                           # what the panels were last drawn from
     last_panels: Any = None                               # and what they were: (prefix, engine, inspector) HTML
     inspected: int | None = None                          # the block last clicked in the map (app)
     lp_metric: str = "probability"                        # the logprob view's probability / logprob / rank
+    timeline_window: int = 120                            # seconds the engine timeline shows (app)
     # Names the tab to the block map's route (unguessable: one visitor cannot ask for another's legend).
     map_token: str = field(default_factory=lambda: secrets.token_urlsafe(12))
+    withdrawn: str | None = None                          # what Stop put back in the message box (app)
+    library: Any = None                                   # this browser's conversations (playground.library)
+    conversation_id: str | None = None                    # which of them ``tree`` is
 
     def new_request_id(self, kind: str = "chat", label: str = "this chat") -> str:
         """A fresh engine request id for this tab, remembered with its legend name."""
@@ -92,7 +97,9 @@ class ChatSession:
 
     def reset(self) -> None:
         self.messages, self.display, self.turns, self.last, self.selected = [], [], [], None, None
-        self.selected_node, self.tree = None, Conversation()
+        self.selected_node = None
+        self.queued.clear()
+        self.tree.clear()   # in place: the tab's conversation list holds this tree
 
 
 def _field(obj: Any, name: str) -> Any:

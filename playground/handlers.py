@@ -15,12 +15,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import json
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import gradio as gr
+from gradio.components.plot import PlotData
 
 from . import inputs, render
 from .alignment import Aligner
@@ -37,11 +39,18 @@ from .logprobs import METRICS
 from .monitor import EngineMonitor
 from .prompt_view import prompt_view_html, score_prompt
 from .tabs import Tabs
-from .timeline import timeline_html
+from .timeline import WINDOWS
+from .timeline_chart import timeline_figure
 
-__all__ = ["Limits", "Handlers"]
+__all__ = ["Limits", "Handlers", "timeline_plot"]
+
+
+def timeline_plot(figure: dict) -> PlotData:
+    """The timeline's figure as ``gr.Plot`` takes it (Plotly's JSON as it is: no figure object built)."""
+    return PlotData(type="plotly", plot=json.dumps(figure))
 
 SKIP6 = (gr.skip(),) * 6
+MAX_QUEUED = 8          # messages a tab may queue behind its streaming reply
 # A streaming reply's updates to the page: each is a step of a Gradio event (the chat re-sent and
 # diffed) on the cores the engine decodes with, so there is a budget for all tabs together:
 # at most CHAT_UPDATES_PER_S a reply, CHAT_UPDATES_PER_S_ALL over every reply streaming at once.
@@ -101,15 +110,16 @@ class Handlers:
         # The block map's own route (every ``map_every`` s per open tab), not a Gradio event.
         self.live_map = LiveMap(lambda session, css: self.block_map(session, css=css), map_every, key=self.map_key)
         # The other live panels' route (once a second per open tab), found by the map's token.
-        self.live_panels = LivePanels(self.live_map.session, self.panels)
+        self.live_panels = LivePanels(self.live_map.session, self.route_panels)
         self._turn_lock = threading.RLock()
         self._streaming = 0                      # replies streaming now, over every tab
         self._streaming_lock = threading.Lock()
-        self._timeline_cache: tuple[int, str] | None = None
+        self._timeline_cache: dict[int, tuple[int, dict]] = {}     # window -> (second, figure)
         self._colors_cache: tuple[list, dict] | None = None
 
     def _tab_closed(self, session: ChatSession) -> None:
         self.live_map.forget(session)
+        self._withdraw_queued(session)          # a closed tab's queued messages must not start later
         if session.active_request_id:
             self.llm.abort(session.active_request_id)
 
@@ -120,6 +130,13 @@ class Handlers:
         if mode not in MODES:
             raise InputError(f"mode must be one of {', '.join(MODES)}; got {mode!r:.40}")
         return mode
+
+    def _split_mode(self, values: tuple) -> tuple[tuple, str]:
+        """(sampling values, mode): the page passes the sampling controls then the mode; an API caller may
+        pass the first six sampling values alone (``inputs.SAMPLING_FIELDS``) or with the mode."""
+        if len(values) in (7, len(inputs.SAMPLING_FIELDS) + 1):
+            return values[:-1], self._mode(values[-1])
+        return values, self.default_mode
 
     def _prompt(self, session: ChatSession, node: Node, system: str, mode: str) -> Any:
         """What the engine is asked for ``node``: chat messages, or the text so far (completion mode)."""
@@ -144,10 +161,10 @@ class Handlers:
 
     @staticmethod
     def turns(session: ChatSession) -> list[dict]:
-        """Prefix-cache history: every reply of this tab whose prompt the engine has read."""
+        """Prefix-cache history of the branch shown: each reply on it whose prompt the engine has read."""
         return [{"label": n.label, "num_prompt_tokens": n.reply.num_prompt_tokens,
                  "num_cached_tokens": n.reply.num_cached_tokens}
-                for n in session.tree.replies() if n.reply.num_prompt_tokens]
+                for n in session.tree.path() if n.role == "assistant" and n.reply.num_prompt_tokens]
 
     def logprob_html(self, session: ChatSession) -> str:
         node = session.tree.last_reply()
@@ -156,7 +173,7 @@ class Handlers:
         return render.logprob_html(records, selected=selected, metric=session.lp_metric)
 
     def chat(self, session: ChatSession) -> list[dict]:
-        return chat_messages(session.tree, self.max_model_len)
+        return chat_messages(session.tree, self.max_model_len, queued=[text for _, text in session.queued])
 
     def _outputs(self, session: ChatSession, *, msg: Any = gr.skip(), panels: bool = True,
                  reset_controls: bool = False) -> tuple:
@@ -251,10 +268,6 @@ class Handlers:
             reply.state = "done"
         yield self._outputs(session)
 
-    def _claim_unless_withdrawn(self, session: ChatSession, parent_id: int) -> Node | None:
-        with self._turn_lock:
-            return self._claim(session, parent_id) if parent_id in session.tree.nodes else None
-
     def _claim(self, session: ChatSession, parent_id: int, reply: Reply | None = None) -> Node | None:
         """A new reply under ``parent_id`` that holds the tab's one streaming slot, or None if it is taken.
 
@@ -268,18 +281,6 @@ class Handlers:
             session.selected = session.selected_node = None
             return node
 
-    def _wait_and_claim(self, session: ChatSession, parent_id: int, timeout: float = 600.0) -> Node | None:
-        """Wait for this tab's streaming reply to end, then claim the slot for a reply to ``parent_id``;
-        None if the message was withdrawn meanwhile (Stop, Clear)."""
-        deadline = time.monotonic() + timeout
-        while (node := self._claim_unless_withdrawn(session, parent_id)) is None:
-            if parent_id not in session.tree.nodes:
-                return None
-            if time.monotonic() > deadline:
-                raise gr.Error("The reply above did not end in time; your message was not sent.")
-            time.sleep(0.05)
-        return node
-
     # -- chat controls -------------------------------------------------------------------
     @checked
     def send(self, message: Any, session: ChatSession, system: Any, *sampling_and_mode) -> Iterator[tuple]:
@@ -288,7 +289,7 @@ class Handlers:
         In completion mode the message is text for the model to continue (no chat template);
         it is not stripped, since a trailing space or newline changes the continuation.
         """
-        sampling, mode = sampling_and_mode[:6], self._mode(sampling_and_mode[6] if len(sampling_and_mode) > 6 else None)
+        sampling, mode = self._split_mode(sampling_and_mode)
         message = inputs.text(message, "message", max_chars=self.limits.max_input_chars)
         message = message.strip() if mode == "chat" else message
         system = inputs.text(system, "system prompt", max_chars=self.limits.max_input_chars)
@@ -297,33 +298,50 @@ class Handlers:
             yield SKIP6
             return
         with self._turn_lock:
-            if session.active_request_id is not None and session.queued is not None:
-                raise gr.Error("A message is already waiting for the reply above: wait for it, or press Stop.")
-            user = session.tree.add_user(message)
-            node = self._claim(session, user.node_id) if session.active_request_id is None else None
-            if node is None:
-                session.queued = user.node_id
-        started = node is not None
+            if session.active_request_id is not None or session.queued:
+                if len(session.queued) >= MAX_QUEUED:
+                    raise gr.Error(f"{MAX_QUEUED} messages are already waiting for the reply above: wait for "
+                                   "them, or press Stop (it puts them back in the message box).")
+                ticket = object()
+                session.queued.append((ticket, message))
+                node = None
+            else:
+                user = session.tree.add_user(message)
+                node = self._claim(session, user.node_id)
         try:
-            if node is None:                    # the previous reply is still streaming: queue this one
+            if node is None:                    # a reply is still streaming: wait behind it (and earlier messages)
                 gr.Info("Your message is queued: it is sent when the reply above ends.")
                 yield self._outputs(session, msg="", panels=False)
-                node = self._wait_and_claim(session, user.node_id)
+                node = self._wait_turn(session, ticket)
                 if node is None:                # withdrawn by Stop: the message went back to the box
                     return
-                started = True
             prompt = self._prompt(session, node, system, mode)
             yield from self._run(session, node, prompt, params, self._outputs(session, msg="", reset_controls=True))
         finally:
-            if session.queued == user.node_id:
-                session.queued = None
-            if not started and user.node_id in session.tree.nodes:   # cancelled while queued
-                session.tree.remove(user.node_id)
+            if node is None:                    # cancelled while queued: it never enters the conversation
+                with self._turn_lock:
+                    session.queued[:] = [q for q in session.queued if q[0] is not ticket]
+
+    def _wait_turn(self, session: ChatSession, ticket: object, timeout: float = 600.0) -> Node | None:
+        """Wait until the queued message ``ticket`` is the oldest waiting and the tab's streaming slot is free,
+        then add it to the conversation with a reply that holds the slot; None if it was withdrawn (Stop)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._turn_lock:
+                if not any(q[0] is ticket for q in session.queued):
+                    return None
+                if session.active_request_id is None and session.queued[0][0] is ticket:
+                    _, text = session.queued.pop(0)
+                    user = session.tree.add_user(text)
+                    return self._claim(session, user.node_id)
+            if time.monotonic() > deadline:
+                raise gr.Error("The reply above did not end in time; your message was not sent.")
+            time.sleep(0.05)
 
     @checked
     def regenerate(self, session: ChatSession, system: Any, *sampling_and_mode) -> Iterator[tuple]:
         """Generate another reply to the last message; the earlier ones stay as branches (‹ 1/2 ›)."""
-        sampling, mode = sampling_and_mode[:6], self._mode(sampling_and_mode[6] if len(sampling_and_mode) > 6 else None)
+        sampling, mode = self._split_mode(sampling_and_mode)
         system = inputs.text(system, "system prompt", max_chars=self.limits.max_input_chars)
         params = self.sampling(*sampling)
         self._refuse_while_streaming(session, "regenerating")
@@ -342,21 +360,17 @@ class Handlers:
             raise gr.Error(f"A reply is still being generated: press Stop or wait for it to end before {what}.")
 
     def _withdraw_queued(self, session: ChatSession) -> str | None:
-        """Take back the message waiting for the streaming reply (its text), before that reply ends:
-        otherwise the waiting send would claim the freed slot and generate a reply nobody sees."""
+        """Take back the messages waiting for the streaming reply (their texts, one per line), before that
+        reply ends: otherwise a waiting send would claim the freed slot and generate a reply nobody sees."""
         with self._turn_lock:
-            queued = session.queued
-            node = session.tree.nodes.get(queued) if queued is not None else None
-            if node is None or node.children:   # gone, or already answered (its reply is the one streaming)
-                return None
-            session.queued = None
-            session.tree.remove(queued)
-            return node.content
+            texts = [text for _, text in session.queued]
+            session.queued.clear()
+        return "\n".join(texts) if texts else None
 
     def stop(self, session: ChatSession) -> tuple:
-        """Abort this tab's running request (the reply keeps its text, marked "(stopped)"); a message
-        queued behind it is withdrawn and put back in the message box."""
-        withdrawn = self._withdraw_queued(session)
+        """Abort this tab's running request (the reply keeps its text, marked "(stopped)"); the messages
+        queued behind it are withdrawn and put back in the message box."""
+        withdrawn = session.withdrawn = self._withdraw_queued(session)
         rid = session.active_request_id
         if rid:
             for node in session.tree.replies():
@@ -369,7 +383,8 @@ class Handlers:
         """The chat as it stands once Stop has cancelled the tab's events: a streamed update computed just
         before Stop (showing the withdrawn message, or the reply still running) may reach the page after
         Stop's own answer, so Stop is followed by this one."""
-        return self._outputs(session)
+        withdrawn, session.withdrawn = session.withdrawn, None     # the box again: a late update may have emptied it
+        return self._outputs(session, msg=withdrawn if withdrawn is not None else gr.skip())
 
     def clear(self, session: ChatSession) -> tuple:
         self._withdraw_queued(session)
@@ -407,6 +422,8 @@ class Handlers:
             raise gr.Error("The token you picked belongs to a reply that is no longer shown; pick a token "
                            "of the reply in the logprob view again.")
         last = target.reply
+        if token_index is None or str(token_index).strip() == "":
+            raise gr.Error("Click a token of the reply in the logprob view first: the branch starts at that token.")
         index = inputs.number(token_index, "branch token #", 0, len(last.all_token_ids) - 1, integer=True)
         forced = inputs.alternative_tokens(alternative, lambda t: self.tokenizer.encode(t, add_special_tokens=False),
                                            self.vocab_size)
@@ -502,7 +519,7 @@ class Handlers:
         when the engine or the tab moved on; the timeline is drawn once a second for every tab."""
         last = session.tree.last_reply()
         key = (self.monitor.version, len(session.tree.nodes), id(last), self.monitor.num_steps, session.inspected)
-        timeline = self._timeline()                 # the timeline moves on even when the engine idles
+        timeline = self._timeline(session.timeline_window)   # it moves on even when the engine idles
         if key != session.last_render_key or session.last_panels is None:
             snap = self.monitor.snapshot()
             reply = last.reply if last else None
@@ -512,20 +529,40 @@ class Handlers:
                                    render.engine_panel_html(snap, self.monitor.steps(120), stats),
                                    self._inspector(session, snap))
         prefix, engine, inspector = session.last_panels
-        return {"prefix-panel": prefix, "engine-panel": engine, "timeline": timeline, "block-inspector": inspector}
+        return {"prefix-panel": prefix, "engine-panel": engine, "timeline": {"plotly": timeline},
+                "block-inspector": inspector}
+
+    def route_panels(self, session: ChatSession) -> dict:
+        """The panels as the route sends them, and whether Stop has anything to stop in this tab
+        (a reply running or a message waiting for one): the page's script disables it otherwise."""
+        idle = session.active_request_id is None and not session.queued
+        return {**self.panels(session), "stop": {"disabled": idle}}
 
     def refresh_panels(self, session: ChatSession) -> tuple:
         """Page load: the live panels as Gradio shows them (each in the wrapper the page's script
-        refreshes from the panels' route)."""
-        return tuple(wrap(elem_id, html) for elem_id, html in self.panels(session).items())
+        refreshes from the panels' route; the timeline as the ``gr.Plot``'s value)."""
+        panels = self.panels(session)
+        return tuple(timeline_plot(v["plotly"]).model_dump() if k == "timeline" else wrap(k, v) for k, v in panels.items())
 
-    def _timeline(self) -> str:
-        """The timeline panel, the same for every tab: drawn at most once per second."""
+    def _timeline(self, window: int) -> dict:
+        """The timeline's figure over the last ``window`` seconds, the same for every tab watching that
+        window: drawn at most once per second."""
         second = int(time.time())
-        cached = self._timeline_cache
+        cached = self._timeline_cache.get(window)
         if cached is None or cached[0] != second:
-            cached = self._timeline_cache = (second, timeline_html(self.monitor.timeline.series()))
+            cached = self._timeline_cache[window] = (second, timeline_figure(self.monitor.timeline.series(window)))
         return cached[1]
+
+    def set_timeline_window(self, session: ChatSession, window: Any) -> Any:
+        """The timeline's window (seconds, one of ``timeline.WINDOWS``), drawn at once."""
+        try:
+            window = int(str(window).split()[0])
+        except (TypeError, ValueError, IndexError):
+            window = None
+        if window not in WINDOWS:
+            raise gr.Error(f"the timeline's window is one of {', '.join(map(str, WINDOWS))} seconds; got {window!r:.40}")
+        session.timeline_window = window
+        return timeline_plot(self._timeline(window))
 
     def inspect_block(self, session: ChatSession, evt: gr.EventData) -> str:
         """A click on the block map: what that block holds."""
@@ -544,7 +581,9 @@ class Handlers:
         own = {n.reply.request_id: list(n.reply.prompt_token_ids) + n.reply.all_token_ids
                for n in session.tree.replies()}
         names = self.labels(session, snap)
-        return block_inspector_html(snap, session.inspected, name=lambda rid: names.get(rid, rid), own_tokens=own,
+        return block_inspector_html(snap, session.inspected, name=lambda rid: names.get(rid, session.labels.get(rid, rid)),
+                                    own_tokens=own, own_requests=session.labels,
+                                    last_owner=self.monitor.last_owner(session.inspected),
                                     decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False))
 
     def _admin(self, what: str) -> None:
@@ -568,7 +607,8 @@ class Handlers:
         params = dataclasses.replace(params, max_tokens=min(params.max_tokens, self.limits.batch_max_tokens))
         ids = [session.new_request_id("batch", f"batch #{i + 1}") for i in range(n)]
         for rows in run_batch(self.llm, system, params, ids):
-            yield render.batch_table_html(rows, colors=self.colors.colors(r["request_id"] for r in rows))
+            yield render.batch_table_html(rows, colors=self.colors.colors(r["request_id"] for r in rows),
+                                          names=session.labels)
 
     @checked
     def align(self, session: ChatSession, system: Any) -> str:

@@ -9,7 +9,7 @@ visitors' blocks show positions, never their text.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from html import escape
 from typing import Any
 
@@ -50,6 +50,8 @@ def block_inspector_html(
     *,
     name: Callable[[str], str] = str,
     own_tokens: Mapping[str, Sequence[int]] | None = None,
+    own_requests: Collection[str] = (),
+    last_owner: tuple[str, str, tuple[int, int]] | None = None,
     decode: Callable[[Sequence[int]], str] | None = None,
 ) -> str:
     """Describe ``block_id`` of ``snapshot``.
@@ -58,6 +60,10 @@ def block_inspector_html(
         name: request id -> the name the legend uses ("this chat", "chat 2").
         own_tokens: this viewer's requests -> their token ids (prompt + output),
             the only ones whose text may be shown.
+        own_requests: every request of this viewer (its batch demo's too, whose tokens it does not keep).
+        last_owner: ``(block hash, request, token range)`` of the request that last held the block
+            (``EngineMonitor.last_owner``): a cached block keeps no owner, but if the block still has
+            that hash and the request is this viewer's, its text is shown.
         decode: token ids -> text.
     """
     if snapshot is not None and snapshot.get("blocks_hidden"):
@@ -78,11 +84,16 @@ def block_inspector_html(
         rows.append(("owners", ", ".join(name(o) for o in owners)))
     span = block.get("token_range")
     text = None
+    cached_from = None
+    if not owners and last_owner and block.get("block_hash") and last_owner[0] == block["block_hash"]:
+        cached_from, span = last_owner[1], last_owner[2]       # the same content its last owner wrote
+        rows.append(("written by", name(cached_from)))
     if span and span[1] > span[0]:
         rows.append(("token positions", f"{span[0]}–{span[1] - 1} ({span[1] - span[0]} tokens)"))
-        mine = next((o for o in owners if own_tokens and o in own_tokens), None)
+        mine = next((o for o in [*owners, cached_from] if o and own_tokens and o in own_tokens), None)
         if mine is not None and decode is not None:
             text = decode(list(own_tokens[mine])[span[0]:span[1]])
+    mine_untold = next((o for o in owners if o in own_requests), None)
     table = "".join(f'<tr data-field="{escape(str(k))}"><td>{escape(str(k))}</td><td><b>{escape(str(v))}</b></td></tr>'
                     for k, v in rows)
     if text is not None:
@@ -92,6 +103,8 @@ def block_inspector_html(
     elif state == "cached, reusable":
         body = ("<div>No request holds it, but its hash keeps it findable: a prompt that starts with the same "
                 "tokens reuses it instead of computing them. It is evicted when free blocks run out.</div>")
+    elif mine_untold is not None:
+        body = f"<div>{escape(name(mine_untold))}, a request of this tab: its reply is in the Batch demo tab.</div>"
     else:
         body = "<div>Another visitor's request: its text is not shown.</div>"
     return (f'{_CSS}<div class="pg-panel block-inspector" data-block="{int(block_id)}">'

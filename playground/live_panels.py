@@ -7,7 +7,11 @@ server per tab and tick on a 2-core machine, on the cores the engine decodes wit
 load event draws the panels once (a Gradio event, as before); from then on the page's script asks
 ``GET <root>/playground/panels?tab=T`` once a second (the tab's token is the block map's) and gets
 the panels' contents as JSON, ``{elem_id: html}``, drawn by ``Handlers.panels`` (cached per
-snapshot and tab). The script swaps each one that changed into its panel.
+snapshot and tab). The script swaps each one that changed into its panel. The timeline is a
+``gr.Plot``: its entry is ``{"plotly": figure}``, which the script hands to ``Plotly.react`` on
+the figure gr.Plot drew (``playground.timeline_chart``); a hidden chart (another tab of the
+panel shown) is not redrawn. The route also says whether the tab has anything for Stop to stop:
+the script disables Stop when it has not (and enables it at once on Send, Enter, Regenerate, Branch).
 
 Each panel's value as Gradio renders it is wrapped (``wrap``) in a ``div.live-panel``; the script
 replaces only the inside of that wrapper, which is what Gradio itself rendered, so a later Gradio
@@ -40,10 +44,45 @@ setTimeout(pollRoute('playground/panels', () => %d,
   () => { const live = document.querySelector('.kv-live[data-tab]'); return live && {tab: live.dataset.tab}; },
   async r => {
     for (const [id, html] of Object.entries(await r.json())) {
+      if (html && html.plotly) { drawPlot(id, html.plotly); continue; }
+      if (html && 'disabled' in html) { stopState(html.disabled); continue; }
       const box = document.querySelector(`#${id} .live-panel`);
       if (box && box.__shown !== html) { box.innerHTML = html; box.__shown = html; }
     }
   }), %d);
+// Stop: off while the tab has nothing running (the route says so); on at once when a reply is asked
+// for (Send, Enter, Regenerate, Branch), before the route has seen it.
+let askedAt = 0;
+function stopState(disabled) {
+  const stop = document.querySelector('#stop');
+  if (stop && !(disabled && Date.now() - askedAt < 3000)) stop.disabled = disabled;
+}
+stopState(true);                      // a page just opened has nothing running (a reload mid-reply: the route says)
+document.addEventListener('click', (e) => {
+  if (e.target.closest('#send, #regenerate, #branch')) { askedAt = Date.now(); stopState(false); }
+  if (e.target.closest('#branch')) scrollToBranch();
+}, true);
+// After Branch the new branch streams in the chat, above the logprob view the click came from (on a
+// phone a screen or more away): once the chat shows it (its ‹ n/m › changed), it is scrolled into view.
+function scrollToBranch() {
+  const last = () => [...document.querySelectorAll('#chat [data-testid="bot"]')].pop();
+  const pos = () => { const p = last() && last().querySelector('.pg-pos'); return p ? p.textContent : ''; };
+  const before = pos(), started = Date.now();
+  const wait = setInterval(() => {
+    if (pos() !== before) { clearInterval(wait); last().scrollIntoView({block: 'center'}); }
+    else if (Date.now() - started > 20000) clearInterval(wait);
+  }, 200);
+}
+document.addEventListener('keydown', (e) => {
+  if (e.key === 'Enter' && !e.shiftKey && e.target.closest('#msg')) { askedAt = Date.now(); stopState(false); }
+}, true);
+// A chart (the timeline): redrawn by the Plotly.js that Gradio's gr.Plot loaded, into the div that
+// gr.Plot drew the figure in (until it has, on a tab not shown yet, there is nothing to redraw).
+function drawPlot(id, fig) {
+  const div = document.querySelector(`#${id} .js-plotly-plot`);
+  if (!div || !window.Plotly || div.offsetParent === null) return;
+  window.Plotly.react(div, fig.data, Object.assign(fig.layout, {autosize: true}), fig.config);
+}
 """ % (round(EVERY_S * 1000), round(EVERY_S * 1000))
 
 

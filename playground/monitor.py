@@ -90,7 +90,12 @@ class EngineMonitor:
         self.version = 0            # bumps with every new snapshot: a view's cheap "did anything change"
         self.timeline = Timeline()
         self._last = None           # (snapshot, its dict): unchanged blocks keep their dicts
-        self._snapshot = self._dict(llm.snapshot())
+        self._owners: dict[int, tuple[str, str, tuple]] = {}    # block -> (hash, request, range) last held
+        first = llm.snapshot()
+        # The views count from here: the warm-up's steps and prefix-cache reset are not the visitors'.
+        stats = first.prefix_cache
+        self._base = (first.step, stats.queries, stats.hits, stats.reset_count) if stats is not None else None
+        self._snapshot = self._dict(first)
         self.timeline.on_snapshot(time.time(), self._snapshot)
         self._unsubscribe = llm.subscribe(self._on_event)
         self._thread = threading.Thread(target=self._poll, name="playground-monitor", daemon=True)
@@ -101,7 +106,7 @@ class EngineMonitor:
         if event.kind == "step":
             data = event.data
             record = {
-                "step": event.step,
+                "step": event.step - (self._base[0] if self._base else 0),
                 "time": event.time,
                 "batch_size": int(data["batch_size"]),
                 "num_tokens": data["num_tokens"],
@@ -112,9 +117,10 @@ class EngineMonitor:
             with self._lock:
                 self._steps.append(record)
                 self.num_steps += 1
-            self.timeline.on_step(event.time, record["num_tokens"], record["num_decode"])
-        elif event.kind == "request_preempted":
-            self.timeline.on_preempt(event.time)
+            self.timeline.on_step(event.time, record["num_tokens"], record["num_decode"], data["prefill"],
+                                  data["decode"])
+        elif event.kind.startswith("request_"):
+            self.timeline.on_event(event.kind, event.time, event.data)
         self._changed.set()
 
     # -- poller thread ------------------------------------------------------------
@@ -143,9 +149,25 @@ class EngineMonitor:
         return snap
 
     def _dict(self, snapshot: EngineSnapshot) -> dict:
+        before = self._last[1]["blocks"] if self._last else ()
         snap = snapshot_dict(snapshot, self._last)
         self._last = (snapshot, snap)
+        blocks = snap["blocks"]
+        for i, b in enumerate(blocks):
+            if (not before or before[i] is not b) and b.get("owners") and b.get("block_hash") and b.get("token_range"):
+                self._owners[b["block_id"]] = (b["block_hash"], b["owners"][0], tuple(b["token_range"]))
+        if self._base is not None:
+            step, queries, hits, resets = self._base
+            stats = dict(snap.get("prefix_cache") or {})
+            stats["queries"], stats["hits"] = stats.get("queries", 0) - queries, stats.get("hits", 0) - hits
+            stats["reset_count"] = stats.get("reset_count", 0) - resets
+            stats["hit_rate"] = stats["hits"] / stats["queries"] if stats["queries"] > 0 else 0.0
+            snap = dict(snap, step=snap.get("step", 0) - step, prefix_cache=stats)
         return snap
+
+    def last_owner(self, block_id: int | None) -> tuple[str, str, tuple] | None:
+        """``(block hash, request, token range)`` of the request that last held ``block_id`` with that hash."""
+        return self._owners.get(block_id) if block_id is not None else None
 
     # -- readers (any thread) -------------------------------------------------------
     def mark_read(self) -> None:

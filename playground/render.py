@@ -477,8 +477,8 @@ def engine_panel_html(
         _card("model", str(snapshot.get("model", "?")), "model", wide=True),
         _card("backend (model_impl)", str(snapshot.get("model_impl", "?")), "model_impl"),
         _card("device", str(snapshot.get("device", "?")), "device"),
-        _card("TTFT", "–" if ttft is None else f"{ttft * 1000:.0f} ms", "ttft"),
-        _card("decode", "–" if tps is None else f"{tps:.1f} tok/s", "decode_tps"),
+        _card("TTFT · your last reply", "–" if ttft is None else f"{ttft * 1000:.0f} ms", "ttft"),
+        _card("decode · your last reply", "–" if tps is None else f"{tps:.1f} tok/s", "decode_tps"),
         _card("running requests", str(running), "running"),
         _card("KV usage", f"{float(snapshot.get('kv_usage', 0.0)) * 100:.1f}%", "kv_usage"),
         _card("polls with work" if polled else "engine step", str(snapshot.get("step", 0)), "step"),
@@ -519,12 +519,14 @@ def engine_panel_html(
 # --------------------------------------------------------------------------- #
 # Batch demo
 # --------------------------------------------------------------------------- #
-def batch_table_html(rows: Sequence[Mapping[str, Any]], colors: Mapping[str, str] | None = None) -> str:
+def batch_table_html(rows: Sequence[Mapping[str, Any]], colors: Mapping[str, str] | None = None,
+                     names: Mapping[str, str] | None = None) -> str:
     """Render the batch demo: one row per concurrent request.
 
     Each row dict has ``request_id``, ``question``, ``text`` (reply so far),
     ``num_prompt_tokens``, ``num_cached_tokens``, ``finished`` and ``error``.
-    ``colors`` are the block map's owner colours (so the two agree).
+    ``colors`` are the block map's owner colours and ``names`` its legend names ("batch #1"), which the
+    block inspector's owner list uses too (so the three agree).
     """
     if not rows:
         return f'{_CSS}<div class="pg-panel batch-view"><i>Fire a batch to see concurrent requests here.</i></div>'
@@ -536,7 +538,8 @@ def batch_table_html(rows: Sequence[Mapping[str, Any]], colors: Mapping[str, str
         reply = r.get("error") or r.get("text") or ""
         body.append(
             f'<tr class="batch-row" data-request="{_e(r["request_id"])}" data-state="{_e(state)}">'
-            f'<td><span class="kv-swatch" style="background:{colors[r["request_id"]]}"></span></td>'
+            f'<td class="batch-name"><span class="kv-swatch" style="background:{colors[r["request_id"]]}"></span> '
+            f'{_e((names or {}).get(r["request_id"], r["request_id"]))}</td>'
             f'<td>{_e(r.get("question", ""))}</td><td class="batch-reply">{_e(reply)}</td>'
             f"<td>{cached}</td><td>{_e(state)}</td></tr>"
         )

@@ -1,10 +1,9 @@
-"""Tiny dependency-free SVG bar charts.
+"""Small SVG bar charts inside the HTML panels shared with the notebook widgets.
 
-The playground's charts (prefix-cache hit rate per turn, batch size per engine
-step) are small and update every second, so they are drawn as inline SVG
-strings: no plotting library, nothing to import in the browser, and the same
-string works in a Gradio ``gr.HTML`` and in a Jupyter ``ipywidgets.HTML``.
-Every bar carries a ``<title>`` so hovering it shows its exact value.
+The prefix panel's hit rate per turn and the engine panel's batch size per step are a few
+bars inside HTML that the Gradio page and Jupyter's ``ipywidgets.HTML`` both show, so they
+are drawn as inline SVG; every bar carries a ``<title>`` (its hover). The engine timeline,
+lines over time, is a Plotly figure (``playground.timeline_chart``).
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from html import escape
 
-__all__ = ["bar_chart_svg", "line_chart_svg"]
+__all__ = ["bar_chart_svg"]
 
 _FONT = "font-family:ui-sans-serif,system-ui,sans-serif;font-size:10px;fill:#475569"
 
@@ -131,47 +130,3 @@ def bar_chart_svg(
     parts.append("</svg>")
     return "".join(parts)
 
-
-def line_chart_svg(
-    series: Sequence[tuple[str, str, Sequence[tuple[float, float]]]],
-    *,
-    x_range: tuple[float, float],
-    y_max: float | None = None,
-    percent: bool = False,
-    width: int = 220,
-    height: int = 80,
-    title: str = "",
-    css_class: str = "pg-chart",
-) -> str:
-    """Render lines (``(name, colour, [(x, y), ...])`` each) over ``x_range`` as an SVG.
-
-    Used for the engine timeline: x is seconds ago (negative, now at 0). Each
-    line carries a ``<title>`` with its name and last value.
-    """
-    left, right, top, bottom = 30, 4, 14, 12
-    plot_w, plot_h = width - left - right, height - top - bottom
-    values = [y for _, _, pts in series for _, y in pts]
-    top_value = y_max if y_max is not None else (1.0 if percent else _nice_max(max(values, default=0)))
-    x0, x1 = x_range
-    parts = [f'<svg class="{css_class}" viewBox="0 0 {width} {height}" width="100%" '
-             f'xmlns="http://www.w3.org/2000/svg" role="img">']
-    if title:
-        parts.append(f'<text x="{left}" y="9" style="{_FONT};font-weight:600;fill:#0f172a">{escape(title)}</text>')
-    for frac in (0.0, 1.0):
-        y = top + plot_h * (1 - frac)
-        parts.append(f'<line x1="{left}" x2="{width - right}" y1="{y:.1f}" y2="{y:.1f}" stroke="#e2e8f0"/>')
-        parts.append(f'<text x="{left - 3}" y="{y + 3:.1f}" text-anchor="end" style="{_FONT}">'
-                     f"{_fmt(top_value * frac, percent)}</text>")
-    parts.append(f'<text x="{left}" y="{height - 1}" style="{_FONT}">{x0:.0f} s</text>'
-                 f'<text x="{width - right}" y="{height - 1}" text-anchor="end" style="{_FONT}">now</text>')
-    for name, color, pts in series:
-        if not pts:
-            continue
-        coords = " ".join(
-            f"{left + plot_w * (x - x0) / (x1 - x0 or 1):.1f},"
-            f"{top + plot_h * (1 - min(max(y, 0.0), top_value) / (top_value or 1)):.1f}" for x, y in pts)
-        last = _fmt(pts[-1][1], percent)
-        parts.append(f'<polyline class="line" data-series="{escape(name)}" points="{coords}" fill="none" '
-                     f'stroke="{color}" stroke-width="1.5"><title>{escape(name)}: {last}</title></polyline>')
-    parts.append("</svg>")
-    return "".join(parts)

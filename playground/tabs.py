@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -25,7 +27,9 @@ import gradio as gr
 
 from .chat import ChatSession
 
-__all__ = ["Tabs"]
+__all__ = ["Tabs", "refusals_logged"]
+
+logger = logging.getLogger("playground")
 
 
 class Tabs:
@@ -71,9 +75,15 @@ class Tabs:
         def resolve(request, args):
             return [self.session(request, a) if isinstance(a, ChatSession) else a for a in args]
 
+        fn = refusals_logged(fn)
+
         if on_loop:
             async def handler(request: gr.Request, *args):
                 return fn(*resolve(request, args))
+        elif inspect.isgeneratorfunction(fn) and event_data:
+            async def handler(request: gr.Request, evt: gr.EventData, *args):
+                async for values in on_loop_stream(fn(*resolve(request, args), evt)):
+                    yield values
         elif inspect.isgeneratorfunction(fn):
             async def handler(request: gr.Request, *args):
                 async for values in on_loop_stream(fn(*resolve(request, args))):
@@ -87,6 +97,32 @@ class Tabs:
         handler.__name__ = handler.__qualname__ = fn.__name__
         handler.__doc__ = fn.__doc__
         return handler
+
+
+def refusals_logged(fn: Callable) -> Callable:
+    """``fn`` whose refusals (``gr.Error``: a message for the visitor) are one line in the log, not the
+    traceback Gradio prints for every error unless the error says otherwise (``print_exception``)."""
+    def quiet(exc: gr.Error) -> gr.Error:
+        exc.print_exception = False
+        logger.info("refused (%s): %s", fn.__name__, exc.message)
+        return exc
+
+    if inspect.isgeneratorfunction(fn):
+        @functools.wraps(fn)
+        def stream(*args):
+            try:
+                yield from fn(*args)
+            except gr.Error as exc:
+                raise quiet(exc) from None
+        return stream
+
+    @functools.wraps(fn)
+    def plain(*args):
+        try:
+            return fn(*args)
+        except gr.Error as exc:
+            raise quiet(exc) from None
+    return plain
 
 
 async def on_loop_stream(updates: Iterator) -> AsyncIterator:

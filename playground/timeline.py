@@ -1,10 +1,13 @@
-"""The engine timeline: the last minutes of the engine, second by second.
+"""The engine timeline: the last minutes of the engine, from its own events and snapshots.
 
-What a vLLM/SGLang dashboard shows, from the engine's own events and
-snapshots: tokens/s (prefill and decode apart), running and waiting requests,
-preemptions, KV usage and the prefix-cache hit rate. ``EngineMonitor`` feeds
-a ``Timeline`` from its event callback (steps, preemptions) and its snapshot
-poller; ``timeline_html`` draws it as four small line charts.
+What a vLLM/SGLang dashboard shows: tokens/s (prefill and decode apart), running and waiting
+requests, preemptions, KV usage, the prefix-cache hit rate of each request as it starts (its
+cached prompt tokens over its prompt), the time to first token of each request and the
+inter-token latency of each decoded token. ``EngineMonitor`` feeds a ``Timeline`` from its event
+callback and its snapshot poller; ``playground.timeline_chart`` draws ``Timeline.series``.
+
+Idle time is a gap, not a line: a per-second rate is ``None`` for a second with no engine step
+within ``gap_s`` of it, and two snapshot samples more than ``gap_s`` apart are not joined.
 """
 
 from __future__ import annotations
@@ -15,93 +18,147 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
-from .styles import CSS as _CSS
-from .svgchart import line_chart_svg
+import numpy as np
 
-__all__ = ["Timeline", "timeline_html"]
+__all__ = ["Timeline", "WINDOWS", "percentiles"]
+
+WINDOWS = (60, 120, 300, 900)          # the windows the page offers, seconds
+KEEP_S = max(WINDOWS)
+
+
+def percentiles(values: list[float], qs=(50, 90, 99)) -> dict[int, float] | None:
+    """``{50: p50, 90: p90, 99: p99}`` of ``values`` (numpy's linear interpolation), None when empty."""
+    if not values:
+        return None
+    return dict(zip(qs, (float(v) for v in np.percentile(values, qs))))
 
 
 class Timeline:
-    """Per-second counters and snapshot samples of the last ``window`` seconds."""
+    """Per-second counters, snapshot samples and per-request latencies of the last ``keep`` seconds."""
 
-    def __init__(self, window: int = 120):
-        self.window = window
-        self._seconds: dict[int, dict[str, float]] = {}
-        self._samples: deque[tuple[float, int, int, float, int, int]] = deque(maxlen=4 * window)
+    def __init__(self, keep: int = KEEP_S, gap_s: float = 5.0):
+        self.keep, self.gap_s = keep, gap_s
+        self._seconds: dict[int, dict[str, Any]] = {}
+        self._samples: deque[tuple[float, int, int, float]] = deque(maxlen=10 * keep)
+        self._hits: deque[tuple[float, int, int, str]] = deque(maxlen=4096)     # (t, cached, prompt, request)
+        self._ttft: deque[tuple[float, float, str]] = deque(maxlen=4096)        # (first token t, ttft s, request)
+        self._added: dict[str, tuple[float, int]] = {}       # request -> (added at, prompt tokens)
+        self._prefilled: dict[str, float] = {}              # request -> its last prefill step's end
+        self._last_token: dict[str, float] = {}             # request -> when its latest token came
         self._lock = threading.Lock()
 
-    def _bucket(self, t: float) -> dict[str, float]:
+    def _bucket(self, t: float) -> dict[str, Any]:
         sec = int(t)
         bucket = self._seconds.get(sec)
         if bucket is None:
-            bucket = self._seconds[sec] = {"prefill": 0, "decode": 0, "preempted": 0}
-            for old in [s for s in self._seconds if s < sec - self.window]:
+            bucket = self._seconds[sec] = {"prefill": 0, "decode": 0, "preempted": 0, "steps": 0, "itl": []}
+            for old in [s for s in self._seconds if s < sec - self.keep]:
                 del self._seconds[old]
         return bucket
 
-    def on_step(self, t: float, num_tokens: int, num_decode: int) -> None:
+    # -- the engine's events (its event thread) ---------------------------------------
+    def on_step(self, t: float, num_tokens: int, num_decode: int, prefill: Mapping[str, int] = (),
+                decode: list[str] | tuple = ()) -> None:
         with self._lock:
             bucket = self._bucket(t)
+            bucket["steps"] += 1
             bucket["decode"] += num_decode
             bucket["prefill"] += max(num_tokens - num_decode, 0)
+            for rid in prefill:
+                self._prefilled[rid] = t
+            for rid in decode:
+                last = self._last_token.get(rid)
+                if last is None:                     # its first decode step: the prefill made its first token
+                    last = self._first_token(rid)
+                if last is not None:
+                    bucket["itl"].append(t - last)
+                self._last_token[rid] = t
 
-    def on_preempt(self, t: float) -> None:
+    def _first_token(self, rid: str) -> float | None:
+        first, added = self._prefilled.get(rid), self._added.get(rid)
+        if first is None:
+            return None
+        if added is not None:
+            self._ttft.append((first, first - added[0], rid))
+        self._last_token[rid] = first
+        return first
+
+    def on_event(self, kind: str, t: float, data: Mapping[str, Any]) -> None:
+        """A request's event: added, started (its prefix-cache hits), preempted, finished."""
+        rid = data.get("request_id")
         with self._lock:
-            self._bucket(t)["preempted"] += 1
+            if kind == "request_added":
+                self._added[rid] = (t, int(data.get("num_prompt_tokens") or 0))
+            elif kind == "request_started" and rid in self._added and rid not in self._prefilled:
+                prompt = self._added[rid][1]
+                if prompt:
+                    self._hits.append((t, int(data.get("num_cached_tokens") or 0), prompt, rid))
+            elif kind == "request_preempted":
+                self._bucket(t)["preempted"] += 1
+            elif kind == "request_finished":
+                if rid not in self._last_token and data.get("num_output_tokens"):
+                    self._first_token(rid)           # one token only: it never decoded
+                for table in (self._added, self._prefilled, self._last_token):
+                    table.pop(rid, None)
 
     def on_snapshot(self, t: float, snap: Mapping[str, Any]) -> None:
         requests = snap.get("requests") or []
         running = sum(r.get("status") == "running" for r in requests)
-        stats = snap.get("prefix_cache") or {}
         with self._lock:
-            self._samples.append((t, running, len(requests) - running, float(snap.get("kv_usage", 0.0)),
-                                  int(stats.get("hits", 0)), int(stats.get("queries", 0))))
+            self._samples.append((t, running, len(requests) - running, float(snap.get("kv_usage", 0.0))))
 
-    def series(self, now: float | None = None) -> dict[str, list[tuple[float, float]]]:
-        """Each quantity as ``[(seconds ago (negative), value), ...]``, oldest first."""
+    # -- what the chart draws ------------------------------------------------------------
+    def series(self, window: int = 120, now: float | None = None) -> dict[str, Any]:
+        """The last ``window`` seconds, x in seconds before ``now`` (negative):
+
+        ``seconds`` (x of the per-second rates), ``decode tok/s``, ``prefill tok/s``, ``ITL p50`` and
+        ``ITL p99`` (ms; None where idle); ``samples`` (x), ``running``, ``waiting``, ``KV usage``
+        (None between samples more than ``gap_s`` apart); ``hits`` and ``ttft``: one point per
+        request, ``(x, value, request id, detail)``; ``preempted`` (count), and the window's
+        percentiles ``ttft_pct`` / ``itl_pct`` (ms, None without data).
+        """
         now = time.time() if now is None else now
-        start = int(now) - self.window
+        start = int(now) - window
         with self._lock:
-            seconds = dict(self._seconds)
-            samples = [s for s in self._samples if s[0] >= now - self.window]
-        out: dict[str, list[tuple[float, float]]] = {k: [] for k in (
-            "decode tok/s", "prefill tok/s", "preemptions", "running", "waiting", "KV usage", "prefix hit rate")}
+            seconds = {s: dict(b, itl=list(b["itl"])) for s, b in self._seconds.items() if s >= start - self.gap_s}
+            samples = [s for s in self._samples if s[0] >= now - window]
+            hits = [h for h in self._hits if h[0] >= now - window]
+            ttft = [p for p in self._ttft if p[0] >= now - window]
+        active = sorted(s for s, b in seconds.items() if b["steps"])
+        out: dict[str, Any] = {k: [] for k in ("seconds", "decode tok/s", "prefill tok/s", "ITL p50", "ITL p99",
+                                               "samples", "running", "waiting", "KV usage")}
+        itl_all: list[float] = []
+        j = 0
         for sec in range(start, int(now)):          # complete seconds only
-            b = seconds.get(sec, {"prefill": 0, "decode": 0, "preempted": 0})
-            x = sec + 1 - now
-            out["decode tok/s"].append((x, b["decode"]))
-            out["prefill tok/s"].append((x, b["prefill"]))
-            out["preemptions"].append((x, b["preempted"]))
+            while j < len(active) and active[j] < sec - self.gap_s:
+                j += 1
+            near = j < len(active) and active[j] <= sec + self.gap_s
+            b = seconds.get(sec)
+            out["seconds"].append(round(sec + 0.5 - now, 2))
+            itl = b["itl"] if b else []
+            itl_all += itl
+            pct = percentiles(itl, (50, 99))
+            out["decode tok/s"].append((b["decode"] if b else 0) if near else None)
+            out["prefill tok/s"].append((b["prefill"] if b else 0) if near else None)
+            out["ITL p50"].append(round(pct[50] * 1000, 1) if pct else None)
+            out["ITL p99"].append(round(pct[99] * 1000, 1) if pct else None)
         prev = None
-        for t, running, waiting, kv, hits, queries in samples:
-            x = t - now
-            out["running"].append((x, running))
-            out["waiting"].append((x, waiting))
-            out["KV usage"].append((x, kv))
-            if prev is not None and queries > prev[1]:
-                out["prefix hit rate"].append((x, (hits - prev[0]) / (queries - prev[1])))
-            prev = (hits, queries)
+        for t, running, waiting, kv in samples:
+            if prev is not None and t - prev > self.gap_s:          # idle in between: a break, not a line
+                for key in ("samples", "running", "waiting", "KV usage"):
+                    out[key].append(None if key != "samples" else round((prev + t) / 2 - now, 2))
+            out["samples"].append(round(t - now, 2))
+            out["running"].append(running)
+            out["waiting"].append(waiting)
+            out["KV usage"].append(round(kv, 4))
+            prev = t
+        out["hits"] = [(round(t - now, 2), round(cached / prompt, 4), rid, f"{cached} of {prompt} prompt tokens cached")
+                       for t, cached, prompt, rid in hits]
+        out["ttft"] = [(round(t - now, 2), round(s * 1000, 1), rid, "") for t, s, rid in ttft]
+        out["preempted"] = sum(b["preempted"] for s, b in seconds.items() if s >= start)
+        ttft_pct = percentiles([s for _, s, _ in ttft])
+        itl_pct = percentiles(itl_all)
+        out["ttft_pct"] = {q: v * 1000 for q, v in ttft_pct.items()} if ttft_pct else None
+        out["itl_pct"] = {q: v * 1000 for q, v in itl_pct.items()} if itl_pct else None
+        out["window"] = window
         return out
-
-
-def timeline_html(series: Mapping[str, list[tuple[float, float]]], window: int = 120) -> str:
-    """Four small charts: tokens/s, requests, KV usage, prefix hit rate (per prompt read)."""
-    x_range = (-float(window), 0.0)
-    preempted = sum(v for _, v in series.get("preemptions", []))
-    charts = [
-        line_chart_svg([("decode tok/s", "#6366f1", series.get("decode tok/s", [])),
-                        ("prefill tok/s", "#d97706", series.get("prefill tok/s", []))],
-                       x_range=x_range, title="tokens/s (decode, prefill)", css_class="pg-chart tl-tokens"),
-        line_chart_svg([("running", "#16a34a", series.get("running", [])),
-                        ("waiting", "#dc2626", series.get("waiting", []))],
-                       x_range=x_range, title=f"running, waiting · {preempted:.0f} preempted",
-                       css_class="pg-chart tl-requests"),
-        line_chart_svg([("KV usage", "#0e7490", series.get("KV usage", []))], x_range=x_range, percent=True,
-                       title="KV usage", css_class="pg-chart tl-kv"),
-        line_chart_svg([("prefix hit rate", "#16a34a", series.get("prefix hit rate", []))], x_range=x_range,
-                       percent=True, title="prefix hit rate",
-                       css_class="pg-chart tl-hits"),
-    ]
-    cells = "".join(f"<div>{c}</div>" for c in charts)
-    return (f'{_CSS}<div class="pg-panel timeline"><div class="pg-sub">Engine timeline (last {window} s)</div>'
-            f'<div style="display:grid;grid-template-columns:1fr 1fr;gap:4px 10px">{cells}</div></div>')

@@ -266,7 +266,7 @@ def test_the_panels_follow_the_engine_from_their_route(page, paced_engine):
     page.wait_for_function(
         "before => document.querySelector('#engine-panel .live-panel').innerHTML !== before", arg=before,
         timeout=10_000)
-    expect(page.locator("#timeline .live-panel svg")).to_have_count(4)          # its four charts, refreshed
+    expect(page.locator("#timeline .cartesianlayer .subplot")).to_have_count(6)   # its six charts, refreshed
 
 
 def test_on_a_phone_a_sticky_mini_map_follows_the_chat(browser, app_url, paced_engine, tmp_path):
