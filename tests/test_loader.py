@@ -120,7 +120,7 @@ def test_smollm2_logits_equal_transformers(hf_smollm2, smollm2_checkpoint, smoll
         ours = native.compute_logits(native(x, paddle.arange(len(ids), dtype="int64"))).numpy()
     top = reference["token_ids"].astype(np.int64)
     assert (ours.argmax(-1) == top[:, 0]).all()
-    assert np.abs(np.take_along_axis(ours, top, axis=-1) - reference["logits"]).max() < 1e-3
+    assert np.abs(np.take_along_axis(ours, top, axis=-1) - reference["logits"]).max() < 1e-4
     assert smollm2_checkpoint.tokenizer.decode([int(ours[-1].argmax())]) == " Rome"
 
 
