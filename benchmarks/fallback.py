@@ -36,6 +36,9 @@ over rounds with their spread (min–max):
   ``generate``): ``16 × N / T``.
 
 Greedy decoding that does not stop at EOS, so every run generates exactly N tokens.
+
+Then Gemma 3 270M, which only the fallback serves, beside llama.cpp's ``llama-server``
+on the same GGUF file, prefill and decode (`fallback_gemma`).
 """
 
 from __future__ import annotations
@@ -235,8 +238,10 @@ def table(results: list[Result], agree: bool, tokens: int, streams: int) -> str:
 def main(argv=None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.fallback",
-                                     description=__doc__.split("\n\n")[0].replace("``", ""))
+    from engine.config import FlagParser
+
+    parser = FlagParser(prog="python -m benchmarks.fallback",
+                        description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--streams", type=int, default=16)
@@ -245,21 +250,37 @@ def main(argv=None) -> int:
                         help="measure only this row (repeatable), e.g. --only 'native engine' "
                              "--only 'PaddleFormers backend'")
     parser.add_argument("--quick", action="store_true", help="16 tokens, 4 streams, 1 round")
+    parser.add_argument("--gemma", action=argparse.BooleanOptionalAction, default=True,
+                        help="Gemma 3 270M through the fallback beside llama-server (default: on)")
+    parser.add_argument("--threads", type=int, default=2, help="llama-server -t/-tb for the Gemma rows")
+    parser.add_argument("--quiet-below", type=float, default=None, metavar="LOAD",
+                        help="before each Gemma round, wait (up to --quiet-timeout s) for a 1-minute load average "
+                             "below LOAD")
+    parser.add_argument("--quiet-timeout", type=float, default=600.0, metavar="S")
     args = parser.parse_args(argv)
     if args.quick:
         args.tokens, args.streams, args.repeats = 16, 4, 1
-    from . import engine_figures, results as bench_results
+    from . import engine_figures, fallback_gemma, results as bench_results
 
     started = bench_results.start()
     results, agree = run(args.model, args.tokens, args.streams, args.repeats, only=args.only)
-    print(table(results, agree, args.tokens, args.streams))
-    bench_results.write_run("fallback", engine_figures.fallback(results, agree), ours="engine",
+    notes = [table(results, agree, args.tokens, args.streams)]
+    print(notes[0])
+    figures, gemma = engine_figures.fallback(results, agree), None
+    if args.gemma:
+        gemma = fallback_gemma.run(args.tokens, repeats=args.repeats, threads=args.threads,
+                                   quiet_below=args.quiet_below, quiet_timeout_s=args.quiet_timeout)
+        notes.append(fallback_gemma.table(gemma))
+        print(notes[-1])
+        figures += fallback_gemma.figures(gemma)
+    bench_results.write_run("fallback", figures, ours="engine",
                             peer=engine_figures.GENERATE, started=started, quick=args.quick,
-                            title="Model implementations: native, the PaddleFormers backend, PaddleFormers generate",
+                            title="Model implementations: native, the PaddleFormers backend, PaddleFormers generate"
+                                  + ("; Gemma 3 270M beside llama.cpp" if gemma else ""),
                             settings={"model": args.model, "tokens": args.tokens, "streams": args.streams,
-                                      "rounds": args.repeats}, notes=[table(results, agree, args.tokens, args.streams)
-                                                                      .join(["```\n", "\n```"])],
-                            raw=[r.__dict__ for r in results])
+                                      "rounds": args.repeats, "gemma_threads": args.threads if gemma else None},
+                            notes=[n.join(["```\n", "\n```"]) for n in notes],
+                            raw=[r.__dict__ for r in results] + ([{"gemma3": gemma}] if gemma else []))
     return 0
 
 
