@@ -214,6 +214,9 @@ def _leave_pictures() -> None:
             pass
 
 
+atexit.register(_leave_pictures)
+
+
 class Playground:
     """An ipywidgets app on ``llm``: chat with streaming replies next to live
     views of the KV block map, the prefix cache, the reply's logprobs and the
@@ -367,8 +370,6 @@ class Playground:
         bundle = self._bundle()
         self._handles.append(display(bundle, raw=True, display_id=True))
         self._shown_picture = bundle["text/html"]
-        if not _SHOWN:
-            atexit.register(_leave_pictures)
         _SHOWN.add(self)
         shell = get_ipython()
         if shell is not None and self._hook is None:
@@ -488,6 +489,7 @@ class Playground:
             self._hook = None
         self._update_picture(live=False)
         self._handles = []
+        _SHOWN.discard(self)
 
     # -- the block inspector and branching ------------------------------------------------------
     def inspect_block(self, block_id: int | None) -> str:
