@@ -11,7 +11,7 @@ blocks) with prefix caching off. Three workloads, each step timed inside the mod
 * **prefill** -- one prompt of ``--prefill-tokens`` tokens (capped at 512) in one step.
 
 *Communication* is what rank 0 spends sending the step's record to the other ranks and inside
-the collectives (an all-reduce after each row-parallel layer and the embedding, an all-gather of
+the collectives (an all-reduce after each row-parallel layer and the embedding, a gather on rank 0 of
 the logits), waiting for the slowest rank included; *compute* is the rest of the step. The rows
 are loaded together and measured round by round, so a busy neighbour slows all of them alike.
 
@@ -221,9 +221,9 @@ def table(result: dict) -> str:
     for name, seconds in result["bare_all_reduce_s"].items():
         n = result["collectives_per_step"]
         lines.append(f"  {name}: a bare all-reduce of one hidden row takes {seconds * 1e3:.2f} ms here; a step makes "
-                     f"{n} collectives (2 a layer, the embedding's, the logits' all-gather): a floor of "
+                     f"{n} collectives (2 a layer, the embedding's, the logits' gather on rank 0): a floor of "
                      f"{n * seconds * 1e3:.1f} ms a step before any rank waits for another")
-    lines.append("  communication: rank 0 sending the step record and waiting inside all-reduce / all-gather "
+    lines.append("  communication: rank 0 sending the step record and waiting inside all-reduce / gather "
                  "(the slowest rank's lateness included); on a machine with fewer cores than ranks, ranks "
                  "share cores and no speed-up is expected")
     return "\n".join(lines)
