@@ -76,6 +76,7 @@ class ChatSession:
     timeline_window: int = 120                            # seconds the engine timeline shows (app)
     # Names the tab to the block map's route (unguessable: one visitor cannot ask for another's legend).
     map_token: str = field(default_factory=lambda: secrets.token_urlsafe(12))
+    mode: str = "chat"                                    # of the last message sent: completion shows a document
     withdrawn: str | None = None                          # what Stop put back in the message box (app)
     library: Any = None                                   # this browser's conversations (playground.library)
     conversation_id: str | None = None                    # which of them ``tree`` is

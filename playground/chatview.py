@@ -17,7 +17,7 @@ from html import escape
 
 from .conversation import Conversation, Node
 
-__all__ = ["chat_messages", "reply_meta_html", "compare_html", "CURSOR", "META_CSS", "strip_meta"]
+__all__ = ["chat_messages", "document_messages", "reply_meta_html", "compare_html", "CURSOR", "META_CSS", "strip_meta"]
 
 CURSOR = "▌"
 FINISH_TEXT = {"stop": "end of reply", "length": "length: max tokens reached", "abort": "stopped",
@@ -33,6 +33,11 @@ META_CSS = """
 .pg-meta .pg-act{cursor:pointer;user-select:none;padding:0 6px;border-radius:4px;font-weight:600;color:#4338ca;
  border:1px solid #c7d2fe}.pg-meta .pg-act:hover{background:#e0e7ff}.pg-meta .pg-raw{display:none}
 .pg-meta .pg-what{margin-right:2px}.pg-meta .pg-kept{color:#94a3b8}
+.pg-doc{white-space:normal;line-height:1.6}.pg-doc .pg-doc-given{color:#0f172a}
+.pg-doc .pg-tok{cursor:pointer;border-radius:3px;border:0;padding:0;font-weight:inherit;color:#0f172a}
+.pg-doc .pg-tok:hover{outline:1px solid #6366f1}.pg-doc .pg-p4{background:#dcfce7}.pg-doc .pg-p3{background:#ecfccb}
+.pg-doc .pg-p2{background:#fef9c3}.pg-doc .pg-p1{background:#ffedd5}.pg-doc .pg-p0{background:#fee2e2}
+.pg-doc .pg-pf{background:#e0e7ff}
 .pg-meta .pg-ctx{display:inline-flex;align-items:center;gap:4px}
 .pg-meta .pg-ctx i{display:inline-block;width:60px;height:6px;border-radius:3px;background:#e2e8f0;overflow:hidden}
 .pg-meta .pg-ctx i b{display:block;height:100%;background:#6366f1}
@@ -107,9 +112,54 @@ def _reply_text(node: Node) -> str:
     return r.text
 
 
-def chat_messages(tree: Conversation, max_model_len: int | None = None, queued: list[str] = ()) -> list[dict]:
+def _bucket(prob: float | None) -> str:
+    """The colour class of a token of probability ``prob`` (the logprob view's scale, in five steps)."""
+    if prob is None:
+        return "pg-pf"                       # forced, or no logprobs asked for
+    return f"pg-p{min(int(prob * 5), 4)}"
+
+
+def _doc_text(text: str) -> str:
+    return escape(text).replace("\n", "<br>")
+
+
+def document_messages(tree: Conversation, max_model_len: int | None = None, queued: list[str] = ()) -> list[dict]:
+    """Completion mode: the shown path as one document, the text given in plain and each continuation's
+    tokens coloured by their probability (a click on one continues from there: ``pg-cut``), with the last
+    continuation's meta line under it; not a chat of user and assistant bubbles."""
+    parts, last = [], None
+    for node in tree.path():
+        if node.role == "user":
+            parts.append(f'<span class="pg-doc-given">{_doc_text(node.content)}</span>')
+            continue
+        last, r = node, node.reply
+        if r.error:
+            parts.append(f'<span class="pg-doc-error">[{escape(r.error)}]</span>')
+            continue
+        texts = [rec.get("text", "") for rec in r.records]
+        if r.records and "".join(texts) == r.text:        # one span per token, coloured
+            parts += [f'<span class="pg-tok pg-act pg-cut pg-node-{node.node_id} pg-ti-{i} {_bucket(rec.get("prob"))}" '
+                      f'title="continue from here">{_doc_text(t)}</span>' for i, (rec, t) in enumerate(zip(r.records, texts))]
+        else:                                              # no per-token records (imported, or logprobs off)
+            parts.append(f'<span class="pg-doc-reply">{_doc_text(r.text)}</span>')
+        if not r.finished and not r.stopped:
+            parts.append(CURSOR)
+    out = []
+    if parts:
+        body = f'<span class="pg-doc">{"".join(parts)}</span>'
+        meta = "\n\n" + reply_meta_html(tree, last, max_model_len) if last is not None else ""
+        out.append({"role": "assistant", "content": body + meta})
+    out += [{"role": "user", "content": text} for text in queued]
+    return out
+
+
+def chat_messages(tree: Conversation, max_model_len: int | None = None, queued: list[str] = (),
+                  document: bool = False) -> list[dict]:
     """``gr.Chatbot`` messages of the shown path, each reply followed by its meta line, then the
-    ``queued`` messages (sent while a reply streams, waiting for it)."""
+    ``queued`` messages (sent while a reply streams, waiting for it); ``document``: completion mode's
+    one document (``document_messages``)."""
+    if document:
+        return document_messages(tree, max_model_len, queued)
     out = []
     for node in tree.path():
         if node.role == "user":

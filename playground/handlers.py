@@ -173,7 +173,8 @@ class Handlers:
         return render.logprob_html(records, selected=selected, metric=session.lp_metric)
 
     def chat(self, session: ChatSession) -> list[dict]:
-        return chat_messages(session.tree, self.max_model_len, queued=[text for _, text in session.queued])
+        return chat_messages(session.tree, self.max_model_len, queued=[text for _, text in session.queued],
+                             document=session.mode == "completion")
 
     def _outputs(self, session: ChatSession, *, msg: Any = gr.skip(), panels: bool = True,
                  reset_controls: bool = False) -> tuple:
@@ -290,6 +291,7 @@ class Handlers:
         it is not stripped, since a trailing space or newline changes the continuation.
         """
         sampling, mode = self._split_mode(sampling_and_mode)
+        session.mode = mode                     # completion mode shows the conversation as one document
         message = inputs.text(message, "message", max_chars=self.limits.max_input_chars)
         message = message.strip() if mode == "chat" else message
         system = inputs.text(system, "system prompt", max_chars=self.limits.max_input_chars)
@@ -342,6 +344,7 @@ class Handlers:
     def regenerate(self, session: ChatSession, system: Any, *sampling_and_mode) -> Iterator[tuple]:
         """Generate another reply to the last message; the earlier ones stay as branches (‹ 1/2 ›)."""
         sampling, mode = self._split_mode(sampling_and_mode)
+        session.mode = mode                     # completion mode shows the conversation as one document
         system = inputs.text(system, "system prompt", max_chars=self.limits.max_input_chars)
         params = self.sampling(*sampling)
         self._refuse_while_streaming(session, "regenerating")

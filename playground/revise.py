@@ -37,9 +37,10 @@ if (!window.__pgAct) {
       try { await navigator.clipboard.writeText(raw ? raw.textContent : ''); act.textContent = 'copied'; }
       catch (err) { act.textContent = 'copy failed'; }
       setTimeout(() => { act.textContent = 'copy'; }, 1500);
-    } else if (act.classList.contains('pg-continue')) {
+    } else if (act.classList.contains('pg-continue') || act.classList.contains('pg-cut')) {
       const id = [...act.classList].find((c) => c.startsWith('pg-node-'));
-      trigger('click', {node: Number(id.slice(8)), action: 'continue'});
+      const ti = [...act.classList].find((c) => c.startsWith('pg-ti-'));
+      trigger('click', {node: Number(id.slice(8)), action: ti ? 'cut' : 'continue', index: ti ? Number(ti.slice(6)) : null});
     }
   });
 }
@@ -74,6 +75,9 @@ class Revise:
         if node is None or node.role != "assistant":
             raise gr.Error("That reply is no longer in this conversation.")
         h._refuse_while_streaming(session, "continuing a reply")
+        if data.get("action") == "cut":
+            yield from self._continue_from(session, node, data.get("index"), sampling)
+            return
         old = node.reply
         if not old.finished or old.error or old.finish_reason != "length":
             raise gr.Error("Only a reply cut by max tokens can be continued.")
@@ -87,6 +91,23 @@ class Revise:
         node.reply = new
         prompt = {"prompt_token_ids": list(old.prompt_token_ids) + old.all_token_ids}
         yield from h._run(session, node, prompt, params, h._outputs(session, reset_controls=True))
+
+    def _continue_from(self, session: ChatSession, node: Any, index: Any, sampling: tuple) -> Iterator[tuple]:
+        """Completion mode's click on a token of the document: a new branch of that continuation that keeps
+        the tokens before it and generates from there (the original stays: ‹ › under it)."""
+        h, old = self.h, node.reply
+        if not isinstance(index, int) or not 0 <= index < len(old.all_token_ids) or not old.prompt_token_ids:
+            raise gr.Error("Click a token of a generated continuation to continue from there.")
+        params = h.sampling(*sampling)
+        kept = old.all_token_ids[:index]
+        reply = Reply(request_id=session.new_request_id("chat"), prompt_token_ids=list(old.prompt_token_ids),
+                      prefix_token_ids=kept, text=h.tokenizer.decode(kept) if kept else "",
+                      records=[dict(r) for r in old.records[:index]])
+        branch = h._claim(session, node.parent, reply)
+        if branch is None:
+            h._refuse_while_streaming(session, "continuing from a token")
+        prompt = {"prompt_token_ids": list(old.prompt_token_ids) + kept}
+        yield from h._run(session, branch, prompt, params, h._outputs(session, reset_controls=True))
 
     @checked
     def edit(self, session: ChatSession, system: Any, *sampling_and_mode_evt) -> Iterator[tuple]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import html
 import json
 import os
 import re
@@ -459,13 +460,16 @@ def test_full_queue_refuses_with_a_clear_message(smollm2_llm):
 def test_completion_mode_continues_raw_text(client, smollm2_llm):
     """Bug 8: a base model needs raw text continuation; the /chat endpoint takes the mode last."""
     text = "The capital of France is"
-    chat, *_ = client.predict(text, SYSTEM, *greedy(4, 0), "completion", api_name="/chat")
+    chat, *_ = client.predict(text, SYSTEM, *greedy(4, 0), mode="completion", api_name="/chat")
     expected = smollm2_llm.generate(text, SamplingParams(temperature=0.0, max_tokens=4))[0].outputs[0].text
-    assert reply_text(chat) == expected.lstrip()     # the Chatbot drops a message's leading space
+    # One document: the text given, then its continuation (not a bubble of its own).
+    assert [m["role"] for m in chat] == ["assistant"]
+    document = html.unescape(re.sub(r"<[^>]+>", "", reply_text(chat).replace("<br>", "\n")))
+    assert document == text + expected
     n_prompt = len(smollm2_llm.get_tokenizer().encode(text))       # no chat template around it
     assert re.search(rf"\d+/{n_prompt} prompt tokens cached", reply_meta(chat))
     with pytest.raises(Exception, match="mode must be one of chat, completion"):
-        client.predict(text, SYSTEM, *greedy(4, 0), "poetry", api_name="/chat")
+        client.predict(text, SYSTEM, *greedy(4, 0), mode="poetry", api_name="/chat")
 
 
 def test_models_without_a_chat_template_start_in_completion_mode(smollm2_llm):
