@@ -54,7 +54,7 @@ const pollRoute = (path, every, query, handle) => {
         const r = await fetch(url, {cache: 'no-store'});
         if (r.status === 200) await handle(r);
         else if (r.status === 404) wait = 5000;
-      } catch (e) { wait = Math.max(wait, 2000); }
+      } catch (e) { console.warn(`${path}: ${e}`); wait = Math.max(wait, 2000); }
     }
     setTimeout(poll, Math.max(0, wait - (performance.now() - started)));
   };

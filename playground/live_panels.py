@@ -44,8 +44,11 @@ setTimeout(pollRoute('playground/panels', () => %d,
   () => { const live = document.querySelector('.kv-live[data-tab]'); return live && {tab: live.dataset.tab}; },
   async r => {
     for (const [id, html] of Object.entries(await r.json())) {
-      if (html && html.plotly) { drawPlot(id, html.plotly); continue; }
-      if (html && 'disabled' in html) { stopState(html.disabled); continue; }
+      if (html && typeof html === 'object') {
+        if (html.plotly) drawPlot(id, html.plotly);
+        else if ('disabled' in html) stopState(html.disabled);
+        continue;
+      }
       const box = document.querySelector(`#${id} .live-panel`);
       if (box && box.__shown !== html) { box.innerHTML = html; box.__shown = html; }
     }
