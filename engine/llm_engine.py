@@ -330,6 +330,7 @@ class LLMEngine:
         if reason is not None:
             final = self._finish(req, reason)
             delta.finished, delta.finish_reason, delta.prompt_logprobs = True, final.finish_reason, final.prompt_logprobs
+            delta.provenance = final.provenance
         return delta
 
     def _take_text(self, req: Request, end: int) -> str:
@@ -365,6 +366,7 @@ class LLMEngine:
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=max(req.num_cached_tokens, 0),
             prompt_token_ids=req.prompt_token_ids, metrics=req.metrics, error=error,
             prompt_logprobs=list(req.prompt_logprobs) if req.sampling_params.prompt_logprobs is not None else None,
+            provenance=req.provenance,
         )
 
     # -- observability ----------------------------------------------------------

@@ -88,3 +88,4 @@ class StreamDelta:
     metrics: RequestMetrics | None = None
     error: str | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # on the finishing delta, when asked for
+    provenance: Provenance | None = None    # on the finishing delta: where its tokens' K/V came from

@@ -49,6 +49,13 @@ class Provenance:
             out[s.kind] += s.end - s.start
         return out
 
+    def to_dict(self) -> dict:
+        return {"spans": [list(s) for s in self.spans], "reply": [list(t) for t in self.reply]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Provenance":
+        return cls([Span(*s[:6], tuple(s[6])) for s in data["spans"]], [ReplyToken(*t) for t in data["reply"]])
+
     def sources(self, num_tokens: int) -> list[Span | None]:
         """For each position ``0..num_tokens - 1``, the span that last put its K/V in the cache."""
         out: list[Span | None] = [None] * num_tokens

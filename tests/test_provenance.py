@@ -94,3 +94,16 @@ def test_a_branch_names_the_request_that_stored_its_blocks(tiny_dir):
     assert len(cached) == 1 and cached[0].end == branch.num_cached_tokens == 20
     assert cached[0].stored_by == (first.request_id,) * 5
     assert llm.engine.kv_cache_manager.stats.hits == branch.num_cached_tokens
+
+
+def test_the_finishing_delta_carries_it_and_it_crosses_the_wire(tiny_dir):
+    from engine.client.wire import delta_from_dict, delta_to_dict
+
+    llm = LLM(model=tiny_dir, block_size=4, max_num_batched_tokens=7)
+    prompt = tiny_prompts(1, length=18)[0]
+    deltas = list(llm.stream(prompt, GREEDY))
+    assert all(d.provenance is None for d in deltas[:-1]) and deltas[-1].finished
+    prov = deltas[-1].provenance
+    assert prov.counts()["prefill"] == 18 and len(prov.reply) == GREEDY.max_tokens
+    back = delta_from_dict(delta_to_dict(deltas[-1], with_prompt_ids=True)).provenance
+    assert back == prov and back.spans[0].kind == "prefill"

@@ -232,7 +232,7 @@ def _request_output(prompt_text, params: SamplingParams, deltas: list[StreamDelt
     return RequestOutput(
         request_id=last.request_id, prompt=prompt_text, prompt_token_ids=list(deltas[0].prompt_token_ids or []),
         prompt_logprobs=last.prompt_logprobs, finished=True, num_cached_tokens=last.num_cached_tokens,
-        metrics=last.metrics,
+        metrics=last.metrics, provenance=last.provenance,
         outputs=[CompletionOutput(index=0, text="".join(d.text for d in deltas),
                                   token_ids=[t for d in deltas for t in d.token_ids],
                                   logprobs=logprobs if params.logprobs is not None else None,

@@ -12,6 +12,7 @@ import dataclasses
 import math
 
 from ..outputs import StreamDelta
+from ..provenance import Provenance
 from ..request import Logprob, RequestMetrics
 from ..sampling_params import SamplingParams
 from ..snapshot import BlockInfo, EngineEvent, EngineSnapshot, PrefixCacheInfo, RequestInfo, StepInfo
@@ -36,7 +37,8 @@ def delta_to_dict(d: StreamDelta, *, with_prompt_ids: bool) -> dict:
             "num_prompt_tokens": d.num_prompt_tokens, "num_cached_tokens": d.num_cached_tokens,
             "prompt_token_ids": d.prompt_token_ids if with_prompt_ids else None,
             "metrics": dataclasses.asdict(d.metrics) if d.metrics is not None else None, "error": d.error,
-            "prompt_logprobs": None if d.prompt_logprobs is None else [_lp_to(e) for e in d.prompt_logprobs]}
+            "prompt_logprobs": None if d.prompt_logprobs is None else [_lp_to(e) for e in d.prompt_logprobs],
+            "provenance": None if d.provenance is None else d.provenance.to_dict()}
 
 
 def delta_from_dict(data: dict) -> StreamDelta:
@@ -46,6 +48,8 @@ def delta_from_dict(data: dict) -> StreamDelta:
         data["prompt_logprobs"] = [_lp_from(e) for e in data["prompt_logprobs"]]
     if data.get("metrics") is not None:
         data["metrics"] = RequestMetrics(**data["metrics"])
+    if data.get("provenance") is not None:
+        data["provenance"] = Provenance.from_dict(data["provenance"])
     return StreamDelta(**data)
 
 
