@@ -84,9 +84,12 @@ def reply_meta_html(tree: Conversation, node: Node, max_model_len: int | None = 
         if r.num_prompt_tokens:
             parts.append(f'<span title="prompt tokens read from the prefix cache">{r.num_cached_tokens}/'
                          f"{r.num_prompt_tokens} prompt tokens cached</span>")
-        parts.append(f'<span class="pg-finish pg-finish-{escape(reason)}">{escape(FINISH_TEXT.get(reason, reason))}'
-                     "</span>")
-        if reason == "length" and not r.error:
+        text = FINISH_TEXT.get(reason, reason)
+        full = bool(max_model_len) and r.num_prompt_tokens + len(r.token_ids) >= max_model_len
+        if reason == "length" and full:
+            text = "length: the context is full (max_model_len)"
+        parts.append(f'<span class="pg-finish pg-finish-{escape(reason)}">{escape(text)}</span>')
+        if reason == "length" and not r.error and not full:
             parts.append(f'<span class="pg-act pg-continue pg-node-{node.node_id}" title="generate more after this '
                          'reply, in the same reply">Continue ↦</span>')
         # The reply's own text for the copy link (the Chatbot's copy button would copy this meta line too).
@@ -96,8 +99,10 @@ def reply_meta_html(tree: Conversation, node: Node, max_model_len: int | None = 
     if max_model_len and r.num_prompt_tokens:
         used = r.num_prompt_tokens + len(r.token_ids)
         pct = min(used / max_model_len, 1.0) * 100
-        parts.append(f'<span class="pg-ctx" title="context: {used} of {max_model_len} tokens (max_model_len)">'
-                     f'context <i><b style="width:{pct:.1f}%"></b></i>{used}/{max_model_len}</span>')
+        left = max(max_model_len - used, 0)
+        parts.append(f'<span class="pg-ctx" title="context: {used} of {max_model_len} tokens (max_model_len); the '
+                     f'next reply can have at most {left} tokens">context <i><b style="width:{pct:.1f}%"></b></i>'
+                     f'{used}/{max_model_len} · <span class="pg-left">{left} left</span></span>')
     return f'<div class="pg-meta">{"".join(p for p in parts if p)}</div>'
 
 
