@@ -65,6 +65,10 @@ if (!window.__pgNav) {
 }
 """
 
+SIDEBAR_OPEN_JS = """() => {
+  if (window.innerWidth >= 1024) document.querySelector('#conv-sidebar:not(.open) .toggle-button')?.click();
+}"""
+
 THEME = gr.themes.Soft(primary_hue="indigo", neutral_hue="slate")
 CSS = """
 .pg-title h1{margin:0;font-size:22px;font-weight:700}.pg-title p{margin:2px 0 0;color:#64748b}
@@ -178,11 +182,11 @@ def build_app(
         # This browser's key to its conversations (kept by the server: playground.library says why).
         browser_key = gr.BrowserState(None, storage_key="fleet-playground-browser")
         S, R = Sidebar(h), Revise(h)
-        with gr.Sidebar(label="Conversations", open=True, elem_id="conv-sidebar"):
+        with gr.Sidebar(label="Conversations", open=False, elem_id="conv-sidebar"):
             new_conv = gr.Button("+ New conversation", size="sm", variant="primary", elem_id="conv-new")
             conv_list = gr.Radio([], label="Conversations", elem_id="conv-list")
             with gr.Row():
-                conv_name = gr.Textbox(placeholder="Rename the shown conversation", show_label=False, scale=3,
+                conv_name = gr.Textbox(placeholder="New name", show_label=False, scale=3,
                                        max_lines=1, elem_id="conv-name")
                 rename_conv = gr.Button("Rename", size="sm", scale=1, min_width=60, elem_id="conv-rename")
             delete_conv = gr.Button("Delete the shown conversation", size="sm", variant="stop",
@@ -328,6 +332,8 @@ def build_app(
         switched = [*chat_out, conv_list, conv_note]
         side = dict(api_visibility="private", show_progress="hidden")
         demo.load(T(S.restore), [browser_key, session], [browser_key, *switched], **side)
+        # The list is open beside the page on a wide screen; on a phone it would cover the chat: closed there.
+        demo.load(None, js=SIDEBAR_OPEN_JS, api_visibility="private", queue=False)
         new_conv.click(T(S.new), [session], switched, **side)
         conv_list.input(T(S.open), [session, conv_list], switched, **side)
         rename_conv.click(T(S.rename), [session, conv_name], [conv_list, conv_note, conv_name], **side)

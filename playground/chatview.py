@@ -23,7 +23,9 @@ CURSOR = "▌"
 FINISH_TEXT = {"stop": "end of reply", "length": "length: max tokens reached", "abort": "stopped",
                "error": "error"}
 
+# The Chatbot's own copy button under a reply would copy its meta line too: the line's "copy" link replaces it.
 META_CSS = """
+#chat .message-buttons-left{display:none}
 .pg-meta{display:flex;flex-wrap:wrap;align-items:center;gap:2px 10px;margin-top:6px;font-size:12px;
  color:#64748b;font-variant-numeric:tabular-nums}
 .pg-meta .pg-nav{cursor:pointer;user-select:none;padding:0 6px;border-radius:4px;font-weight:700;color:#4338ca}
