@@ -190,9 +190,12 @@ class DecodeMeter:
         return (len(self.steps) - 1) / (self.steps[-1][0] - self.steps[0][0]) if len(self.steps) > 1 else 0.0
 
 
-def chat_args(prompt: str, max_tokens: int) -> tuple:
-    """``/chat``'s inputs: message, system, temperature, top-p, top-k, max tokens, seed, logprobs, mode."""
-    return (prompt, DEFAULT_SYSTEM_PROMPT, 0.0, 1.0, 0, max_tokens, 0, LOGPROBS, "chat")
+def chat_args(prompt: str, max_tokens: int) -> dict:
+    """``/chat``'s inputs by their API names (greedy; the sampling controls the page adds later keep
+    their off values)."""
+    return dict(message=prompt, system_prompt=DEFAULT_SYSTEM_PROMPT, temperature=0.0, top_p=1.0, top_k=0,
+                max_tokens=max_tokens, seed=0, logprobs=LOGPROBS, min_p=0.0, repetition_penalty=1.0,
+                frequency_penalty=0.0, presence_penalty=0.0, stop_sequences="", mode="chat")
 
 
 def chat_messages(prompt: str) -> list[dict]:
@@ -342,7 +345,7 @@ def first_chat(url: str, message: str = "What is the capital of France?") -> dic
     """A chat as a visitor sends it (by default the first after start): time to the first streamed token."""
     client = gradio_client.Client(url, verbose=False)
     t0 = time.perf_counter()
-    job = client.submit(*chat_args(message, 16), api_name="/chat")
+    job = client.submit(**chat_args(message, 16), api_name="/chat")
     first = None
     for update in job:
         text = update[0][-1]["content"] if update[0] else ""

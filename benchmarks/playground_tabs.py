@@ -29,9 +29,11 @@ SYSTEM = "You are a concise, friendly assistant. Answer in a few sentences."
 LOGPROBS = 5
 
 
-def chat_args(prompt: str, max_tokens: int) -> tuple:
-    """``/chat``'s inputs: message, system, temperature, top-p, top-k, max tokens, seed, logprobs, mode."""
-    return (prompt, SYSTEM, 0.0, 1.0, 0, max_tokens, 0, LOGPROBS, "chat")
+def chat_args(prompt: str, max_tokens: int) -> dict:
+    """``/chat``'s inputs by their API names (greedy; the other sampling controls at their off values)."""
+    return dict(message=prompt, system_prompt=SYSTEM, temperature=0.0, top_p=1.0, top_k=0, max_tokens=max_tokens,
+                seed=0, logprobs=LOGPROBS, min_p=0.0, repetition_penalty=1.0, frequency_penalty=0.0,
+                presence_penalty=0.0, stop_sequences="", mode="chat")
 
 
 class Tab:
@@ -103,7 +105,7 @@ class Tab:
         self.client.predict(api_name="/clear")
 
     def chat(self, max_tokens: int) -> None:
-        self.client.predict(*chat_args(self.prompt, max_tokens), api_name="/chat")
+        self.client.predict(**chat_args(self.prompt, max_tokens), api_name="/chat")
 
 
 def run_round(tabs: list[Tab], max_tokens: int | None, interval: float, ticks: bool = True) -> dict:

@@ -30,6 +30,8 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
 def drive(page, url: str) -> None:
     page.goto(url)
     page.wait_for_selector("#kv-map .kv-cell")
+    if page.viewport_size["width"] < 700 and page.locator("#conv-sidebar.open").count():
+        page.get_by_role("button", name="Toggle Sidebar").click()     # on a phone it covers the page
     page.click("#msg textarea")
     page.fill("#msg textarea", "What is the capital of France?")
     page.press("#msg textarea", "Enter")
@@ -53,11 +55,26 @@ def drive(page, url: str) -> None:
     time.sleep(0.5)
 
 
+def engine_tab(page, out: str) -> None:
+    """A batch demo, then the Engine tab's timeline (the Plotly chart) in view: ``out``."""
+    expect(page.locator('#chat [data-testid="bot"]').last.locator(".pg-finish")).to_have_count(1, timeout=180_000)
+    page.locator("button[role=tab]", has_text="Batch demo").first.click()
+    page.get_by_role("button", name="Fire batch").click()
+    expect(page.locator("#batch-view .batch-row[data-state=done]")).to_have_count(4, timeout=180_000)
+    page.locator("button[role=tab]", has_text="Engine").first.click()
+    page.wait_for_selector("#timeline .js-plotly-plot .ytick text", timeout=60_000)
+    time.sleep(2.5)                                   # a refresh from the panels' route
+    page.locator("#timeline").scroll_into_view_if_needed()
+    page.screenshot(path=out)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(ROOT / "docs" / "playground.png"))
     parser.add_argument("--chromium", default="/usr/bin/chromium")
     parser.add_argument("--width", type=int, default=1400)
+    parser.add_argument("--height", type=int, default=1000)
+    parser.add_argument("--engine-tab", metavar="PNG", help="also a batch demo and the Engine tab's timeline, here")
     parser.add_argument("--server", metavar="URL", help="the engine of a running engine server (as python -m "
                         "playground --server URL) instead of one loaded here")
     args = parser.parse_args(argv)
@@ -67,9 +84,14 @@ def main(argv: list[str] | None = None) -> None:
     try:
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=args.chromium, args=CHROMIUM_ARGS)
-            page = browser.new_page(viewport={"width": args.width, "height": 1000})
+            phone = args.width < 700
+            page = browser.new_page(viewport={"width": args.width, "height": args.height}, is_mobile=phone,
+                                    has_touch=phone)
             drive(page, url)
             page.screenshot(path=args.out, full_page=True)
+            if args.engine_tab:
+                engine_tab(page, args.engine_tab)
+                print(f"wrote {args.engine_tab}")
             browser.close()
     finally:
         demo.close()

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import plotly.graph_objects as go
+import pytest
 
-from playground.timeline import Timeline
+from playground.timeline import Timeline, percentiles
 from playground.timeline_chart import timeline_figure
 
 NOW = 1_000_000.0
@@ -56,6 +58,14 @@ def test_hits_ttft_and_itl_per_request():
     a_request(tl, "one", NOW - 5, 10, 0, 1)
     assert len(tl.series(60, now=NOW)["ttft"]) == 6
     assert tl.series(20, now=NOW)["hits"][0][2] == "batch-0"        # the window drops older requests
+
+
+def test_percentiles_are_numpys():
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 7, 100):
+        values = list(rng.exponential(size=n))
+        assert percentiles(values) == pytest.approx(dict(zip((50, 90, 99), np.percentile(values, (50, 90, 99)))))
+    assert percentiles([]) is None
 
 
 def test_the_figure_is_plotly_json_with_step_lines_and_gaps():
