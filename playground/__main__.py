@@ -95,26 +95,46 @@ def _port_in_use(host: str, port: int) -> str | None:
     return None
 
 
-def _warm_up(llm) -> None:
+def _warm_up(llm, progress: bool = False) -> None:
     """Pay the first requests' one-time costs now, before the URL is printed (the engine's own
     warm-up at load covers a short prefill and a decode step): the engine thread, sampling and
     detokenizing; a prompt longer than ``block_matmul.SMALL_T`` tokens, whose prefill takes the
     BLAS path of the quantized matmuls (in a fresh install compiling it took seconds, which the
     first long chat would otherwise wait through); and matplotlib, which Gradio imports for every
-    request when it is installed and which builds its font cache on first import. The prefix
-    cache is emptied afterwards: the page starts with every block free."""
+    request when it is installed and which builds its font cache on first import; the timeline's
+    Plotly figure. The prefix cache is emptied afterwards: the page starts with every block free.
+    ``progress``: a tqdm bar in the terminal naming each part as it runs, with its estimate."""
+    from tqdm import tqdm
+
     from engine import SamplingParams
     from gpu_kernels.cpu.block_matmul import SMALL_T
 
+    from .timeline_chart import timeline_figure
+    from .timeline import Timeline
+
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
-    llm.generate("Hi", params, use_tqdm=False)
     hi = llm.get_tokenizer().encode("Hi", add_special_tokens=False)
-    llm.generate({"prompt_token_ids": hi * (SMALL_T // len(hi) + 2)}, params, use_tqdm=False)
+    long = hi * (SMALL_T // len(hi) + 2)
+
+    def matplotlib() -> None:
+        try:
+            import matplotlib.pyplot  # noqa: F401
+        except ImportError:
+            pass
+
+    parts = [
+        ("a short request: the engine thread, sampling, detokenizing", lambda: llm.generate("Hi", params, use_tqdm=False)),
+        (f"a {len(long)}-token prompt: the quantized matmuls' BLAS path (compiled on a fresh install)",
+         lambda: llm.generate({"prompt_token_ids": long}, params, use_tqdm=False)),
+        ("matplotlib's font cache (Gradio imports it for every request)", matplotlib),
+        ("the timeline's Plotly figure", lambda: timeline_figure(Timeline().series())),
+    ]
+    with tqdm(parts, unit="part", disable=not progress, file=sys.stdout, dynamic_ncols=True,
+              bar_format="{l_bar}{bar}| {n}/{total} [{elapsed}<{remaining}]") as bar:
+        for what, run in bar:
+            bar.set_description(f"warming up: {what}")
+            run()
     llm.reset_prefix_cache()
-    try:
-        import matplotlib.pyplot  # noqa: F401
-    except ImportError:
-        pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             _say("Warming up: a short and a long request through the engine, and the libraries the first chat "
                  "loads ...")
             t0 = time.perf_counter()
-            _warm_up(llm)
+            _warm_up(llm, progress=True)
             _say(f"Warmed up in {time.perf_counter() - t0:.1f} s")
         limits = Limits(max_input_chars=args.max_input_chars, max_batch=args.max_batch)
         demo = build_app(llm, limits=limits, queue_size=args.queue_size,

@@ -103,7 +103,7 @@ def timeline_figure(series: dict[str, Any]) -> dict:
         "prefix hit rate": f"prefix hit rate of each request · {len(series.get('hits', []))} requests",
         "tokens/s": "tokens/s · x: seconds ago (0 = now)",
         "TTFT": f"TTFT (ms) · {_ms(series.get('ttft_pct'))}",
-        "inter-token latency": f"inter-token latency (ms) · {_ms(series.get('itl_pct'))}",
+        "inter-token latency": f"ITL (ms) · {_ms(series.get('itl_pct'))}",
     }
     layout["annotations"] = [dict(a, text=titles.get(a["text"], a["text"])) for a in frame["layout"]["annotations"]]
     for name in [k for k in frame["layout"] if k.startswith("xaxis")]:

@@ -94,7 +94,7 @@ def test_the_timeline_is_a_plotly_chart_with_gaps_hover_window_and_batch_hits(br
     assert plot(page, "gd => gd.data.find(t => t.name === 'decode tok/s').y.some(v => v === null)")
     titles = plot(page, "gd => gd.layout.annotations.map(a => a.text)")
     assert any(re.match(r"TTFT \(ms\) · p50/p90/p99 [\d.]+/[\d.]+/[\d.]+ m?s", t) for t in titles), titles
-    assert any(t.startswith("inter-token latency (ms) · p50/p90/p99") for t in titles), titles
+    assert any(t.startswith("ITL (ms) · p50/p90/p99") for t in titles), titles
     # Hovering a request's point shows that point's own values.
     plot(page, "gd => gd.querySelector('.subplot.x5y5').scrollIntoView({block: 'center'})")
     box = page.locator("#timeline .js-plotly-plot").bounding_box()

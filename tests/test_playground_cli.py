@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -118,6 +119,18 @@ def test_warm_up_prefills_past_the_small_matmul_path_and_leaves_no_cached_block(
         unsubscribe()
     assert max(s["num_tokens"] for s in steps) > SMALL_T
     assert {b.state for b in smollm2_llm.snapshot().blocks} == {"free"}
+
+
+def test_warm_up_shows_a_bar_naming_each_part(smollm2_llm, capsys):
+    """``python -m playground`` warms up under a tqdm bar that says what runs now, with its estimate."""
+    from playground.__main__ import _warm_up
+
+    _warm_up(smollm2_llm, progress=True)
+    out = capsys.readouterr().out
+    assert "warming up: a short request" in out and "BLAS path" in out and "Plotly figure" in out
+    assert re.search(r"4/4 \[\d+:\d+<\d+:\d+\]", out), out[-500:]
+    _warm_up(smollm2_llm)
+    assert capsys.readouterr().out == ""                  # the tests' and benchmarks' warm-up is quiet
 
 
 def test_a_busy_port_fails_before_anything_loads():
