@@ -111,7 +111,8 @@ def run_unqueued(client, fn_index: int, timeout: float = 30.0) -> list:
     ``/run/predict`` in the client's session (gradio_client would join the queue instead)."""
     import httpx
 
-    body = {"data": [None], "fn_index": fn_index, "session_hash": client.session_hash, "event_data": None,
+    inputs = client.config["dependencies"][fn_index]["inputs"]
+    body = {"data": [None] * len(inputs), "fn_index": fn_index, "session_hash": client.session_hash, "event_data": None,
             "trigger_id": None}
     response = httpx.post(f"{client.src.rstrip('/')}/gradio_api/run/predict", json=body, timeout=timeout)
     response.raise_for_status()
@@ -339,14 +340,15 @@ def test_replies_cut_by_max_tokens_say_length(client):
 
 
 def test_regenerate_and_branches_form_a_tree_with_turn_labels(client, smollm2_llm):
-    """Regenerate keeps the earlier reply (‹ 1/2 ›); turn labels count turns: 1, 2, 2b, 3."""
+    """Regenerate keeps the earlier reply (‹ 1/2 ›); turn labels count turns, and the prefix panel
+    shows the branch on screen: after regenerating turn 2, the next turn follows 1, 2b, 3."""
     client.predict("Hi!", SYSTEM, *greedy(4, 0), api_name="/chat")
     client.predict("Name a colour.", SYSTEM, *greedy(4, 0), api_name="/chat")
     chat, _, _, prefix_html, *_ = client.predict(SYSTEM, 0.9, 1.0, 0, 4, 7, 0, api_name="/regenerate")
     assert len(chat) == 4 and '<span class="pg-pos">2/2</span>' in reply_meta(chat)
     chat, _, _, prefix_html, *_ = client.predict("And a fruit?", SYSTEM, *greedy(4, 0), api_name="/chat")
     labels = re.findall(r"<title>turn (\w+):", prefix_html)
-    assert labels == ["1", "2", "2b", "3"]
+    assert labels == ["1", "2b", "3"]
     assert not wait_idle(smollm2_llm)["requests"]
 
 
@@ -604,13 +606,16 @@ def test_the_panels_are_polled_from_their_own_route_not_a_gradio_timer(app):
     config = client.config
     assert not [d for d in config["dependencies"] if any(t[1] == "tick" for t in d["targets"])]
     ids = {c["id"]: c.get("props", {}).get("elem_id") for c in config["components"]}
-    loads = [(i, d) for i, d in enumerate(config["dependencies"]) if [t[1] for t in d["targets"]] == ["load"]]
+    loads = [(i, d) for i, d in enumerate(config["dependencies"])
+             if [t[1] for t in d["targets"]] == ["load"] and d.get("backend_fn", True)]   # not the page's own js
     drawn = {}
     for i, d in loads:
         drawn.update(zip((ids[o] for o in d["outputs"]), run_unqueued(client, i)))
     tab = re.search(r'data-tab="([^"]+)"', drawn["kv-map"]).group(1)
-    for elem_id in PANEL_IDS:
+    html_panels = [p for p in PANEL_IDS if p != "timeline"]          # the timeline is a gr.Plot
+    for elem_id in html_panels:
         assert drawn[elem_id].startswith(f'<div class="live-panel" data-panel="{elem_id}">')
+    assert isinstance(drawn["timeline"], dict) and drawn["timeline"].get("type") == "plotly"
 
     def poll(token: str = tab) -> httpx.Response:
         return httpx.get(f"{url}playground/panels", params={"tab": token}, timeout=30)
@@ -618,7 +623,9 @@ def test_the_panels_are_polled_from_their_own_route_not_a_gradio_timer(app):
     before = poll()
     assert before.status_code == 200 and before.headers["Cache-Control"] == "no-store"
     panels = before.json()
-    assert list(panels) == list(PANEL_IDS) and all(isinstance(v, str) and v for v in panels.values())
+    assert list(panels) == [*PANEL_IDS, "stop"] and panels["stop"] == {"disabled": True}   # nothing to stop yet
+    assert all(isinstance(panels[p], str) and panels[p] for p in html_panels)
+    assert set(panels["timeline"]) == {"plotly"} and panels["timeline"]["plotly"]["data"]
     assert drawn["engine-panel"] == wrap("engine-panel", panels["engine-panel"])
     assert poll("not-a-tab").status_code == 404
     client.predict("Hi!", SYSTEM, *greedy(4), api_name="/chat")
