@@ -93,6 +93,13 @@ class Sidebar:
     def restore(self, key: Any, session: ChatSession) -> tuple:
         """Page load: this browser's conversations (a new key for a new browser), the last one shown."""
         key, library = self.libraries.get(key if isinstance(key, str) and key else None)
+        if session.library is None and (session.tree.path() or session.active_request_id is not None
+                                        or session.queued):
+            # A message sent before this load event ran (a slow server): keep that chat on screen,
+            # as a new conversation of this browser, instead of replacing it with the last one.
+            session.library = library
+            session.conversation_id = library.new(session.tree).conversation_id
+            return (key, *(gr.skip(),) * 6, self.conversations(session), "")
         session.library = library
         self._show(session, library.open(library.current))
         self._end_orphans(session)

@@ -98,3 +98,24 @@ def test_each_browser_has_its_own_list_and_an_unknown_key_gets_a_new_one():
     assert len(lib.entries) == 2 and lib.current not in (a.conversation_id,)
     shown = lib.delete(lib.current)
     assert shown.conversation_id in lib.entries and lib.current == shown.conversation_id
+
+
+def test_a_chat_sent_before_the_page_restored_is_kept_as_a_new_conversation():
+    """Under load the page's load event (restore) can run after the first message was sent: it used
+    to replace that chat with the browser's last conversation, so the reply streamed into nothing."""
+    import gradio as gr
+
+    from playground.chat import ChatSession
+    from playground.sidebar import Sidebar
+
+    libraries = Libraries()
+    key, library = libraries.get(None)
+    earlier = library.new()
+    earlier.tree.add_user("an earlier conversation")
+    session = ChatSession()
+    session.tree.add_user("typed before the page finished loading")
+    out = Sidebar(h=None, libraries=libraries).restore(key, session)
+    assert out[0] == key and all(o is gr.skip() or o == gr.skip() for o in out[1:7])   # the chat is left as it is
+    assert session.library is library and session.conversation_id != earlier.conversation_id
+    assert library.get(session.conversation_id).tree is session.tree
+    assert library.choices()[0][1] == session.conversation_id                    # listed first
