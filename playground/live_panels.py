@@ -54,15 +54,23 @@ setTimeout(pollRoute('playground/panels', () => %d,
     }
   }), %d);
 // Stop: off while the tab has nothing running (the route says so); on at once when a reply is asked
-// for (Send, Enter, Regenerate, Branch), before the route has seen it.
-let askedAt = 0;
+// for (Send, Enter, Regenerate, Branch), and kept on until the route has seen that request running
+// (a loaded server can take seconds to start it) or ASK_GRACE_MS have passed.
+const ASK_GRACE_MS = 10000;
+let askedAt = 0, seenSinceAsked = true;
 function stopState(disabled) {
   const stop = document.querySelector('#stop');
-  if (stop && !(disabled && Date.now() - askedAt < 3000)) stop.disabled = disabled;
+  if (!disabled) seenSinceAsked = true;
+  if (stop && !(disabled && !seenSinceAsked && Date.now() - askedAt < ASK_GRACE_MS)) stop.disabled = disabled;
+}
+function asked() {
+  askedAt = Date.now(); seenSinceAsked = false;
+  const stop = document.querySelector('#stop');
+  if (stop) stop.disabled = false;
 }
 stopState(true);                      // a page just opened has nothing running (a reload mid-reply: the route says)
 document.addEventListener('click', (e) => {
-  if (e.target.closest('#send, #regenerate, #branch')) { askedAt = Date.now(); stopState(false); }
+  if (e.target.closest('#send, #regenerate, #branch')) asked();
   if (e.target.closest('#branch')) scrollToBranch();
 }, true);
 // After Branch the new branch streams in the chat, above the logprob view the click came from (on a
@@ -77,7 +85,7 @@ function scrollToBranch() {
   }, 200);
 }
 document.addEventListener('keydown', (e) => {
-  if (e.key === 'Enter' && !e.shiftKey && e.target.closest('#msg')) { askedAt = Date.now(); stopState(false); }
+  if (e.key === 'Enter' && !e.shiftKey && e.target.closest('#msg')) asked();
 }, true);
 // A chart (the timeline): redrawn by the Plotly.js that Gradio's gr.Plot loaded, into the div that
 // gr.Plot drew the figure in (until it has, on a tab not shown yet, there is nothing to redraw).

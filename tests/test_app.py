@@ -259,7 +259,7 @@ BAD_VALUES = [   # (endpoint, arguments, words the error must contain): issue 13
     ("/chat", ("Hi", SYSTEM, "hot", 1.0, 0, 4, 0, 0), "temperature must be a number"),
     ("/chat", ("Hi", SYSTEM, 5.0, 1.0, 0, 4, 0, 0), "temperature must be between 0 and 2"),
     ("/chat", ("Hi", SYSTEM, 0.5, None, 0, 4, 0, 0), "top-p is missing"),
-    ("/chat", ("Hi", SYSTEM, 0.5, 0.0, 0, 4, 0, 0), "top_p must be in (0.0, 1.0]"),   # the engine's own check
+    ("/chat", ("Hi", SYSTEM, 0.5, 0.0, 0, 4, 0, 0), "top-p must be in (0.0, 1.0]"),   # the engine's own check
     ("/chat", ("Hi", SYSTEM, 0.5, 1.0, -3, 4, 0, 0), "top-k must be between"),
     ("/chat", ("Hi", SYSTEM, 0.5, 1.0, 0, 10**6, 0, 0), "max tokens must be between 1 and 64"),
     ("/chat", ("Hi", SYSTEM, 0.5, 1.0, 0, 2.5, 0, 0), "max tokens must be a whole number"),
@@ -267,7 +267,7 @@ BAD_VALUES = [   # (endpoint, arguments, words the error must contain): issue 13
     ("/chat", ("Hi", SYSTEM, 0.5, 1.0, 0, 4, 0, 99), "logprobs must be between 0 and 20"),
     ("/branch", (-7, 5, *greedy(4)), "branch token # must be between 0"),
     ("/branch", (10**12, 5, *greedy(4)), "branch token # must be between 0"),
-    ("/branch", (None, 5, *greedy(4)), "branch token # is missing"),
+    ("/branch", (None, 5, *greedy(4)), "Click a token of the reply in the logprob view first"),
     ("/branch", (0, 10**9, *greedy(4)), "alternative token id must be between 0"),
     ("/branch", (0, None, *greedy(4)), "choose an alternative"),
     ("/branch", (0, [1, 2], *greedy(4)), "alternative must be a token id or text"),
