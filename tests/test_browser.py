@@ -43,9 +43,15 @@ def page(browser, app_url):
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.goto(app_url)
     page.wait_for_selector("#kv-map .kv-cell")
+    wait_restored(page)
     yield page
     if not page.is_closed():
         page.close()
+
+
+def wait_restored(page) -> None:
+    """The page's load events have run (the conversations list is filled): what a visitor sees as ready."""
+    expect(page.locator("#conv-list label")).not_to_have_count(0, timeout=30_000)
 
 
 def send(page, text: str) -> None:
@@ -259,7 +265,9 @@ def test_the_panels_follow_the_engine_from_their_route(page, paced_engine):
     page.click("button[role=tab]:has-text('Engine')")
     engine = page.locator("#engine-panel .live-panel")
     before = engine.inner_html()
-    page.wait_for_timeout(2500)
+    deadline = time.monotonic() + 10                            # once a second, after each answer
+    while len(polls) < 2 and time.monotonic() < deadline:
+        page.wait_for_timeout(250)
     assert len(polls) >= 2 and not gradio_calls                 # polled; nothing through Gradio meanwhile
     send(page, "Write a short poem about the sea.")
     expect(page.locator('#chat [data-testid="bot"]').last.locator(".pg-finish")).to_have_count(1, timeout=120_000)
@@ -278,6 +286,7 @@ def test_on_a_phone_a_sticky_mini_map_follows_the_chat(browser, app_url, paced_e
     try:
         phone.goto(app_url)
         phone.wait_for_selector("#kv-map .kv-cell")
+        wait_restored(phone)
         send(phone, "Describe Rome in three short paragraphs.")
         phone.wait_for_selector('#kv-map .kv-cell.kv-used[data-owners^="chat-"]', timeout=60_000)
         phone.locator("#stop").scroll_into_view_if_needed()          # down the chat, past the header
@@ -297,6 +306,7 @@ def test_on_a_phone_a_sticky_mini_map_follows_the_chat(browser, app_url, paced_e
     try:
         wide.goto(app_url)
         wide.wait_for_selector("#kv-map .kv-cell")
+        wait_restored(wide)
         expect(wide.locator("#kv-mini")).to_be_hidden()
     finally:
         wide.close()
@@ -309,6 +319,7 @@ def test_on_a_phone_a_tap_shows_the_alternatives(browser, app_url, smollm2_llm):
     try:
         phone.goto(app_url)
         phone.wait_for_selector("#kv-map .kv-cell")
+        wait_restored(phone)
         send(phone, "What is the capital of France?")
         expect(phone.locator('#chat [data-testid="bot"]').last.locator(".pg-finish")).to_have_count(1,
                                                                                                   timeout=120_000)

@@ -39,6 +39,7 @@ def open_page(browser, url, viewport=DESKTOP):  # noqa: F811
     page.goto(url)
     page.wait_for_selector("#kv-map .kv-cell")
     page.wait_for_selector("#kv-map .kv-live[data-tab]")
+    expect(page.locator("#conv-list label")).not_to_have_count(0, timeout=30_000)   # the page restored
     if viewport is PHONE and page.locator("#conv-sidebar.open").count():
         page.get_by_role("button", name="Toggle Sidebar").click()     # a phone's page under it
         expect(page.locator("#conv-sidebar.open")).to_have_count(0)
@@ -200,12 +201,13 @@ def test_the_inspector_knows_the_tabs_own_blocks_and_batch_names_agree(browser, 
 def test_stop_is_off_with_nothing_running_and_branch_asks_for_a_token(browser, fresh_url, paced_engine):  # noqa: F811
     page = open_page(browser, fresh_url)
     expect(page.locator("#stop")).to_be_disabled(timeout=15_000)
-    send(page, "Count from one to twenty in words.")
+    send(page, "Count from one to two hundred in words, one number per line.")   # longer than the waits below
     expect(page.locator("#stop")).to_be_enabled(timeout=5_000)
     bot = page.locator('#chat [data-testid="bot"]')
     expect(bot.last.locator(".pg-state")).to_have_text("decoding", timeout=60_000)
     page.wait_for_timeout(3500)                        # the route's word, not the click's
-    expect(page.locator("#stop")).to_be_enabled()
+    if bot.last.locator(".pg-finish").count() == 0:    # (a fast machine may have finished the reply)
+        expect(page.locator("#stop")).to_be_enabled()
     finished(page)
     expect(page.locator("#stop")).to_be_disabled(timeout=15_000)
     page.click("#branch")                              # no token clicked
