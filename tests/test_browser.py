@@ -144,20 +144,26 @@ def test_stop_marks_the_reply_and_removes_the_cursor(page, paced_engine):
     wait_engine_idle(paced_engine)
 
 
+def set_number(page, label: str, value: str) -> None:
+    """Type ``value`` into the sampling control ``label``, opening the controls if they are shut."""
+    box = page.get_by_label(f"number input for {label}")
+    if not box.is_visible():
+        page.get_by_text("Mode, system prompt and sampling").click()
+    # On a loaded machine the accordion's controls can still be mounting when the first fill
+    # lands, and a remounted input shows its initial value again: fill until the value holds.
+    for _ in range(3):
+        box.fill(value)
+        box.press("Tab")
+        page.wait_for_timeout(300)
+        if box.input_value() == value:
+            break
+    expect(box).to_have_value(value)
+
+
 def greedy_long_replies(page) -> None:
     """Greedy sampling and room for long replies (the page's defaults sample at temperature 0.7)."""
-    page.get_by_text("Mode, system prompt and sampling").click()
     for label, value in (("temperature", "0"), ("max tokens", "200")):
-        box = page.get_by_label(f"number input for {label}")
-        # On a loaded machine the accordion's controls can still be mounting when the first fill
-        # lands, and a remounted input shows its initial value again: fill until the value holds.
-        for _ in range(3):
-            box.fill(value)
-            box.press("Tab")
-            page.wait_for_timeout(300)
-            if box.input_value() == value:
-                break
-        expect(box).to_have_value(value)
+        set_number(page, label, value)
 
 
 def test_typing_during_a_reply_is_kept_and_the_message_is_queued(page, paced_engine):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 from playwright.sync_api import expect
-from test_browser import CHROMIUM_ARGS, app_url, browser, greedy_long_replies, send, wait_engine_idle  # noqa: F401
+from test_browser import CHROMIUM_ARGS, app_url, browser, greedy_long_replies, send, set_number, wait_engine_idle  # noqa: F401
 
 pytestmark = pytest.mark.browser
 
@@ -25,19 +25,6 @@ def page(browser, app_url):  # noqa: F811
     expect(page.locator("#conv-list label")).not_to_have_count(0, timeout=20_000)   # the page restored
     yield page
     context.close()
-
-
-def set_number(page, label: str, value: str) -> None:
-    box = page.get_by_label(f"number input for {label}")
-    if not box.is_visible():
-        page.get_by_text("Mode, system prompt and sampling").click()
-    for _ in range(3):
-        box.fill(value)
-        box.press("Tab")
-        page.wait_for_timeout(300)
-        if box.input_value() == value:
-            break
-    expect(box).to_have_value(value)
 
 
 def upload(page, path) -> None:
