@@ -56,6 +56,8 @@ class BlockPool:
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, KVCacheBlock] = {}
         self.events = BlockEvents()
+        self.num_evictions = 0       # cached blocks whose hash an allocation dropped (the engine's counter)
+        self.log = None              # a ``KVEventLog`` (engine.kv_events), set by the KVCacheManager
 
     # -- queries -----------------------------------------------------------
     @property
@@ -71,13 +73,19 @@ class BlockPool:
         return self._cached.get(block_hash)
 
     # -- allocation ----------------------------------------------------------
-    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
-        """Take ``n`` blocks from the front of the LRU queue, evicting their hashes."""
+    def get_new_blocks(self, n: int, request_id: str | None = None) -> list[KVCacheBlock]:
+        """Take ``n`` blocks from the front of the LRU queue, evicting their hashes (for ``request_id``)."""
         if n > len(self._free):
             raise RuntimeError(f"asked for {n} blocks with only {len(self._free)} free")
         out = []
         for _ in range(n):
             _, block = self._free.popitem(last=False)
+            if block.block_hash is not None:
+                self.num_evictions += 1
+                if self.log is not None:
+                    self.log.add("evict", request_id, [block.block_id],
+                                 f"{request_id} needed {n} block{'s' * (n != 1)}; cached block {block.block_id} "
+                                 "was the least recently used", hash=block.block_hash.hex()[:16])
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
@@ -128,12 +136,12 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> int:
         """Forget every hash (used blocks keep serving their requests). Returns blocks un-hashed."""
-        n = 0
-        for block in self.blocks:
-            if block.block_hash is not None:
-                self._evict(block)
-                n += 1
-        return n
+        dropped = [b for b in self.blocks if b.block_hash is not None]
+        for block in dropped:
+            self._evict(block)
+        if self.log is not None and dropped:
+            self.log.add("reset", None, [b.block_id for b in dropped], "the prefix cache was reset")
+        return len(dropped)
 
     def drain_events(self) -> BlockEvents:
         events, self.events = self.events, BlockEvents()

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .block_pool import BlockEvents, BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
+from .kv_events import KVEventLog
 from .request import Request
 
 
@@ -37,6 +38,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
+        self.log = self.pool.log = KVEventLog()
         self.stats = PrefixCacheStats()
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self._req_to_hashes: dict[str, list[BlockHash]] = {}
@@ -92,9 +94,7 @@ class KVCacheManager:
         the pool cannot supply them.
         """
         table = self.req_to_blocks.setdefault(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        num_required = -(-(num_computed + num_new_tokens) // self.block_size)
-        num_new_blocks = max(0, num_required - len(table) - len(new_computed_blocks))
+        num_new_blocks = self.blocks_needed(request, num_new_tokens, new_computed_blocks)
         num_reclaimed = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_new_blocks > self.pool.num_free_blocks - num_reclaimed:
             if not table:
@@ -102,11 +102,26 @@ class KVCacheManager:
             return None
         self.pool.touch(list(new_computed_blocks))
         table.extend(new_computed_blocks)
-        new_blocks = self.pool.get_new_blocks(num_new_blocks)
+        rid = request.request_id
+        new_blocks = self.pool.get_new_blocks(num_new_blocks, rid)
         table.extend(new_blocks)
+        if new_blocks or new_computed_blocks:       # a decode step inside its last block logs nothing
+            hits = f", {len(new_computed_blocks)} from the prefix cache" if new_computed_blocks else ""
+            self.log.add("allocate", rid, [b.block_id for b in new_blocks],
+                         f"{rid} needed {num_new_blocks} block{'s' * (num_new_blocks != 1)} for {num_new_tokens} "
+                         f"token{'s' * (num_new_tokens != 1)}{hits}",
+                         shared=[b.block_id for b in new_computed_blocks])
         if self.enable_caching:
+            num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
             self._cache_full_blocks(request, table, num_computed + num_new_tokens)
         return new_blocks
+
+    def blocks_needed(self, request: Request, num_new_tokens: int, new_computed_blocks=()) -> int:
+        """New blocks ``allocate_slots`` would take for ``num_new_tokens`` more tokens."""
+        table = self.req_to_blocks.get(request.request_id, ())
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_required = -(-(num_computed + num_new_tokens) // self.block_size)
+        return max(0, num_required - len(table) - len(new_computed_blocks))
 
     def _cache_full_blocks(self, request: Request, table: list[KVCacheBlock], num_tokens: int) -> None:
         hashes = self._block_hashes(request)
@@ -115,10 +130,14 @@ class KVCacheManager:
             if table[i].block_hash is None:
                 self.pool.cache_block(table[i], hashes[i])
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Request, cause: str = "") -> None:
         """Release the request's blocks (tail first); hashed ones stay in the prefix cache."""
         table = self.req_to_blocks.pop(request.request_id, [])
         self.pool.free_blocks(reversed(table))
+        if table:
+            self.log.add("free", request.request_id, [b.block_id for b in table],
+                         cause or f"{request.request_id} ended",
+                         cached=[b.block_id for b in table if b.ref_cnt == 0 and b.block_hash is not None])
         self._req_to_hashes.pop(request.request_id, None)
 
     def block_ids(self, request_id: str) -> list[int]:

@@ -270,6 +270,19 @@ class LLM:
                                f"recorded{': ' + delta.error if delta.error else ''}")
         return rid, record
 
+    def estimate_prefill(self, token_ids: list[int]):
+        """What sending ``token_ids`` as a prompt would cost now, read from the prefix cache without
+        touching it (``engine.prefill_estimate.PrefillEstimate``): tokens cached and to compute, blocks
+        shared and new, the expected prefill time at the rate this engine measured."""
+        with self._lock:
+            return self.engine.estimate_prefill(token_ids)
+
+    def kv_events(self, since: int = 0) -> dict:
+        """The KV cache's events after seq ``since`` (allocate, free, evict, preempt, recompute, each with
+        its cause: ``engine.kv_events``), ``next`` to ask for next, and the engine's counters."""
+        with self._lock:
+            return self.engine.kv_events(since)
+
     def snapshot(self):
         with self._lock:
             return self.engine.snapshot()

@@ -26,6 +26,7 @@ from .loader import load_checkpoint
 from .model_impl import build_model, resolve_model_impl
 from .model_runner import ModelRunner, kv_block_bytes
 from .outputs import StreamDelta
+from .prefill_estimate import PrefillEstimate, PrefillRate, estimate_prefill
 from .provenance import ProvenanceRecorder
 from .request import Request, RequestStatus
 from .sampler import LogitsAdjust, Sampler
@@ -126,6 +127,7 @@ class LLMEngine:
         self.last_step: StepInfo | None = None
         self._block_infos = BlockInfos()   # snapshots share the BlockInfo of unchanged blocks
         self._provenance = ProvenanceRecorder(config.block_size)
+        self.prefill_rate = PrefillRate()   # tokens/s of recent steps with prefill (estimate_prefill)
 
     # -- requests -------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
@@ -209,6 +211,7 @@ class LLMEngine:
         """One scheduled forward pass. A failure in the model step fails that step's requests; a
         failure while sampling or post-processing one request fails that request only."""
         t0 = time.perf_counter()
+        self.kv_cache_manager.log.step = self.step_count + 1
         batch = self.scheduler.schedule()  # the step's one record; it advanced num_computed_tokens
         for req in batch.preempted:
             self._emit("request_preempted", request_id=req.request_id)
@@ -269,6 +272,8 @@ class LLMEngine:
             decode=tuple(s.request.request_id for s in batch.scheduled if s.is_decode),
             duration_s=time.perf_counter() - t0,
         )
+        if self.last_step.prefill:
+            self.prefill_rate.record(self.last_step.num_tokens, self.last_step.duration_s)
         self._emit("step", batch_size=self.last_step.batch_size, num_tokens=self.last_step.num_tokens,
                    prefill=dict(self.last_step.prefill), decode=list(self.last_step.decode),
                    duration_s=self.last_step.duration_s)
@@ -377,6 +382,33 @@ class LLMEngine:
                              kv_cache_manager=self.kv_cache_manager, requests=live, last_step=self.last_step,
                              decode_path=self.runner.decode_path, block_infos=self._block_infos,
                              tensor_parallel=self.runner.info() if self.tensor_parallel is not None else None)
+
+    def estimate_prefill(self, token_ids) -> PrefillEstimate:
+        """What prefilling ``token_ids`` would cost now (``engine.prefill_estimate``): nothing is allocated."""
+        if isinstance(token_ids, (str, bytes)) or not (isinstance(token_ids, Sequence) or (
+                isinstance(token_ids, np.ndarray) and token_ids.ndim == 1)):
+            raise ValueError(f"token_ids must be a list of token ids; got {type(token_ids).__name__}")
+        ids = list(token_ids)
+        if not ids:
+            raise ValueError("token_ids is empty; give at least one token")
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)
+               or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token_ids must be integers in [0, {self.vocab_size}); got {bad[0]!r}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"{len(ids)} tokens; max_model_len is {self.max_model_len} (a prompt must leave room "
+                             "for one generated token)")
+        return estimate_prefill(self.kv_cache_manager, [int(t) for t in ids], self.prefill_rate,
+                                self.config.max_num_batched_tokens)
+
+    def kv_events(self, since: int = 0) -> dict:
+        """The KV event log after ``since`` (``engine.kv_events``) and the engine's counters."""
+        out = self.kv_cache_manager.log.since(since)
+        out["counters"] = {"preemptions": self.scheduler.num_preemptions,
+                           "evictions": self.kv_cache_manager.pool.num_evictions,
+                           "num_blocks": self.kv_cache_manager.num_blocks,
+                           "block_size": self.kv_cache_manager.block_size, "step": self.step_count}
+        return out
 
     def drain_events(self) -> list[EngineEvent]:
         """Events since the last drain, in order. The engine never calls listeners itself:

@@ -77,6 +77,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._order: dict[str, int] = {}
         self._counter = itertools.count()
+        self.num_preemptions = 0        # the engine's counter (vLLM's num_preemptions)
 
     def add_request(self, request: Request) -> None:
         self._order[request.request_id] = next(self._counter)
@@ -97,7 +98,7 @@ class Scheduler:
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while self.kv_cache_manager.allocate_slots(req, num_new) is None:
                 victim = max(self.running, key=lambda r: self._order[r.request_id])
-                self._preempt(victim)
+                self._preempt(victim, req, num_new)
                 out.preempted.append(victim)
                 if victim.request_id in chosen:
                     budget += chosen.pop(victim.request_id).num_new_tokens
@@ -121,6 +122,12 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.kv_cache_manager.record_lookup(req.num_tokens, num_cached)
+            if req.num_preemptions:
+                self.kv_cache_manager.log.add(
+                    "recompute", req.request_id, self.kv_cache_manager.block_ids(req.request_id),
+                    f"{req.request_id} resumes after {req.num_preemptions} preemption"
+                    f"{'s' * (req.num_preemptions != 1)}: {req.num_tokens - num_cached} tokens to compute again, "
+                    f"{num_cached} from the prefix cache", tokens=req.num_tokens - num_cached, cached=num_cached)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens < 0:
@@ -140,9 +147,18 @@ class Scheduler:
     def _scheduled(req: Request, num_new: int, num_computed: int) -> ScheduledRequest:
         return ScheduledRequest(req, num_new, num_computed, num_computed + num_new == req.num_tokens)
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, needer: Request, num_new: int) -> None:
+        kv = self.kv_cache_manager
+        need = kv.blocks_needed(needer, num_new)
+        cause = (f"{needer.request_id} needed {need} block{'s' * (need != 1)} with {kv.pool.num_free_blocks} free: "
+                 + ("it is the newest running request, so it gives its own blocks back" if req is needer else
+                    f"{req.request_id}, the newest running request, gives its blocks back"))
+        kv.log.add("preempt", req.request_id, kv.block_ids(req.request_id), cause, needed_by=needer.request_id,
+                   needed_blocks=need)
+        self.num_preemptions += 1
         self.running.remove(req)
-        self.kv_cache_manager.free(req)
+        kv.free(req, f"{req.request_id} was preempted ({needer.request_id} needed {need} "
+                     f"block{'s' * (need != 1)})")
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -154,7 +170,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv_cache_manager.free(req)
+        self.kv_cache_manager.free(req, f"{req.request_id} finished ({reason})")
         self._order.pop(req.request_id, None)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
