@@ -53,7 +53,7 @@ from .snapshot import keep_unchanged_blocks
 logger = logging.getLogger("engine")
 
 _CALLS = ("generate", "chat", "abort", "snapshot", "reset_prefix_cache", "attention_lens",
-          "sampler_pipeline")   # run in the child, answer once
+          "sampler_pipeline", "estimate_prefill", "kv_events")   # run in the child, answer once
 HEARTBEAT_INTERVAL = 1.0   # seconds between the engine process's signs of life
 
 
@@ -168,6 +168,14 @@ class LLMProcess:
         self._check_can_wait("attention_lens")
         return self._call("attention_lens", list(token_ids) if isinstance(token_ids, (list, tuple)) else token_ids,
                           position, layer, head)
+
+    def estimate_prefill(self, token_ids: list[int]):
+        """As ``LLM.estimate_prefill`` (read in the engine process; the ``PrefillEstimate`` pickles back)."""
+        return self._call("estimate_prefill", list(token_ids) if isinstance(token_ids, (list, tuple)) else token_ids)
+
+    def kv_events(self, since: int = 0) -> dict:
+        """As ``LLM.kv_events`` (plain dicts from the engine process)."""
+        return self._call("kv_events", since)
 
     def snapshot(self):
         self._last_snapshot = keep_unchanged_blocks(self._call("snapshot"), self._last_snapshot)

@@ -85,3 +85,51 @@ def test_bad_input_is_named(tiny_dir):
                        ([1, True], "integers in"), (list(range(5)) * 1000, "max_model_len")):
         with pytest.raises(ValueError, match=words):
             llm.estimate_prefill(bad)
+
+
+def test_every_transport_gives_the_same_estimate_and_log(tiny_dir):
+    """In process, in the engine's own process (``LLMProcess``) and over HTTP (``RemoteLLM`` on the
+    server's ``/engine`` routes); a foreign server's client says why it cannot."""
+    import httpx
+
+    from engine import LLMProcess
+    from engine.client.http import RemoteLLM
+    from engine.client.openai_server import OpenAIServer
+    from test_engine_client import serve
+
+    ids = tiny_prompts(1, length=22)[0]["prompt_token_ids"]
+    llm = LLM(model=tiny_dir, block_size=4)
+    llm.generate({"prompt_token_ids": ids}, GREEDY)
+    srv, url = serve(llm)
+    remote = RemoteLLM(url)
+    try:
+        here, there = llm.estimate_prefill(ids), remote.estimate_prefill(ids)
+        assert there == here and here.num_cached_tokens == 20
+        assert remote.kv_events(since=1) == llm.kv_events(since=1)
+        with pytest.raises(ValueError, match="token_ids is empty"):
+            remote.estimate_prefill([])
+        answer = httpx.get(f"{url}/engine/kv_events?since=x")
+        assert answer.status_code == 400 and "since must be a non-negative integer" in answer.text
+        foreign = OpenAIServer(url)
+        try:
+            with pytest.raises(NotImplementedError, match="prefix-cache hit counts"):
+                foreign.estimate_prefill(ids)
+            with pytest.raises(NotImplementedError, match="not each allocation"):
+                foreign.kv_events()
+        finally:
+            foreign.shutdown()
+    finally:
+        remote.shutdown()
+        srv.should_exit = True
+    child = LLMProcess(model=tiny_dir, block_size=4)
+    try:
+        child.generate({"prompt_token_ids": ids}, GREEDY)
+        est = child.estimate_prefill(ids)          # another engine: its own measured rate
+        same = ("prefill_tokens_per_s", "expected_prefill_s")
+        assert {k: v for k, v in est.to_dict().items() if k not in same} == \
+            {k: v for k, v in here.to_dict().items() if k not in same}
+        assert est.prefill_tokens_per_s > 0
+        assert [e["kind"] for e in child.kv_events()["events"]] == [e["kind"] for e in llm.kv_events()["events"]]
+    finally:
+        child.shutdown()
+

@@ -28,6 +28,8 @@ from ..config import EngineConfig
 from ..lens import AttentionLens
 from ..llm import EngineDeadError, _conversations
 from ..outputs import CompletionOutput, RequestOutput, StreamDelta
+from ..prefill_estimate import PrefillEstimate
+from ..sampler_pipeline import SamplerPipeline
 from ..sampling_params import SamplingParams
 from ..snapshot import keep_unchanged_blocks
 from ..tokenizer import Tokenizer
@@ -131,6 +133,31 @@ class RemoteLLM:
         body = {"token_ids": [int(t) if hasattr(t, "__index__") and not isinstance(t, bool) else t for t in token_ids],
                 "position": position, "layer": layer, "head": head}
         return AttentionLens.from_dict(self._post("/engine/attention_lens", body))
+
+    def sampler_pipeline(self, token_ids: list[int], position: int, sampling_params: SamplingParams,
+                         num_prompt_tokens: int | None = None) -> SamplerPipeline:
+        """As ``LLM.sampler_pipeline``, computed by the server's engine (``POST /engine/sampler_pipeline``)."""
+        if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__len__"):
+            raise ValueError(f"token_ids must be a list of token ids; got {type(token_ids).__name__}")
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams; got {type(sampling_params).__name__}")
+        body = {"token_ids": [int(t) if hasattr(t, "__index__") and not isinstance(t, bool) else t for t in token_ids],
+                "position": position, "sampling_params": params_to_dict(sampling_params),
+                "num_prompt_tokens": num_prompt_tokens}
+        return SamplerPipeline.from_dict(self._post("/engine/sampler_pipeline", body))
+
+    def estimate_prefill(self, token_ids: list[int]) -> PrefillEstimate:
+        """As ``LLM.estimate_prefill``, read by the server's engine (``POST /engine/estimate_prefill``)."""
+        if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__len__"):
+            raise ValueError(f"token_ids must be a list of token ids; got {type(token_ids).__name__}")
+        body = {"token_ids": [int(t) if hasattr(t, "__index__") and not isinstance(t, bool) else t for t in token_ids]}
+        return PrefillEstimate.from_dict(self._post("/engine/estimate_prefill", body))
+
+    def kv_events(self, since: int = 0) -> dict:
+        """As ``LLM.kv_events``, from the server's engine (``GET /engine/kv_events?since=N``)."""
+        if isinstance(since, bool) or not isinstance(since, int) or since < 0:
+            raise ValueError(f"since must be a non-negative integer (an event's seq); got {since!r}")
+        return self._get(f"/engine/kv_events?since={since}")
 
     def shutdown(self) -> None:
         """Close this client's connections (the server goes on serving others)."""

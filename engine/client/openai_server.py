@@ -138,6 +138,21 @@ class OpenAIServer:
                              f"VLLM_SERVER_DEV_MODE=1: POST /reset_prefix_cache); it answered {response.status_code}")
         return 0
 
+    def estimate_prefill(self, token_ids):
+        """Not available: the estimate reads the engine's prefix-cache index, which such a server does not expose."""
+        raise NotImplementedError(
+            f"what a prompt will cost is not available on {self.server}: an OpenAI-compatible server exposes its "
+            "prefix-cache hit counts, not the index of cached blocks. It works in process (LLM, LLMProcess) and on "
+            "this project's engine server read through its /engine routes" + (" (drop --openai-only)" if self._ours else ""))
+
+    def kv_events(self, since=0):
+        """Not available: such a server exposes aggregate counters, not its KV cache's events."""
+        raise NotImplementedError(
+            f"the KV event log is not available on {self.server}: an OpenAI-compatible server exposes aggregate "
+            "metrics (preemptions, KV usage), not each allocation, eviction and preemption with its cause. It works "
+            "in process (LLM, LLMProcess) and on this project's engine server read through its /engine routes"
+            + (" (drop --openai-only)" if self._ours else ""))
+
     def attention_lens(self, token_ids, position, layer=None, head=None):
         """Not available: the lens reads the engine's queries and KV cache, which an OpenAI-compatible server
         does not expose."""
@@ -145,6 +160,16 @@ class OpenAIServer:
             f"the attention lens is not available on {self.server}: an OpenAI-compatible server exposes neither "
             "its attention nor its KV blocks. It works in process (LLM, LLMProcess) and on this project's engine "
             "server (python -m engine.entrypoints.openai.api_server) read through its /engine routes"
+            + (" (drop --openai-only)" if self._ours else ""))
+
+    def sampler_pipeline(self, token_ids, position, sampling_params, num_prompt_tokens=None):
+        """Not available: the stages need the logits before sampling, which an OpenAI-compatible server
+        does not expose (its logprobs are one stage's top-k)."""
+        raise NotImplementedError(
+            f"the sampler's pipeline is not available on {self.server}: an OpenAI-compatible server returns at "
+            "most the top-k logprobs of one stage, not the logits before its penalties and filters. It works in "
+            "process (LLM, LLMProcess) and on this project's engine server (python -m "
+            "engine.entrypoints.openai.api_server) read through its /engine routes"
             + (" (drop --openai-only)" if self._ours else ""))
 
     def shutdown(self) -> None:

@@ -14,6 +14,11 @@ is the same engine client over HTTP:
 * ``POST /engine/abort`` ``{"request_id"}``; ``POST /engine/reset_prefix_cache``;
 * ``POST /engine/attention_lens`` ``{"token_ids", "position", "layer", "head"}``: ``LLM.attention_lens``
   as ``AttentionLens.to_dict`` (the weights as base64 float32); bad input is a 400 before any work.
+* ``POST /engine/estimate_prefill`` ``{"token_ids"}``: ``LLM.estimate_prefill`` (read-only) as
+  ``PrefillEstimate.to_dict``; ``GET /engine/kv_events?since=N``: ``LLM.kv_events``.
+* ``POST /engine/sampler_pipeline`` ``{"token_ids", "position", "sampling_params", "num_prompt_tokens"}``:
+  ``LLM.sampler_pipeline`` as ``SamplerPipeline.to_dict`` (each stage's distribution as base64 float32,
+  its kept set as a bit mask); bad input is a 400 before any work.
 """
 
 from __future__ import annotations
@@ -125,6 +130,43 @@ def add_engine_routes(app: FastAPI, state) -> None:
         except ValueError as exc:
             raise ApiError(str(exc)) from None
         return lens.to_dict()
+
+    @app.post("/engine/sampler_pipeline")
+    async def sampler_pipeline(request: Request):
+        state.ready()
+        body = await read_json_object(request)
+        accepted = ("token_ids", "position", "sampling_params", "num_prompt_tokens")
+        unknown = set(body) - set(accepted)
+        if unknown:
+            raise ApiError(f"unknown field(s) {sorted(unknown)}; accepted: {', '.join(accepted)}")
+        params = _params(body.get("sampling_params") or {})
+        try:
+            pipe = await asyncio.to_thread(state.llm.sampler_pipeline, body.get("token_ids"), body.get("position"),
+                                           params, body.get("num_prompt_tokens"))
+        except ValueError as exc:
+            raise ApiError(str(exc)) from None
+        return pipe.to_dict()
+
+    @app.post("/engine/estimate_prefill")
+    async def estimate_prefill(request: Request):
+        state.ready()
+        body = await read_json_object(request)
+        unknown = set(body) - {"token_ids"}
+        if unknown:
+            raise ApiError(f"unknown field(s) {sorted(unknown)}; accepted: token_ids")
+        try:
+            return (await asyncio.to_thread(state.llm.estimate_prefill, body.get("token_ids"))).to_dict()
+        except ValueError as exc:
+            raise ApiError(str(exc), param="token_ids") from None
+
+    @app.get("/engine/kv_events")
+    def kv_events(since: str = "0"):     # a worker thread: it takes the engine lock
+        state.ready()
+        try:
+            return state.llm.kv_events(int(since))
+        except ValueError as exc:
+            raise ApiError(f"since must be a non-negative integer (an event's seq); got {since!r}" if
+                           not since.isdigit() else str(exc), param="since") from None
 
     @app.post("/engine/reset_prefix_cache")
     async def reset_prefix_cache():
