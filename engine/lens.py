@@ -134,6 +134,8 @@ class AttentionLens:
         return mass
 
     def _repr_html_(self) -> str:
+        """Heat on the text (shade by weight, the query outlined), then the attention mass per physical
+        block in table order (id, share, the positions it holds, whether it came from the prefix cache)."""
         heat = self.heat()
         top = float(heat.max()) or 1.0
         what = (f"layer {self.layer}" if self.layer is not None else "mean of layers") + ", " + \
@@ -145,9 +147,24 @@ class AttentionLens:
             edge = "outline:2px solid #d33;" if p == self.position else ""
             cells.append(f'<span title="position {p}, block {block}, weight {w:.4f}" style="background:'
                          f'rgba(230,80,20,{min(1.0, float(w) / top):.3f});{edge}white-space:pre-wrap">{shown}</span>')
+        mass = self.block_mass()
+        most = max(mass.values()) or 1.0
+        first = {}
+        for p, block in enumerate(self.block_ids):
+            first.setdefault(block, p)
+        rows = []
+        for j, (block, m) in enumerate(mass.items()):
+            hit = " · prefix-cache hit" if (j + 1) * self.block_size <= self.num_cached_tokens else ""
+            rows.append(f'<div data-block="{block}" data-mass="{m:.6f}" style="display:flex;gap:6px;align-items:center">'
+                        f'<b style="min-width:3.5em">#{block}</b><div style="width:160px;height:10px;background:#eee">'
+                        f'<div style="width:{100 * m / most:.1f}%;height:100%;background:rgb(230,80,20)"></div></div>'
+                        f'{100 * m:.1f}% · positions {first[block]}–{first[block] + self.block_ids.count(block) - 1}'
+                        f'{hit}</div>')
         return (f'<div style="font-family:monospace;line-height:1.6"><div style="font-size:85%;color:#666">'
                 f'attention of position {self.position} ({what}); {len(set(self.block_ids))} blocks, '
-                f'{self.num_cached_tokens} tokens from the prefix cache</div>{"".join(cells)}</div>')
+                f'{self.num_cached_tokens} tokens from the prefix cache</div>{"".join(cells)}'
+                f'<div style="font-size:85%;color:#666;margin-top:6px">attention mass per physical KV block</div>'
+                f'{"".join(rows)}</div>')
 
     # -- wire -----------------------------------------------------------------------------------
     def to_dict(self) -> dict:
