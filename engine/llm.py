@@ -252,7 +252,10 @@ class LLM:
             eos = frozenset() if sampling_params.ignore_eos else engine.tokenizer.eos_token_ids
             adjust = LogitsAdjust(sampling_params, ids[:prompt_len], ids[prompt_len:position],
                                   set(eos) | set(sampling_params.stop_token_ids))
-        return pipeline(record["logits"], sampling_params, adjust, token=ids[position])
+        pipe = pipeline(record["logits"], sampling_params, adjust, token=ids[position])
+        tok = engine.tokenizer                  # the texts of the ids a view draws (SamplerPipeline.top)
+        pipe.texts.update((t, tok.decode([t], skip_special_tokens=False)) for t in pipe.top())
+        return pipe
 
     def _record(self, ids: list[int], kind: str):
         """Run ``ids`` as one greedy one-token request that records ``kind`` (``LLMEngine.add_request``'s

@@ -20,8 +20,9 @@ top-k / top-p included; both are this). Greedy requests report the penalised row
 
 from __future__ import annotations
 
+import base64
 import html
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -48,6 +49,7 @@ class Stage:
 class SamplerPipeline:
     stages: tuple[Stage, ...]
     token: int | None = None   # the token the sampler picked, when known
+    texts: dict = field(default_factory=dict)   # token id -> its text, for the ids a view shows (``top``)
 
     @property
     def kept(self) -> np.ndarray:
@@ -66,12 +68,54 @@ class SamplerPipeline:
         return [{"stage": s.name, "prob": s.prob(token), "rank": s.rank(token), "kept": int(s.kept.size)}
                 for s in self.stages]
 
+    def top(self, n: int = 8) -> list[int]:
+        """The ids a view draws: each stage's ``n`` most likely, and the token, in a stable order."""
+        ids: dict[int, None] = {}
+        for s in self.stages:
+            k = min(n, s.probs.size)
+            best = np.argpartition(-s.probs, k - 1)[:k]
+            ids.update((int(t), None) for t in best[np.argsort(-s.probs[best], kind="stable")])
+        if self.token is not None:
+            ids[int(self.token)] = None
+        return list(ids)
+
+    def to_dict(self) -> dict:
+        """JSON for ``POST /engine/sampler_pipeline``: each stage's distribution as base64 float32 and its
+        kept set as a packed bit mask (exact)."""
+        def b64(a):
+            return base64.b64encode(np.ascontiguousarray(a).tobytes()).decode()
+
+        stages = []
+        for s in self.stages:
+            mask = np.zeros(s.probs.size, bool)
+            mask[s.kept] = True
+            stages.append({"name": s.name, "probs": b64(s.probs.astype("<f4")), "kept": b64(np.packbits(mask))})
+        return {"vocab_size": int(self.stages[0].probs.size), "token": self.token, "stages": stages,
+                "texts": {str(k): v for k, v in self.texts.items()}}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SamplerPipeline":
+        n = int(data["vocab_size"])
+        stages = []
+        for s in data["stages"]:
+            probs = np.frombuffer(base64.b64decode(s["probs"]), "<f4").astype(np.float64)
+            mask = np.unpackbits(np.frombuffer(base64.b64decode(s["kept"]), np.uint8), count=n).astype(bool)
+            stages.append(Stage(s["name"], probs, np.flatnonzero(mask)))
+        return cls(tuple(stages), data.get("token"), {int(k): v for k, v in (data.get("texts") or {}).items()})
+
     def processed_logprobs(self) -> np.ndarray:
         """log of the last stage's distribution (-inf outside the kept set)."""
         with np.errstate(divide="ignore"):
             return np.log(self.stages[-1].probs)
 
     def _repr_html_(self) -> str:
+        try:
+            from playground.sampler_view import sampler_pipeline_html
+        except ImportError:       # the engine alone: a table
+            return self._table_html()
+        return sampler_pipeline_html(self)
+
+    def _table_html(self) -> str:
         rows = "".join(
             f"<tr><td>{html.escape(w['stage'])}</td><td>{w['kept']}</td><td>{w['prob']:.4f}</td>"
             f"<td>{w['rank'] if w['rank'] is not None else 'dropped'}</td></tr>"

@@ -5,6 +5,7 @@ support is that set, and the sampled token is always in it."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from engine import SamplingParams
 from engine.entrypoints.openai.protocol import ChatCompletionRequest
 from engine.sampler import LogitsAdjust, Sampler, _pick, _walk
-from engine.sampler_pipeline import pipeline
+from engine.sampler_pipeline import SamplerPipeline, pipeline
 from engine.sampling_reference import probs as reference_probs
 
 VOCAB = 300
@@ -111,3 +112,52 @@ def test_engine_reports_processed_logprobs_and_its_pipeline_agrees(smollm2_llm):
 def test_walk_is_the_pick_rule():
     w = np.array([0.0, 0.5, 0.0, 0.25, 0.25], np.float32)
     assert _walk(w, np.arange(5), 0.6) == 3 and _walk(w, np.arange(5), 0.1) == 1
+
+
+def test_it_crosses_the_wire_with_exact_kept_sets():
+    row, p = next(cases(1))
+    pipe = pipeline(row, p, token=int(np.argmax(row)))
+    back = SamplerPipeline.from_dict(json.loads(json.dumps(pipe.to_dict())))
+    assert [s.name for s in back.stages] == [s.name for s in pipe.stages] and back.token == pipe.token
+    for a, b in zip(pipe.stages, back.stages):
+        assert np.array_equal(a.kept, b.kept)
+        np.testing.assert_allclose(b.probs, a.probs, rtol=1e-6, atol=1e-12)
+
+
+def test_pipeline_on_our_server_as_in_process_and_refused_on_a_foreign_one(smollm2_llm):
+    import httpx
+
+    from engine.client.http import RemoteLLM
+    from engine.client.openai_server import OpenAIServer
+    from test_engine_client import serve
+
+    srv, url = serve(smollm2_llm)
+    try:
+        remote = RemoteLLM(url)
+        ids = smollm2_llm.get_tokenizer().encode("The sampler keeps a few tokens and draws one of them. " * 2)
+        params = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02, repetition_penalty=1.3, seed=5)
+        here = smollm2_llm.sampler_pipeline(ids, len(ids) - 3, params, num_prompt_tokens=len(ids) - 6)
+        there = remote.sampler_pipeline(ids, len(ids) - 3, params, num_prompt_tokens=len(ids) - 6)
+        assert [s.name for s in there.stages] == [s.name for s in here.stages]
+        for a, b in zip(here.stages, there.stages):
+            assert np.array_equal(a.kept, b.kept), a.name
+            np.testing.assert_allclose(b.probs, a.probs, atol=2e-6)    # the second pass reads cached blocks
+        assert there.token == here.token == ids[-3] and there.texts == here.texts and here.token in here.texts
+        for a, b in zip(here.where(), there.where()):
+            assert (a["stage"], a["rank"], a["kept"]) == (b["stage"], b["rank"], b["kept"])
+            assert abs(a["prob"] - b["prob"]) < 2e-6
+        with pytest.raises(ValueError, match="num_prompt_tokens must be"):
+            remote.sampler_pipeline(ids, 4, params, num_prompt_tokens=9)
+        answer = httpx.post(url + "/engine/sampler_pipeline", json={"token_ids": ids, "position": 3, "seed": 1})
+        assert answer.status_code == 400 and "unknown field(s) ['seed']" in answer.text
+        answer = httpx.post(url + "/engine/sampler_pipeline",
+                            json={"token_ids": ids, "position": 3, "sampling_params": {"temp": 1}})
+        assert answer.status_code == 400 and "unknown sampling parameter(s) ['temp']" in answer.text
+        remote.shutdown()
+    finally:
+        srv.should_exit = True
+    server = object.__new__(OpenAIServer)
+    server.server, server._ours = "vLLM", False
+    with pytest.raises(NotImplementedError, match="sampler's pipeline is not available on vLLM"):
+        server.sampler_pipeline([1, 2], 1, SamplingParams())
+    assert not smollm2_llm.snapshot().requests
