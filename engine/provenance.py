@@ -56,6 +56,16 @@ class Provenance:
     def from_dict(cls, data: dict) -> "Provenance":
         return cls([Span(*s[:6], tuple(s[6])) for s in data["spans"]], [ReplyToken(*t) for t in data["reply"]])
 
+    def _repr_html_(self) -> str:
+        """Jupyter: each position coloured by its source, each reply token by its batch
+        (``playground.provenance_view``; positions for text, which the record does not hold)."""
+        from playground.provenance_view import provenance_html
+
+        n = max((s.end for s in self.spans if s.kind != "decode"), default=0)
+        n = min(n, max((s.start for s in self.spans if s.kind == "decode"), default=n))
+        return provenance_html(self, [f"{p} " for p in range(n)], [f"{j} " for j in range(len(self.reply))],
+                               name=lambda rid: str(rid))
+
     def sources(self, num_tokens: int) -> list[Span | None]:
         """For each position ``0..num_tokens - 1``, the span that last put its K/V in the cache."""
         out: list[Span | None] = [None] * num_tokens

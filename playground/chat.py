@@ -46,6 +46,9 @@ class Reply:
     decode_tps: float | None = None
     state: str = "queued"                                       # queued · prefill n / m · decoding · done
     stopped: bool = False                                       # ended by Stop (or a closed tab)
+    prefill_s: float | None = None                              # first scheduled to first token (the engine's)
+    params: Any = None                                          # the SamplingParams it was sampled with
+    provenance: Any = None                                      # where its K/V came from (engine.provenance), once finished
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -137,9 +140,12 @@ def stream_reply(
     record is marked ``stop``: the logprob view draws it as the reply's end.
     """
     stream = None
+    reply.params = params
     try:
         stream = llm.stream(prompt, params, request_id=reply.request_id)
         for delta in stream:
+            if getattr(delta, "provenance", None) is not None:
+                reply.provenance = delta.provenance
             if delta.prompt_token_ids and not reply.prompt_token_ids:
                 reply.prompt_token_ids = list(delta.prompt_token_ids)
             reply.num_prompt_tokens = delta.num_prompt_tokens or reply.num_prompt_tokens
@@ -159,6 +165,9 @@ def stream_reply(
                 reply.error = getattr(delta, "error", None) or (
                     "the engine failed this request" if delta.finish_reason == "error" else None)
             reply.ttft, reply.decode_tps = reply_stats(delta.metrics, len(reply.token_ids))
+            scheduled, first = _field(delta.metrics, "first_scheduled_time"), _field(delta.metrics, "first_token_time")
+            if scheduled is not None and first is not None:
+                reply.prefill_s = first - scheduled
             yield reply
     except Exception as exc:  # invalid prompt/params, or anything the engine raises
         reply.finished, reply.finish_reason = True, "error"

@@ -587,7 +587,9 @@ class Handlers:
         return block_inspector_html(snap, session.inspected, name=lambda rid: names.get(rid, session.labels.get(rid, rid)),
                                     own_tokens=own, own_requests=session.labels,
                                     last_owner=self.monitor.last_owner(session.inspected),
-                                    decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False))
+                                    decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False),
+                                    provenance={n.reply.request_id: n.reply.provenance for n in session.tree.replies()
+                                                if getattr(n.reply, "provenance", None) is not None})
 
     def _admin(self, what: str) -> None:
         if not self.allow_engine_admin:

@@ -53,6 +53,7 @@ def block_inspector_html(
     own_requests: Collection[str] = (),
     last_owner: tuple[str, str, tuple[int, int]] | None = None,
     decode: Callable[[Sequence[int]], str] | None = None,
+    provenance: Mapping[str, Any] | None = None,
 ) -> str:
     """Describe ``block_id`` of ``snapshot``.
 
@@ -65,6 +66,8 @@ def block_inspector_html(
             (``EngineMonitor.last_owner``): a cached block keeps no owner, but if the block still has
             that hash and the request is this viewer's, its text is shown.
         decode: token ids -> text.
+        provenance: this viewer's finished requests -> their ``engine.provenance.Provenance``: the
+            block's positions get a line saying what computed them (``provenance_view.block_source``).
     """
     if snapshot is not None and snapshot.get("blocks_hidden"):
         return (f'{_CSS}<div class="pg-panel block-inspector block-hidden"><i>No block to inspect: this server '
@@ -93,6 +96,13 @@ def block_inspector_html(
         mine = next((o for o in [*owners, cached_from] if o and own_tokens and o in own_tokens), None)
         if mine is not None and decode is not None:
             text = decode(list(own_tokens[mine])[span[0]:span[1]])
+    if span and provenance:
+        from .provenance_view import block_source
+
+        source = next((o for o in [*owners, cached_from] if o in provenance), None)
+        line = block_source(provenance[source], span[0], span[1], name) if source is not None else None
+        if line:
+            rows.append(("K/V computed", line))
     mine_untold = next((o for o in owners if o in own_requests), None)
     table = "".join(f'<tr data-field="{escape(str(k))}"><td>{escape(str(k))}</td><td><b>{escape(str(v))}</b></td></tr>'
                     for k, v in rows)

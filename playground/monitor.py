@@ -82,6 +82,9 @@ class EngineMonitor:
         self.idle_interval, self.idle_after = max(idle_interval, interval), idle_after
         self._read_at = time.monotonic()     # when a view last read the snapshot
         self._steps: deque[dict] = deque(maxlen=capacity)
+        # engine step -> (time, duration, prefill {request: tokens}, decode requests): the per-reply batch view
+        self._batches: dict[int, tuple] = {}
+        self.batches_capacity = 4096
         self._lock = threading.Lock()
         self._changed = threading.Event()
         self._wake = threading.Event()           # ends the idle pause early: a view is back
@@ -117,6 +120,9 @@ class EngineMonitor:
             with self._lock:
                 self._steps.append(record)
                 self.num_steps += 1
+                self._batches[event.step] = (event.time, data["duration_s"], data["prefill"], data["decode"])
+                if len(self._batches) > self.batches_capacity:
+                    del self._batches[next(iter(self._batches))]
             self.timeline.on_step(event.time, record["num_tokens"], record["num_decode"], data["prefill"],
                                   data["decode"])
         elif event.kind.startswith("request_"):
@@ -187,6 +193,12 @@ class EngineMonitor:
         with self._lock:
             items = list(self._steps)
         return items[-last:] if last else items
+
+    def batches(self, steps) -> dict[int, tuple]:
+        """For each engine step of ``steps`` still recorded: ``(time, duration_s, prefill, decode)``, who
+        the step served (``prefill``: request -> tokens, ``decode``: requests)."""
+        with self._lock:
+            return {s: self._batches[s] for s in steps if s in self._batches}
 
     def wait_idle(self, timeout: float = 10.0) -> dict:
         """Wait until the latest snapshot shows no live request; return it."""
