@@ -4,8 +4,9 @@
 logprob view never reaches Python. This widget (an ``anywidget.AnyWidget``: its front end is the
 ES module below, which JupyterLab, Notebook 7, VS Code and Colab load the same way) shows
 ``value`` as HTML and, on a click on an element with ``data-block`` (a KV block cell) or a
-``.lp-tok`` with ``data-index`` (a token of a logprob view), sets ``clicked`` to
-``{"block": id}`` or ``{"index": i}``, with a count ``n`` so that clicking the same element
+``.lp-tok`` with ``data-index`` (a token of a logprob view) or a ``.lz-tok`` with ``data-pos`` (a
+token of an attention lens), sets ``clicked`` to ``{"block": id}``, ``{"index": i}`` or
+``{"position": p}``, with a count ``n`` so that clicking the same element
 again is a change too. Python observes ``clicked``::
 
     view = ClickableHTML(value=render.block_map_html(snapshot))
@@ -28,8 +29,10 @@ function render({ model, el }) {
   el.addEventListener("click", (event) => {
     const block = event.target.closest("[data-block]");
     const token = event.target.closest(".lp-tok[data-index]");
+    const lensToken = event.target.closest(".lz-tok[data-pos]");
     let hit = null;
     if (token) hit = { index: Number(token.dataset.index) };
+    else if (lensToken) hit = { position: Number(lensToken.dataset.pos) };
     else if (block) hit = { block: Number(block.dataset.block) };
     if (!hit) return;
     hit.n = (model.get("clicked").n || 0) + 1;

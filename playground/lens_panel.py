@@ -22,7 +22,7 @@ import gradio as gr
 
 from .chat import ChatSession
 from .lens_view import (MEAN_HEADS, MEAN_LAYERS, LensState, head_choices, layer_choices, lens_empty_html,
-                        lens_error_html, lens_html, parse_choice, stored_by)
+                        lens_error_html, lens_html, parse_choice, reply_sources, stored_by)
 
 __all__ = ["LensPanel", "LENS_CLICK_JS"]
 
@@ -34,6 +34,11 @@ element.addEventListener('click', (e) => {
 """
 MAX_AFTER = 512          # tokens drawn after the lens's position (to click on)
 MAX_TABS = 1000
+
+
+def turn_name(label: str) -> str:
+    """A reply's label in the conversation ("2", "2b") as the lens names it."""
+    return f"turn {label[:-1]}, branch {label[-1]}" if label[-1:].isalpha() else f"turn {label}"
 
 
 class Refused(ValueError):
@@ -193,10 +198,8 @@ class LensPanel:
         after = [h.tokenizer.decode([t], skip_special_tokens=False)
                  for t in seq[lens.position + 1: lens.position + 1 + MAX_AFTER]] if seq[:len(lens.token_ids)] == \
             list(lens.token_ids) else []
-        turns = [(f"turn {n.label[:-1]}, branch {n.label[-1]}" if n.label[-1:].isalpha() else f"turn {n.label}",
-                  list(n.reply.prompt_token_ids) + n.reply.all_token_ids, n.reply.num_cached_tokens,
-                  len(n.reply.prompt_token_ids) + len(n.reply.all_token_ids) - 1)
-                 for n in sorted(session.tree.replies(), key=lambda n: n.node_id) if n.reply.prompt_token_ids]
+        turns = reply_sources([(turn_name(n.label), n.reply) for n in sorted(session.tree.replies(),
+                                                                               key=lambda n: n.node_id)])
         snap = h.monitor.snapshot()
         names = h.labels(session, snap)
         return lens_html(lens, layer=layer, head=head, after=after, snapshot=snap,

@@ -29,7 +29,7 @@ from typing import Any
 
 from engine.lens import AttentionLens, check_layer_head
 
-__all__ = ["lens_html", "lens_error_html", "lens_empty_html", "block_rows", "stored_by", "layer_choices", "head_choices",
+__all__ = ["lens_html", "lens_error_html", "lens_empty_html", "block_rows", "stored_by", "reply_sources", "layer_choices", "head_choices",
            "parse_choice", "LENS_CSS", "LensState"]
 
 MEAN_LAYERS, MEAN_HEADS = "all layers (mean)", "all heads (mean)"
@@ -129,6 +129,17 @@ def stored_by(lens: AttentionLens, sources: Sequence[tuple[str, Sequence[int], i
     return out
 
 
+def reply_sources(named: Sequence[tuple[str, Any]]) -> list[tuple[str, list[int], int, int]]:
+    """`stored_by` sources from ``(name, Reply)`` pairs, oldest first: a reply holds the K/V of its prompt
+    and of every token of it but the last (sampled, never fed back)."""
+    out = []
+    for name, reply in named:
+        seq = list(reply.prompt_token_ids) + list(reply.all_token_ids)
+        if reply.prompt_token_ids:
+            out.append((name, seq, int(reply.num_cached_tokens or 0), len(seq) - 1))
+    return out
+
+
 def block_rows(lens: AttentionLens, *, layer: int | None, head: int | None,
                snapshot: Mapping[str, Any] | None = None, stored_by: Sequence[str] = (),
                name: Callable[[str], str] = str) -> list[dict]:
@@ -181,12 +192,13 @@ def _window_note(lens: AttentionLens, layer: int | None) -> str:
 
 def lens_html(lens: AttentionLens, *, layer: int | None = None, head: int | None = None,
               after: Sequence[str] = (), snapshot: Mapping[str, Any] | None = None, stored_by: Sequence[str] = (),
-              name: Callable[[str], str] = str, on_map: bool = True, error: str | None = None) -> str:
+              name: Callable[[str], str] = str, on_map: bool = True, error: str | None = None,
+              map_cells: str = "#kv-map .kv-cell") -> str:
     """The lens for ``layer`` / ``head`` (None: the mean): heat on the text, then mass per block.
 
     ``after``: the texts of the conversation's tokens after the lens's position (drawn greyed, to
     click on); ``snapshot``, ``stored_by``, ``name``: see `block_rows`; ``on_map``: ring the block
-    map's cells by mass; ``error``: a refusal to show above the lens."""
+    map's cells (``map_cells``, a CSS selector) by mass; ``error``: a refusal to show above the lens."""
     check_layer_head(layer, head, lens.num_layers, lens.num_heads)
     heat = lens.heat(layer, head)
     top = float(heat.max()) or 1.0
@@ -216,9 +228,9 @@ def lens_html(lens: AttentionLens, *, layer: int | None = None, head: int | None
                      f'#{r["block_id"]}</span><span class="lz-bar"><i style="width:{100 * share:.1f}%;background:'
                      f'rgba({HEAT},{0.25 + 0.75 * share:.3f})"></i></span><span class="lz-who lz-row" '
                      f'data-block="{r["block_id"]}" data-mass="{r["mass"]:.6f}">{100 * r["mass"]:.1f}% · '
-                     f'{escape(r["stored_by"] or "stored by ?")}{owners}{tags}</span>')
-        ring.append(f'#kv-map .kv-cell[data-block="{r["block_id"]}"],.pg-picture .kv-cell[data-block="{r["block_id"]}"]'
-                    f'{{box-shadow:inset 0 0 0 3px rgba({HEAT},{0.2 + 0.8 * share:.3f})}}')
+                     f'{escape(r["stored_by"])}{owners}{tags}</span>')
+        ring.append(f'{map_cells}[data-block="{r["block_id"]}"]{{box-shadow:inset 0 0 0 3px '
+                    f'rgba({HEAT},{0.2 + 0.8 * share:.3f})}}')
     style = f"<style>{''.join(ring)}</style>" if on_map else ""
     query = texts[lens.position] if lens.position < len(texts) else ""
     head_line = (f'<div class="lz-head">Attention of token <b>#{lens.position}</b> <code>{escape(_visible(query))}'

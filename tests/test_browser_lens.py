@@ -88,3 +88,40 @@ def test_click_a_token_and_see_where_its_attention_went(browser, app_url, smollm
     assert "230, 80, 20" not in ring
     page.close()
     wait_engine_idle(smollm2_llm)
+
+
+@pytest.mark.parametrize("viewport", [DESKTOP, PHONE], ids=["1440x900", "390x844"])
+def test_the_notebook_lens_reports_clicks_on_its_tokens_and_blocks(browser, smollm2_llm, viewport):  # noqa: F811
+    """The Jupyter widget's ES module (``ClickableHTML``) showing the lens, given a model as anywidget
+    passes it (``get``, ``set``, ``save_changes``, ``on``: https://anywidget.dev/en/afm/)."""
+    import json
+
+    from playground.clickable import CLICK_ESM
+    from playground.lens_view import lens_html
+
+    ids = smollm2_llm.get_tokenizer().encode("The block table maps every position to a physical block. " * 3)
+    lens = smollm2_llm.attention_lens(ids, len(ids) - 1)
+    html = lens_html(lens, layer=2, after=["tail"], map_cells=".kv-map .kv-cell")
+    module = CLICK_ESM.replace("export default { render };", "")          # the module's own render()
+    assert module != CLICK_ESM
+    content = ("<div id=el></div><script type=module>" + module +
+               "const state = {value: " + json.dumps(html) + ", clicked: {}}; window.sent = [];"
+               "const model = {get: (k) => state[k], set: (k, v) => { state[k] = v; }, on: () => {},"
+               " save_changes: () => window.sent.push(state.clicked)};"
+               "render({model, el: document.getElementById('el')}); window.ready = true;</script>")
+    page = browser.new_page(viewport=viewport)
+    try:
+        page.set_content(content)
+        page.wait_for_function("window.ready === true")
+        expect(page.locator(".lz-tok[data-weight]")).to_have_count(len(ids))
+        expect(page.locator(".lz-row")).to_have_count(len(set(lens.block_ids)))
+        page.click('.lz-tok[data-pos="3"]')
+        page.click(f'.lz-bid[data-block="{lens.block_ids[0]}"]')
+        page.click(f'.lz-tok[data-pos="{len(ids)}"]')                 # a token after the lens's position
+        if os.environ.get("LENS_SHOTS"):
+            page.screenshot(path=os.path.join(os.environ["LENS_SHOTS"],
+                                              f"lens-notebook-{viewport['width']}x{viewport['height']}.png"))
+        sent = page.evaluate("window.sent")
+    finally:
+        page.close()
+    assert sent == [{"position": 3, "n": 1}, {"block": lens.block_ids[0], "n": 2}, {"position": len(ids), "n": 3}]

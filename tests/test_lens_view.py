@@ -198,3 +198,35 @@ def test_stored_by_follows_the_last_request_that_computed_a_block():
     sources = [("turn 1", list(range(6)), 0, 5), ("turn 2", list(range(9)), 4, 8), ("turn 3", [0, 1, 2, 3, 99], 4, 4)]
     assert stored_by(lens, sources) == ["stored by turn 1", "stored by turn 2", "computed by this lens pass"]
     assert stored_by(lens, [])[0] == "stored by a request that is not this chat's"
+
+
+def test_the_notebook_widget_shows_the_lens_of_a_clicked_token(smollm2_llm):
+    from playground.notebook import Playground
+    from playground.notebook_lens import show_lens
+
+    pg = Playground(smollm2_llm, max_tokens=12, temperature=0, refresh_interval=0)
+    try:
+        reply = pg.send("Name three colours.")
+        panel = pg.lens_panel
+        pg.logprob_view.clicked = {"index": 2, "n": 1}
+        assert panel.lens is None                                   # the lens is off: a click only picks the token
+        panel.toggle.value = True
+        pg.logprob_view.clicked = {"index": 2, "n": 2}
+        lens = panel.lens
+        assert lens.position == len(reply.prompt_token_ids) + 2
+        np.testing.assert_allclose(weights_drawn(panel.view.value), lens.heat(None, None), atol=1e-6)
+        assert masses_drawn(panel.view.value) and '.kv-map .kv-cell[data-block="' in panel.view.value
+        assert "stored by reply 1" in panel.view.value or "stored by a request" in panel.view.value
+        panel.layer.value, panel.head.value = "layer 4", "head 1"    # redrawn from the lens held
+        assert 'data-layer="4" data-head="1"' in panel.view.value
+        np.testing.assert_allclose(weights_drawn(panel.view.value), lens.heat(4, 1), atol=1e-6)
+        panel.view.clicked = {"position": 3, "n": 1}                # a click on the lens's text moves it there
+        assert panel.lens.position == 3 and 'data-position="3"' in panel.view.value
+        assert pg.attention_lens(10_000) is None
+        assert re.search(r'lz-error">position must be an integer in \[0, \d+\]', panel.view.value)
+        assert panel.lens.position == 3                              # the lens held stays below the error
+        page = show_lens(smollm2_llm, lens.token_ids, 5, layer=1).data
+        np.testing.assert_allclose(weights_drawn(page), smollm2_llm.attention_lens(list(lens.token_ids), 5).heat(1, None),
+                                   atol=1e-6)
+    finally:
+        pg.close()
