@@ -31,6 +31,8 @@ from .prompt_view import PROMPT_VIEW_EMPTY
 from .inputs import sampling_note as _sampling_note
 from .revise import ACT_JS, Revise
 from .sidebar import Sidebar
+from .edit_cost_view import EditCost
+from .replay_view import Replay
 from .serve_commands import serve_commands_html
 from .handlers import timeline_plot
 from .timeline import WINDOWS
@@ -212,6 +214,8 @@ def build_app(
                     stop = gr.Button("Stop", size="sm", elem_id="stop")
                     regen = gr.Button("Regenerate (new branch)", size="sm", elem_id="regenerate")
                     clear = gr.Button("Clear", size="sm", elem_id="clear")
+                cost = EditCost(h)         # what an edit or a branch will cost, before it is sent
+                cost.build()
                 with gr.Accordion("Mode, system prompt and sampling", open=base_model):
                     mode = gr.Radio(["chat", "completion"], value=h.default_mode, label="mode", elem_id="mode",
                                     info="chat: the model's chat template; completion: your text is continued "
@@ -287,6 +291,9 @@ def build_app(
                                                 label="requests")
                             fire = gr.Button("Fire batch", variant="primary")
                         batch_view = _html(render.batch_table_html([]), "batch-view")
+                    with gr.Tab("KV replay"):  # allocations, evictions, preemptions, with their causes
+                        replay = Replay(llm)
+                        replay.build()
 
         T = h.tabs.wrap
         # The chat events' values reach the page without Gradio's per-output postprocessing (see
@@ -350,6 +357,8 @@ def build_app(
         lp_view.click(T(h.pick_token, event_data=True), [session], [token_index, alternative, lp_view], api_visibility="private")
         nav.click(T(C(h.navigate), event_data=True), [session], chat_out, api_visibility="private", **posted)
         block_map.click(T(h.inspect_block, event_data=True), [session], [inspector], api_visibility="private")
+        cost.wire(T, session, system, mode, token_index, alternative, chat_events[:6])
+        replay.wire(T, session)
         compare_btn.click(T(h.compare), [session], [compare_view], api_name="compare")
         prompt_btn.click(T(h.prompt_view), [session], [prompt_view], api_name="prompt_view", **engine_q)
         # The system prompt is part of chat prompts only: editable in chat mode.
