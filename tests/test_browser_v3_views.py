@@ -13,7 +13,7 @@ import re
 import gradio_client
 import pytest
 from playwright.sync_api import expect
-from test_browser import CHROMIUM, CHROMIUM_ARGS, browser, send, wait_engine_idle  # noqa: F401  (fixtures)
+from test_browser import CHROMIUM, CHROMIUM_ARGS, browser, greedy_long_replies, send, wait_engine_idle  # noqa: F401  (fixtures)
 
 from playground.__main__ import _warm_up
 from playground.app import build_app, launch
@@ -52,6 +52,15 @@ def finished(page, count=None):
         expect(bot).to_have_count(count, timeout=120_000)
     expect(bot.last.locator(".pg-finish")).to_have_count(1, timeout=120_000)
     return bot
+
+
+def wait_until(page, condition, timeout_ms: int) -> None:
+    """Let the page run (its events reach the test's handlers) until ``condition()`` holds."""
+    for _ in range(timeout_ms // 100):
+        if condition():
+            return
+        page.wait_for_timeout(100)
+    assert condition(), f"not within {timeout_ms} ms"
 
 
 def open_tab(page, name):
@@ -201,13 +210,21 @@ def test_the_inspector_knows_the_tabs_own_blocks_and_batch_names_agree(browser, 
 def test_stop_is_off_with_nothing_running_and_branch_asks_for_a_token(browser, fresh_url, paced_engine):  # noqa: F811
     page = open_page(browser, fresh_url)
     expect(page.locator("#stop")).to_be_disabled(timeout=15_000)
-    send(page, "Count from one to two hundred in words, one number per line.")   # longer than the waits below
+    greedy_long_replies(page)                          # 200 tokens at 0.1 s a step or more
+    polls = []
+    page.on("response", lambda r: polls.append(r) if "/playground/panels" in r.url else None)
+    send(page, "Count from one to two hundred in words, one number per line.")
     expect(page.locator("#stop")).to_be_enabled(timeout=5_000)
     bot = page.locator('#chat [data-testid="bot"]')
     expect(bot.last.locator(".pg-state")).to_have_text("decoding", timeout=60_000)
-    page.wait_for_timeout(3500)                        # the route's word, not the click's
-    if bot.last.locator(".pg-finish").count() == 0:    # (a fast machine may have finished the reply)
-        expect(page.locator("#stop")).to_be_enabled()
+    # The engine held between two of its steps (LLM.paused): the reply is still running, whatever the
+    # machine's speed, while the page's script asks the panels' route three more times.
+    with paced_engine.paused():
+        asked = len(polls)
+        wait_until(page, lambda: len(polls) >= asked + 3, 20_000)
+        assert [r.json()["stop"] for r in polls[asked:]] == [{"disabled": False}] * (len(polls) - asked)
+        expect(page.locator("#stop")).to_be_enabled()   # the route's word, not the click's
+        assert bot.last.locator(".pg-finish").count() == 0
     finished(page)
     expect(page.locator("#stop")).to_be_disabled(timeout=15_000)
     page.click("#branch")                              # no token clicked
