@@ -34,7 +34,11 @@ META_CSS = """
 .pg-meta .pg-finish-abort,.pg-meta .pg-finish-error{color:#b91c1c;font-weight:600}
 .pg-meta .pg-act{cursor:pointer;user-select:none;padding:0 6px;border-radius:4px;font-weight:600;color:#4338ca;
  border:1px solid #c7d2fe}.pg-meta .pg-act:hover{background:#e0e7ff}.pg-meta .pg-raw{display:none}
-.pg-meta .pg-what{margin-right:2px}.pg-meta .pg-kept{color:#94a3b8}
+.pg-meta .pg-what{margin-right:2px}.pg-meta .pg-doc-raw{display:none}
+.pg-doc-editor textarea{width:100%;min-height:9em;font:inherit;line-height:1.5;padding:6px;border:1px solid #c7d2fe;
+ border-radius:6px;resize:vertical;box-sizing:border-box}.pg-doc-editor div{display:flex;gap:8px;margin-top:4px}
+.pg-doc-editor .pg-act{padding:2px 10px;min-height:28px;border-radius:4px;border:1px solid #c7d2fe;background:#eef2ff;
+ color:#3730a3;font-weight:600;cursor:pointer}.pg-meta .pg-kept{color:#94a3b8}
 .pg-doc{white-space:normal;line-height:1.6}.pg-doc .pg-doc-given{color:#0f172a}
 .pg-doc .pg-tok{cursor:pointer;border-radius:3px;border:0;padding:0;font-weight:inherit;color:#0f172a}
 .pg-doc .pg-tok:hover{outline:1px solid #6366f1}.pg-doc .pg-p4{background:#dcfce7}.pg-doc .pg-p3{background:#ecfccb}
@@ -66,11 +70,14 @@ def _nav(tree: Conversation, node: Node, what: str = "reply") -> str:
             f'<span class="{next_cls}" title="next {what}">›</span></span>')
 
 
-def reply_meta_html(tree: Conversation, node: Node, max_model_len: int | None = None) -> str:
-    """The line under one reply: branch navigation, state or stats, context gauge."""
+def reply_meta_html(tree: Conversation, node: Node, max_model_len: int | None = None,
+                    document: Node | None = None) -> str:
+    """The line under one reply: branch navigation, state or stats, context gauge. ``document``: the
+    completion document's first text, whose versions (edits of the whole text) the line moves between,
+    with an "edit" link that opens the whole document as one text (``revise.ACT_JS``)."""
     r = node.reply
-    user = tree.nodes.get(node.parent)
-    parts = [_nav(tree, user, "message") if user is not None and user.role == "user" else "",
+    user = document or tree.nodes.get(node.parent)
+    parts = [_nav(tree, user, "version" if document else "message") if user is not None and user.role == "user" else "",
              _nav(tree, node, "reply")]
     if not r.finished and not r.stopped:
         parts.append(f'<span class="pg-state">{escape(r.state)}</span>')
@@ -98,6 +105,10 @@ def reply_meta_html(tree: Conversation, node: Node, max_model_len: int | None = 
         raw = escape(r.text).replace("\n", "&#10;")
         parts.append(f'<span class="pg-act pg-copy" title="copy the reply\'s text">copy</span>'
                      f'<span class="pg-raw">{raw}</span>')
+        if document is not None and not r.error:
+            whole = escape(tree.text_before(node.node_id) + r.text).replace("\n", "&#10;")
+            parts.append(f'<span class="pg-act pg-edit-doc pg-node-{node.node_id}" title="edit the whole text, the '
+                         f'continuation too, and continue from the end">edit ✎</span><span class="pg-doc-raw">{whole}</span>')
     if max_model_len and r.num_prompt_tokens:
         used = r.num_prompt_tokens + len(r.token_ids)
         pct = min(used / max_model_len, 1.0) * 100
@@ -143,10 +154,12 @@ def document_messages(tree: Conversation, max_model_len: int | None = None, queu
         if r.error:
             parts.append(f'<span class="pg-doc-error">[{escape(r.error)}]</span>')
             continue
-        texts = [rec.get("text", "") for rec in r.records]
+        # The token that ended the reply (the model's end of text) is no text of the document.
+        texts = [rec.get("text", "") if not rec.get("stop") else "" for rec in r.records]
         if r.records and "".join(texts) == r.text:        # one span per token, coloured
             parts += [f'<span class="pg-tok pg-act pg-cut pg-node-{node.node_id} pg-ti-{i} {_bucket(rec.get("prob"))}" '
-                      f'title="continue from here">{_doc_text(t)}</span>' for i, (rec, t) in enumerate(zip(r.records, texts))]
+                      f'title="continue from here">{_doc_text(t)}</span>' for i, (rec, t) in enumerate(zip(r.records, texts))
+                      if not rec.get("stop")]
         else:                                              # no per-token records (imported, or logprobs off)
             parts.append(f'<span class="pg-doc-reply">{_doc_text(r.text)}</span>')
         if not r.finished and not r.stopped:
@@ -154,7 +167,8 @@ def document_messages(tree: Conversation, max_model_len: int | None = None, queu
     out = []
     if parts:
         body = f'<span class="pg-doc">{"".join(parts)}</span>'
-        meta = "\n\n" + reply_meta_html(tree, last, max_model_len) if last is not None else ""
+        first = next((n for n in tree.path() if n.role == "user"), None)
+        meta = "\n\n" + reply_meta_html(tree, last, max_model_len, document=first) if last is not None else ""
         out.append({"role": "assistant", "content": body + meta})
     out += [{"role": "user", "content": text} for text in queued]
     return out

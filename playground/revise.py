@@ -3,6 +3,9 @@
 * **Edit** (the pencil on a user message, ``gr.Chatbot(editable="user")``): the edited text becomes
   a sibling of the original message, a new branch with a reply of its own, as in llama.cpp's web UI;
   the original and its replies stay (``message ‹ 1/2 ›`` under the reply moves between them).
+* **Edit the document** (completion mode's "edit ✎"): the whole document, the model's continuations
+  too, becomes one text where it stands; edited, it is a new version of the document, continued from
+  its end.
 * **Continue** (under a reply that max tokens cut): the same reply grows; its tokens so far are
   sent back as the prompt's end, so the model goes on where it stopped. The tokens it had are
   counted apart from the new ones (``N tokens + K kept``), like a branch's kept tokens.
@@ -37,6 +40,28 @@ if (!window.__pgAct) {
       try { await navigator.clipboard.writeText(raw ? raw.textContent : ''); act.textContent = 'copied'; }
       catch (err) { act.textContent = 'copy failed'; }
       setTimeout(() => { act.textContent = 'copy'; }, 1500);
+    } else if (act.classList.contains('pg-edit-doc')) {
+      // Completion mode's document becomes one text where it stands: the text given and every
+      // continuation, to edit anywhere and continue from its end (a new version of the document).
+      const doc = act.closest('[data-testid="bot"]')?.querySelector('.pg-doc');
+      if (!doc || doc.nextElementSibling?.classList.contains('pg-doc-editor')) return;
+      const box = document.createElement('div');
+      box.className = 'pg-doc-editor';
+      box.innerHTML = '<textarea aria-label="the document"></textarea><div><button class="pg-act pg-doc-go">Continue ↦</button>'
+        + '<button class="pg-act pg-doc-cancel">Cancel</button></div>';
+      box.querySelector('textarea').value = act.parentElement.querySelector('.pg-doc-raw').textContent;
+      box.dataset.node = [...act.classList].find((c) => c.startsWith('pg-node-')).slice(8);
+      doc.style.display = 'none';
+      doc.after(box);
+      box.querySelector('textarea').focus();
+    } else if (act.classList.contains('pg-doc-cancel')) {
+      const box = act.closest('.pg-doc-editor');
+      box.previousElementSibling.style.display = '';
+      box.remove();
+    } else if (act.classList.contains('pg-doc-go')) {
+      const box = act.closest('.pg-doc-editor');
+      act.disabled = true;
+      trigger('click', {node: Number(box.dataset.node), action: 'edit', text: box.querySelector('textarea').value});
     } else if (act.classList.contains('pg-continue') || act.classList.contains('pg-cut')) {
       const id = [...act.classList].find((c) => c.startsWith('pg-node-'));
       const ti = [...act.classList].find((c) => c.startsWith('pg-ti-'));
@@ -78,6 +103,9 @@ class Revise:
         if data.get("action") == "cut":
             yield from self._continue_from(session, node, data.get("index"), sampling)
             return
+        if data.get("action") == "edit":
+            yield from self._edit_document(session, node, data.get("text"), sampling)
+            return
         old = node.reply
         if not old.finished or old.error or old.finish_reason != "length":
             raise gr.Error("Only a reply cut by max tokens can be continued.")
@@ -107,6 +135,29 @@ class Revise:
         if branch is None:
             h._refuse_while_streaming(session, "continuing from a token")
         prompt = {"prompt_token_ids": list(old.prompt_token_ids) + kept}
+        yield from h._run(session, branch, prompt, params, h._outputs(session, reset_controls=True))
+
+    def _edit_document(self, session: ChatSession, node: Any, text: Any, sampling: tuple) -> Iterator[tuple]:
+        """Completion mode's document edited as one text (the text given and the continuations alike): a new
+        version of the document, continued from its end. It is a sibling of the document's first text
+        (``version ‹ 1/2 ›`` moves between them); the edited text is all given text, not the model's."""
+        h, tree = self.h, session.tree
+        before = tree.text_before(node.node_id) + node.reply.text
+        # An edit may add up to a message's length to the document (the document itself may be longer).
+        text = inputs.text(text, "the document", max_chars=len(before) + h.limits.max_input_chars)
+        if not text.strip():
+            raise gr.Error("The document is empty: write the text the model should continue.")
+        params = h.sampling(*sampling)
+        first = next((n for n in tree.path() if n.role == "user"), None)
+        with h._turn_lock:
+            user = tree.edit_user(first.node_id, text) if first is not None else tree.add_user(text)
+            branch = h._claim(session, user.node_id)
+            if branch is None:
+                tree.remove(user.node_id)
+        if branch is None:
+            h._refuse_while_streaming(session, "continuing the edited text")
+        session.mode = "completion"
+        prompt = h._prompt(session, branch, "", "completion")
         yield from h._run(session, branch, prompt, params, h._outputs(session, reset_controls=True))
 
     @checked

@@ -284,3 +284,48 @@ def test_completion_mode_is_one_document_coloured_by_probability_and_continues_f
     assert [tokens.nth(i).inner_text() for i in range(k)] == kept
     expect(tokens).to_have_count(8 + k)
     wait_engine_idle(smollm2_llm)
+
+
+def test_completion_document_is_edited_as_one_text_and_continued_from_its_end(page, smollm2_llm):
+    """The document (the text given and the model's continuation) opens as one text where it stands;
+    edited anywhere, the continuation included, it is continued from its end as a new version, and
+    the version before stays (‹ › under it)."""
+    set_number(page, "temperature", "0")
+    set_number(page, "max tokens", "8")
+    page.locator("#mode").get_by_text("completion", exact=True).click()
+    send(page, "The capital of France is")
+    bot = page.locator('#chat [data-testid="bot"]')
+    finished(bot.last)
+    first = bot.last.locator(".pg-doc").inner_text()
+    bot.last.locator(".pg-edit-doc").click()
+    editor = bot.last.locator(".pg-doc-editor textarea")
+    expect(editor).to_be_visible()
+    expect(editor).to_have_value(first)              # the whole text, the continuation included
+    expect(bot.last.locator(".pg-doc")).to_be_hidden()
+    # Cancel puts the document back as it was.
+    bot.last.get_by_role("button", name="Cancel").click()
+    expect(bot.last.locator(".pg-doc")).to_be_visible()
+    expect(bot.last.locator(".pg-doc-editor")).to_have_count(0)
+    # Edit the model's words and add some, then continue from the end.
+    bot.last.locator(".pg-edit-doc").click()
+    edited = first.replace("France", "Italy") + " The capital of Spain is"
+    editor.fill(edited)
+    bot.last.get_by_role("button", name="Continue ↦").click()
+    expect(bot.last.locator(".pg-branches .pg-pos")).to_have_text("2/2", timeout=60_000)
+    finished(bot.last)
+    expect(bot).to_have_count(1)
+    doc = bot.last.locator(".pg-doc")
+    assert doc.locator(".pg-doc-given").inner_text() == edited    # all of it is the visitor's text now
+    expect(doc.locator(".pg-tok")).not_to_have_count(0)           # and the new continuation, coloured
+    generated = int(bot.last.locator(".pg-count").inner_text().split()[0])
+    assert doc.locator(".pg-tok").count() in (generated, generated - 1)   # (the end of text is no text)
+    # What the engine continued is the edited text, as the tokenizer reads it.
+    prompt = smollm2_llm.get_tokenizer().encode(edited, add_special_tokens=True)
+    used = int(bot.last.locator(".pg-ctx").inner_text().split("/")[0].split()[-1])
+    assert used == len(prompt) + generated
+    # The version before is kept.
+    bot.last.locator(".pg-nav.pg-prev").click()
+    expect(bot.last.locator(".pg-branches .pg-pos")).to_have_text("1/2", timeout=10_000)
+    expect(bot.last.locator(".pg-tok")).to_have_count(8)
+    assert bot.last.locator(".pg-doc").inner_text() == first
+    wait_engine_idle(smollm2_llm)

@@ -39,3 +39,20 @@ def test_queued_messages_follow_the_path_and_completion_mode_is_one_document():
     body = doc[0]["content"]
     assert body.startswith('<span class="pg-doc"><span class="pg-doc-given">The sea is</span>')
     assert "pg-ti-0 pg-p4" in body and "pg-ti-1 pg-p0" in body and "<br>&lt;b&gt;" in body
+
+
+def test_the_completion_document_offers_its_whole_text_to_edit_and_moves_between_its_versions():
+    tree, node = _one(Reply("r", token_ids=[3], text=" blue", finished=True, finish_reason="stop",
+                            num_prompt_tokens=3, records=[{"text": " blue", "prob": 0.9}]))
+    first = tree.path()[0]
+    body = chat_messages(tree, 100, document=True)[0]["content"]
+    assert f'pg-edit-doc pg-node-{node.node_id}' in body
+    assert '<span class="pg-doc-raw">The sea is blue</span>' in body
+    assert "pg-version-branches" not in body            # one version so far
+    edited = tree.edit_user(first.node_id, "The sky is blue and")
+    tree.add_reply(edited.node_id, Reply("r2", token_ids=[4], text=" wide", finished=True, finish_reason="stop",
+                                         num_prompt_tokens=5, records=[{"text": " wide", "prob": 0.5}]))
+    body = chat_messages(tree, 100, document=True)[0]["content"]
+    assert '<span class="pg-doc-given">The sky is blue and</span>' in body
+    assert f'pg-nav pg-prev pg-node-{edited.node_id}' in body and '<span class="pg-pos">2/2</span>' in body
+    assert '<span class="pg-doc-raw">The sky is blue and wide</span>' in body
