@@ -56,7 +56,11 @@ from .clickable import ClickableHTML
 from .inspector import block_inspector_html
 from .logprobs import token_records
 from .monitor import EngineMonitor
+from .notebook_lens import LensWidget
+from .lens_view import reply_sources
 from .prompt_view import prompt_view_html, score_prompt
+from .provenance_view import PROVENANCE_EMPTY, batch_figure, provenance_html
+from .sampler_view import SAMPLER_EMPTY, pipeline_note, reply_pipeline, sampler_pipeline_html
 from .reprs import HOVER_HINT, logprob_strip_html
 
 __all__ = ["Playground", "show_blocks", "show_logprobs", "show_prompt", "show_prefix_stats", "show_alignment",
@@ -217,6 +221,22 @@ def _leave_pictures() -> None:
 atexit.register(_leave_pictures)
 
 
+def _figure_widget():
+    """An empty Plotly ``FigureWidget`` of the batch view's traces (None where plotly's widget is missing)."""
+    try:
+        import plotly.graph_objects as go
+    except ImportError:
+        return None
+    from .provenance_view import batch_figure
+    from engine.provenance import Provenance
+
+    fig = batch_figure(Provenance(), {}, "", str)
+    try:
+        return go.FigureWidget({"data": fig["data"], "layout": fig["layout"]})
+    except Exception:  # noqa: BLE001 - no widget front end (anywidget) for it
+        return None
+
+
 class Playground:
     """An ipywidgets app on ``llm``: chat with streaming replies next to live
     views of the KV block map, the prefix cache, the reply's logprobs and the
@@ -302,6 +322,12 @@ class Playground:
                                       layout=L(width="auto"))
         self.prompt_view = W.HTML(_prompt_view(None), layout=L(width="100%"))
         self.engine_panel = W.HTML(layout=L(width="100%"))
+        # With the lens on, a click on a reply token shows where its attention went (playground.notebook_lens).
+        self.lens_panel = LensWidget(self.llm, self.monitor, name=lambda rid: self.session.labels.get(rid, rid))
+        # A click on a reply token also shows how the sampler picked it; a finished reply, where its K/V came from.
+        self.sampler_view = W.HTML(SAMPLER_EMPTY, layout=L(width="100%"))
+        self.provenance_view = W.HTML(PROVENANCE_EMPTY, layout=L(width="100%"))
+        self.batch_chart = _figure_widget()
 
         self.send_button.on_click(lambda _: self._send_from_ui())
         self.stop_button.on_click(lambda _: self.stop())
@@ -322,6 +348,10 @@ class Playground:
             W.HBox([titled("Logprobs of the reply (click a token to branch)", self.logprob_view, self.branch_row,
                            self.prompt_button, self.prompt_view),
                     titled("Prefix cache", self.prefix_panel, self.reset_button)]),
+            W.HBox([titled("Sampler pipeline of the clicked token", self.sampler_view),
+                    titled("Where the reply's K/V came from; the batches of its tokens", self.provenance_view,
+                           *([self.batch_chart] if self.batch_chart is not None else []))]),
+            titled("Attention lens of a clicked reply token", self.lens_panel.widget),
             titled("Engine", self.engine_panel),
         ])
         self._handles: list = []            # the displays of this app, kept at its last state (picture)
@@ -349,6 +379,8 @@ class Playground:
                 f'{column("KV cache blocks", self.block_map.value, inspected)}</div>'
                 f'{row}{column("Logprobs of the reply", logprobs)}'
                 f'{column("Prefix cache", self.prefix_panel.value)}</div>'
+                f'{row}{column("Sampler pipeline", self.sampler_view.value)}'
+                f'{column("Where the K/V came from", self.provenance_view.value)}</div>'
                 f'{column("Engine", self.engine_panel.value)}</div>')
 
     def _bundle(self, live: bool = True) -> dict:
@@ -445,6 +477,9 @@ class Playground:
         self._set(self.branch_choice, "options", [])
         self.branch_row.layout.display = "none"
         self._set(self.prompt_view, "value", _prompt_view(None))
+        self.lens_panel.clear()
+        self._set(self.sampler_view, "value", SAMPLER_EMPTY)
+        self._set(self.provenance_view, "value", PROVENANCE_EMPTY)
         self._set(self.status, "value", "ready")
         self.refresh()
 
@@ -542,17 +577,67 @@ class Playground:
         return self._start(lambda params: self._run_branch(last, int(index), token_id, prompt, params),
                            wait=wait, timeout=timeout)
 
+    def sampler_pipeline(self, index: int):
+        """Show how the sampler picked token ``index`` of the reply (as a click on it does): each stage's
+        distribution and kept set under the reply's settings. Returns the ``SamplerPipeline``."""
+        reply = self.reply
+        if reply is None or not reply.finished:
+            raise ValueError("nothing to show: send a message and wait for the reply first")
+        pipe = reply_pipeline(self.llm, reply, int(index))
+        self._set(self.sampler_view, "value", sampler_pipeline_html(pipe, decode=self._decode, index=int(index)))
+        return pipe
+
+    def _names(self):
+        own = {r.request_id: f"reply {i + 1}" for i, r in enumerate([*self.replies, self.reply]) if r is not None}
+        return lambda rid: own.get(rid, "another request") if rid is not None else "an earlier request"
+
+    def _draw_provenance(self, reply: Reply) -> None:
+        """Where ``reply``'s K/V came from, and its tokens' batches (from the record it finished with)."""
+        prov = reply.provenance
+        if prov is None:
+            return
+        decode = lambda t: self.tokenizer.decode([int(t)], skip_special_tokens=False)   # noqa: E731
+        prompt = [*reply.prompt_token_ids, *reply.prefix_token_ids]
+        self._set(self.provenance_view, "value", provenance_html(
+            prov, [decode(t) for t in prompt], [decode(t) for t in reply.token_ids], name=self._names()))
+        if self.batch_chart is not None:
+            fig = batch_figure(prov, self.monitor.batches(t.step for t in prov.reply), reply.request_id,
+                               self._names())
+            with self._ui_lock, self.batch_chart.batch_update():
+                for trace, new in zip(self.batch_chart.data, fig["data"]):
+                    trace.x, trace.y, trace.customdata = new.get("x", ()), new.get("y", ()), new.get("customdata")
+
     def _clicked_block(self, clicked: dict) -> None:
         if "block" in (clicked or {}):
             self.inspect_block(int(clicked["block"]))
 
+    def attention_lens(self, index: int):
+        """Where token ``index`` of the reply attended (as a click on it with the lens on): shown in the lens
+        panel; returns the ``AttentionLens`` (None where refused: the panel names why)."""
+        reply = self.reply
+        if reply is None or not reply.prompt_token_ids:
+            raise ValueError("send a message first: the lens opens on a token of the reply")
+        named = [(f"reply {i + 1}", r) for i, r in enumerate([*self.replies, reply])]
+        return self.lens_panel.show(list(reply.prompt_token_ids) + reply.all_token_ids,
+                                    len(reply.prompt_token_ids) + int(index), sources=reply_sources(named))
+
     def _clicked_token(self, clicked: dict) -> None:
         if "index" not in (clicked or {}):
             return
+        if self.lens_panel.open:
+            try:
+                self.attention_lens(int(clicked["index"]))
+            except ValueError as exc:
+                self._set(self.status, "value", f"<span style='color:#b91c1c'>{escape(str(exc))}</span>")
         try:
             self.pick_token(int(clicked["index"]))
         except ValueError as exc:   # shown, not raised into the front end's comm handler
             self._set(self.status, "value", f"<span style='color:#b91c1c'>{escape(str(exc))}</span>")
+            return
+        try:
+            self.sampler_pipeline(int(clicked["index"]))
+        except ValueError as exc:   # a forced token, a foreign server: the panel says why
+            self._set(self.sampler_view, "value", pipeline_note(str(exc)))
 
     def _branch_from_ui(self) -> None:
         if self.selected is None or self.branch_choice.value is None:
@@ -653,6 +738,7 @@ class Playground:
         session.messages += [user, {"role": "assistant", "content": reply.text}]
         session.last = reply
         session.record_turn(reply, str(len(session.turns) + 1))
+        self._draw_provenance(reply)
         stats = [f"{len(reply.token_ids)} tokens ({reply.finish_reason})",
                  f"{reply.num_cached_tokens}/{reply.num_prompt_tokens} prompt tokens from the prefix cache"]
         if reply.ttft is not None:

@@ -35,7 +35,7 @@ PROVENANCE_EMPTY = ("<div class='pg-panel ps-view'><i>Where each token's K/V cam
                     "shown, once it has finished: prefix-cache hits, prefill chunks, recomputes, and the batches "
                     "its tokens were decoded in.</i></div>")
 KIND_COLORS = {"cached": "#bbf7d0", "prefill": ("#bfdbfe", "#e0e7ff"), "recompute": "#fed7aa", None: "#e2e8f0"}
-BATCH_COLORS = ("#f5f3ff", "#ddd6fe", "#c4b5fd", "#a78bfa", "#8b5cf6", "#7c3aed")   # batch size 1, 2, ... 6+
+BATCH_COLORS = ("#ede9fe", "#ddd6fe", "#c4b5fd", "#a78bfa", "#8b5cf6", "#7c3aed")   # batch size 1, 2, ... 6+
 
 _STYLE = """<style>
 .ps-text{line-height:1.9;white-space:pre-wrap;word-break:break-word;font-size:13px}
@@ -166,7 +166,7 @@ def batch_figure(prov: Any, batches: Mapping[int, tuple], request_id: str, name:
         hover.append(f"step {prov.reply[j].step} took {duration * 1000:.0f} ms<br>decoding with this reply: "
                      f"{', '.join(others) or 'nothing else'}<br>prefilling: {', '.join(pre) or 'none'}")
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12, row_heights=[0.55, 0.45],
-                        subplot_titles=("inter-token latency (ms)", "requests in the step"))
+                        subplot_titles=("inter-token latency (ms) · x: reply token", "requests in the step"))
     fig.add_trace(go.Scatter(x=xs, y=itl, mode="lines+markers", name="ITL", line={"color": "#6366f1"},
                              customdata=hover, hovertemplate="token %{x}: %{y:.0f} ms<br>%{customdata}<extra></extra>"),
                   row=1, col=1)
@@ -178,6 +178,6 @@ def batch_figure(prov: Any, batches: Mapping[int, tuple], request_id: str, name:
                       template="none", plot_bgcolor="#ffffff", hovermode="closest", showlegend=True,
                       legend={"orientation": "h", "y": -0.12, "x": 0}, uirevision="batches")
     fig.update_annotations(font_size=13, x=0, xanchor="left")
-    fig.update_xaxes(gridcolor="#e2e8f0", title_text="reply token", row=2, col=1)
+    fig.update_xaxes(gridcolor="#e2e8f0")
     fig.update_yaxes(gridcolor="#e2e8f0", rangemode="tozero")
     return dict(fig.to_plotly_json(), config={"displayModeBar": False, "responsive": True})

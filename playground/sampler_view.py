@@ -57,7 +57,9 @@ def sampler_pipeline_html(pipe: Any, *, decode: Callable[[int], str] | None = No
         s = pipe.texts.get(int(t))
         if s is None and decode is not None:
             s = decode(int(t))
-        return _visible(s) if s is not None else f"#{int(t)}"
+        if s is None:
+            return f"#{int(t)}"
+        return _visible(s.replace(" ", "·")) if s.strip() == "" else _visible(s)   # a bar of spaces still reads
 
     token = pipe.token
     stages = pipe.stages

@@ -269,3 +269,21 @@ def test_the_front_end_module_reports_clicks(tmp_path):
         finally:
             browser.close()
     assert sent == [{"block": 1, "n": 1}, {"index": 0, "n": 2}, {"block": 1, "n": 3}]
+
+
+def test_a_clicked_token_shows_its_sampler_stages_and_the_reply_its_kv_sources(pg, smollm2_llm):
+    pg.system_prompt.value = f"You answer in one line. Session {time.time_ns()}."     # no blocks cached before
+    first = pg.send(QUESTION)
+    second = pg.send("And of Italy?")
+    counts = re.search(r'class="ps-counts" data-cached="(\d+)"', pg.provenance_view.value)
+    assert counts and int(counts.group(1)) == second.num_cached_tokens > 0     # the first turn's blocks
+    assert "stored by reply 1" in pg.provenance_view.value and first.request_id not in pg.provenance_view.value
+    assert pg.batch_chart is not None and list(pg.batch_chart.data[0].x) == list(range(1, len(second.token_ids)))
+    pg.logprob_view.clicked = {"index": 2, "n": 1}
+    assert f'data-token="{second.token_ids[2]}"' in pg.sampler_view.value
+    assert 'data-in-kept="true"' in pg.sampler_view.value and 'data-stage="greedy"' in pg.sampler_view.value
+    pipe = pg.sampler_pipeline(2)
+    assert pipe.kept.tolist() == [second.token_ids[2]]
+    assert "Sampler pipeline" in pg.picture_html()
+    pg.clear()
+    assert "ps-counts" not in pg.provenance_view.value and "sp-stage" not in pg.sampler_view.value
