@@ -33,6 +33,9 @@ from .revise import ACT_JS, Revise
 from .sidebar import Sidebar
 from .edit_cost_view import EditCost
 from .replay_view import Replay
+from .lens_panel import LensPanel
+from .inside_views import InsideViews
+from .context_left import ContextLeft
 from .serve_commands import serve_commands_html
 from .handlers import timeline_plot
 from .timeline import WINDOWS
@@ -229,7 +232,7 @@ def build_app(
                         top_k = gr.Slider(0, 200, value=0, step=1, label="top-k (0 = off)")
                     with gr.Row():
                         max_tokens = gr.Slider(1, limits.max_tokens, value=min(128, limits.max_tokens),
-                                               step=1, label="max tokens")
+                                               step=1, label="max tokens", elem_id="max-tokens")
                         seed = gr.Number(value=-1, precision=0, label="seed (-1 = random)")
                         n_logprobs = gr.Slider(0, 20, value=5, step=1, label="logprobs (top-k alternatives)")
                     with gr.Row():
@@ -258,7 +261,11 @@ def build_app(
                 with gr.Accordion("Prompt view: what surprised the model in the prompt", open=False,
                                   elem_id="prompt-box"):
                     prompt_btn = gr.Button("Score the shown reply's prompt", size="sm", elem_id="score-prompt")
-                    prompt_view = _html(PROMPT_VIEW_EMPTY, "prompt-view")
+                    prompt_view = _html(PROMPT_VIEW_EMPTY, "prompt-view", js=TOKEN_CLICK_JS)
+                lens = LensPanel(h)       # click a token of the reply or the prompt: where its attention went
+                lens.build()
+                inside = InsideViews(h)   # a clicked token's sampler stages; where the reply's K/V came from
+                inside.build()
             with gr.Column(scale=4, min_width=380):
                 gr.Markdown("**KV cache blocks** — one cell per physical block, live; click one to inspect it, "
                             "hover a legend entry to find its blocks")
@@ -338,25 +345,29 @@ def build_app(
                            show_progress="hidden", preprocess=False)
         switched = [*chat_out, conv_list, conv_note]
         side = dict(api_visibility="private", show_progress="hidden")
-        demo.load(T(S.restore), [browser_key, session], [browser_key, *switched], **side)
+        shown = [*chat_events[:6], demo.load(T(S.restore), [browser_key, session], [browser_key, *switched], **side)]
         # The list is open beside the page on a wide screen; on a phone it would cover the chat: closed there.
         demo.load(None, js=SIDEBAR_OPEN_JS, api_visibility="private", queue=False)
-        new_conv.click(T(S.new), [session], switched, **side)
-        conv_list.input(T(S.open), [session, conv_list], switched, **side)
+        shown += [new_conv.click(T(S.new), [session], switched, **side),
+                  conv_list.input(T(S.open), [session, conv_list], switched, **side)]
         rename_conv.click(T(S.rename), [session, conv_name], [conv_list, conv_note, conv_name], **side)
         conv_name.submit(T(S.rename), [session, conv_name], [conv_list, conv_note, conv_name], **side)
-        delete_conv.click(T(S.delete), [session], switched, **side)
+        shown.append(delete_conv.click(T(S.delete), [session], switched, **side))
         export_conv.click(T(S.export), [session, system], [export_file, conv_note], **side)
-        import_conv.upload(T(S.import_), [session, import_conv], switched, **side)
+        shown.append(import_conv.upload(T(S.import_), [session, import_conv], switched, **side))
         # Stop skips the queue, so it works even when the queue is full.
-        stop.click(T(C(h.stop)), [session], chat_out, cancels=chat_events, api_name="stop", queue=False, **posted
-                   ).then(T(C(h.settled)), [session], chat_out, api_visibility="private", queue=False, **posted)
-        clear.click(T(C(h.clear)), [session], chat_out, cancels=chat_events, api_name="clear", **posted)
+        shown.append(stop.click(T(C(h.stop)), [session], chat_out, cancels=chat_events, api_name="stop", queue=False, **posted
+                   ).then(T(C(h.settled)), [session], chat_out, api_visibility="private", queue=False, **posted))
+        shown.append(clear.click(T(C(h.clear)), [session], chat_out, cancels=chat_events, api_name="clear", **posted))
         # The Chatbot's own trash icon clears the same way (not just the display).
-        chatbot.clear(T(C(h.clear)), [session], chat_out, cancels=chat_events, api_visibility="private", **posted)
+        shown.append(chatbot.clear(T(C(h.clear)), [session], chat_out, cancels=chat_events, api_visibility="private", **posted))
         lp_view.click(T(h.pick_token, event_data=True), [session], [token_index, alternative, lp_view], api_visibility="private")
-        nav.click(T(C(h.navigate), event_data=True), [session], chat_out, api_visibility="private", **posted)
+        shown.append(nav.click(T(C(h.navigate), event_data=True), [session], chat_out, api_visibility="private", **posted))
+        # Max tokens up to the context left, after every event that changes the conversation shown.
+        ContextLeft(h.max_model_len, limits.max_tokens).follow(shown, session, max_tokens, wrap=T)
         block_map.click(T(h.inspect_block, event_data=True), [session], [inspector], api_visibility="private")
+        lens.wire(T, session, lp_view, prompt_view)
+        inside.wire(T, session, lp_view)
         cost.wire(T, session, system, mode, token_index, alternative, chat_events[:6])
         replay.wire(T, session)
         compare_btn.click(T(h.compare), [session], [compare_view], api_name="compare")
