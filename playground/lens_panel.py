@@ -162,8 +162,8 @@ class LensPanel:
             ids, node = self.own_tokens(session, request_id)
             if isinstance(position, float) and position.is_integer():
                 position = int(position)
-            lens = self.h.llm.attention_lens(ids, position)
-            picked = (parse_choice(layer, "layer", lens.num_layers), parse_choice(head, "head", lens.num_heads))
+            picked = (parse_choice(layer, "layer", None), parse_choice(head, "head", None))
+            lens = self.h.llm.attention_lens(ids, position, *picked)     # every check before any work
         except NotImplementedError as exc:
             return lens_empty_html(str(exc)), gr.skip(), gr.skip()
         except ValueError as exc:         # refused, or bad input named by the engine before any work

@@ -145,10 +145,12 @@ def test_bad_input_is_named_in_the_panel(lens_panel, smollm2_llm, request_kind, 
     if request_kind == "empty":                       # a reply the engine has not started: no tokens yet
         node = session.tree.last_reply()
         node.reply.prompt_token_ids, node.reply.prefix_token_ids, node.reply.token_ids = [], [], []
+    steps = smollm2_llm.engine.step_count
     page, layer_out, head_out = lens_panel.lens(session, rid, position, layer, head)
     error = re.search(r'<div class="lz-error">([^<]*)</div>', page)
-    assert error and re.search(message, error.group(1).replace("&#x27;", "'")), page[-400:]
-    assert "Traceback" not in page
+    assert error and re.search(message, html.unescape(error.group(1))), page[-400:]
+    assert "Traceback" not in page and lens_panel.state(session).lens is None
+    assert smollm2_llm.engine.step_count == steps                   # named before any work
 
 
 def test_a_lens_on_another_visitors_request_is_refused(lens_panel, smollm2_llm):
