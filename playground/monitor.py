@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -83,7 +83,7 @@ class EngineMonitor:
         self._read_at = time.monotonic()     # when a view last read the snapshot
         self._steps: deque[dict] = deque(maxlen=capacity)
         # engine step -> (time, duration, prefill {request: tokens}, decode requests): the per-reply batch view
-        self._batches: dict[int, tuple] = {}
+        self._batches: OrderedDict[int, tuple] = OrderedDict()
         self.batches_capacity = 4096
         self._lock = threading.Lock()
         self._changed = threading.Event()
@@ -122,7 +122,7 @@ class EngineMonitor:
                 self.num_steps += 1
                 self._batches[event.step] = (event.time, data["duration_s"], data["prefill"], data["decode"])
                 if len(self._batches) > self.batches_capacity:
-                    del self._batches[next(iter(self._batches))]
+                    self._batches.popitem(last=False)
             self.timeline.on_step(event.time, record["num_tokens"], record["num_decode"], data["prefill"],
                                   data["decode"])
         elif event.kind.startswith("request_"):
