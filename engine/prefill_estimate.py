@@ -71,6 +71,12 @@ class PrefillEstimate:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def _repr_html_(self) -> str:
+        """The playground's edit-cost panel (Jupyter's rich display)."""
+        from playground.edit_cost_view import edit_cost_html
+
+        return edit_cost_html(self, title="Sending this prompt")
+
     @classmethod
     def from_dict(cls, data: dict) -> "PrefillEstimate":
         data = dict(data)

@@ -114,3 +114,22 @@ def test_the_replay_counts_equal_the_engine_counters_in_a_run_that_preempts(tiny
     assert log["events"][at]["cause"] in state.replace("&#x27;", "'") and "preempt" in state
     assert json.loads(fig.plot)["layout"]["shapes"][0]["x0"] == log["events"][at]["seq"]
     assert replay_figure({"events": [], "counters": {}})["data"][0]["x"] == []
+
+
+def test_in_jupyter_the_estimate_displays_itself_and_the_replay_scrubs(tiny_dir):
+    from playground.notebook_inside_kv import ReplayWidget, show_edit_cost
+
+    llm = LLM(model=tiny_dir, block_size=4, kv_cache_memory=14 * 2048)
+    prompts = tiny_prompts(8)
+    llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    ids = prompts[0]["prompt_token_ids"]
+    est = llm.estimate_prefill(ids)
+    assert est._repr_html_() == edit_cost_html(est, title="Sending this prompt")
+    assert f"{est.num_cached_tokens} of {len(ids)} prompt tokens" in show_edit_cost(llm, ids).data
+    widget = ReplayWidget(llm)
+    events = llm.kv_events()["events"]
+    assert widget.slider.max == widget.slider.value == len(events) - 1
+    at = next(i for i, e in enumerate(events) if e["kind"] == "preempt")
+    widget.slider.value = at
+    assert "preempt" in widget.state.value and widget.figure.layout.shapes[0].x0 == events[at]["seq"]
+    assert sum(len(t.x) for t in widget.figure.data if t.meta == "preempt") == llm.kv_events()["counters"]["preemptions"]
