@@ -195,3 +195,28 @@ def test_the_pipeline_view_marks_a_token_the_last_stage_cut():
     assert 'data-in-kept="false"' in html and "cut here" in html
     html = sampler_pipeline_html(pipeline(row, SamplingParams(temperature=1.0, top_k=2), token=1))
     assert 'data-in-kept="true"' in html and "cut here" not in html
+
+
+def test_the_block_inspector_says_what_computed_a_block_of_the_tabs_reply(tiny_dir):
+    from playground.inspector import block_inspector_html
+
+    llm = LLM(model=tiny_dir, block_size=4, max_num_batched_tokens=7)
+    prompt = tiny_prompts(1, length=18)[0]
+    first = llm.generate(prompt, GREEDY)[0]
+    rid = "mine"
+    events = []
+    unsubscribe = llm.subscribe(events.append)
+    stream = llm.stream({"prompt_token_ids": prompt["prompt_token_ids"] + first.outputs[0].token_ids[:3]},
+                        SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), request_id=rid)
+    next(stream)                                       # running: its blocks are in the snapshot
+    snap = llm.snapshot().to_dict()
+    deltas = list(stream)
+    unsubscribe()
+    prov = deltas[-1].provenance
+    table = next(r for r in snap["requests"] if r["request_id"] == rid)["block_table"]
+    names = {first.request_id: "turn 1", rid: "turn 2"}
+    html = block_inspector_html(snap, table[1], name=lambda r: names.get(r, r), provenance={rid: prov})
+    assert "K/V computed" in html and "prefix-cache hit: its block was computed by turn 1" in html
+    html = block_inspector_html(snap, table[5], name=lambda r: names.get(r, r), provenance={rid: prov})
+    assert re.search(r"computed in prefill chunk \d+ at step \d+", html)
+    assert "K/V computed" not in block_inspector_html(snap, table[1], name=str)     # without the record: no line
