@@ -39,19 +39,23 @@ import statistics
 import subprocess
 import time
 
-from engine import LLM, SamplingParams, add_engine_args, config_from_args
-from engine.config import FlagParser
+from engine.config import FlagParser, add_engine_args, config_from_args
 
-from . import fallback as bench_fallback
 from . import llama_cpp as peer
 from . import results as bench_results
 
-TOPICS = bench_fallback.TOPICS
+# Paddle (through engine.LLM and benchmarks.fallback) is imported where it is used, after the
+# arguments are parsed: --help and a wrong flag answer at once.
+
 PEERS = ("llama.cpp",)
 
 
-def concurrency(llm: LLM, tokens: int, levels=(1, 4, 16), repeats: int = 2) -> dict[int, float]:
+def concurrency(llm, tokens: int, levels=(1, 4, 16), repeats: int = 2) -> dict[int, float]:
     """Aggregate generated tok/s with ``n`` requests submitted together (best of ``repeats``)."""
+    from engine import SamplingParams
+
+    from . import fallback as bench_fallback
+
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     llm.generate("warm up", SamplingParams(max_tokens=2))
     out = {}
@@ -67,6 +71,8 @@ def concurrency(llm: LLM, tokens: int, levels=(1, 4, 16), repeats: int = 2) -> d
 
 
 def long_conversation(words: int = 700) -> list[dict]:
+    from .fallback import TOPICS
+
     text = " ".join(f"{TOPICS[i % len(TOPICS)].split()[-1]}{i % 7}" for i in range(words))
     return [{"role": "system", "content": "You summarise notes. Notes: " + text},
             {"role": "user", "content": "Which topic comes first?"}]
@@ -83,6 +89,8 @@ def new_message_ttft(engine_args: dict, enable_prefix_caching: bool, repeats: in
     caching its blocks are cached; each measured turn appends a different new
     message, so only the shared prefix can come from the cache.
     """
+    from engine import LLM, SamplingParams
+
     llm = LLM(**{**engine_args, "enable_prefix_caching": enable_prefix_caching, "max_num_batched_tokens": 2048})
     conv = long_conversation()
     first = llm.chat(conv, SamplingParams(max_tokens=8, temperature=0))[0]
@@ -119,6 +127,10 @@ class EngineSide:
     """A fresh ``LLM`` measured the same way as the peer: prefill, single-stream and multi-stream decode."""
 
     def __init__(self, engine_args: dict, cpu_decode: str, prompt: list[int]):
+        from engine import LLM
+
+        from . import fallback as bench_fallback
+
         self.llm = LLM(**{**engine_args, "cpu_decode": cpu_decode, "enable_prefix_caching": False,
                           "max_num_batched_tokens": 2048})
         self.runner = bench_fallback.EngineRunner(self.llm)
@@ -138,6 +150,10 @@ class EngineSide:
         End to end: ``streams * tokens`` over the whole ``generate`` (prefill included). Decode only:
         the tokens after each stream's first, over the time from the last first token to the last
         stream's end -- every step in that window is a decode step of the streams still running."""
+        from engine import SamplingParams
+
+        from . import fallback as bench_fallback
+
         prompts = bench_fallback.poem_prompts(streams)
         t0 = time.perf_counter()
         outs = self.llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
@@ -196,6 +212,8 @@ class PeerSide:
 def peer_section(engine_args: dict, tokens: int, streams: int, repeats: int, prefill_tokens: int) -> dict:
     model = engine_args["model"]
     from engine.loader import load_checkpoint
+
+    from . import fallback as bench_fallback
 
     checkpoint = load_checkpoint(model)
     text = prefill_text(checkpoint.tokenizer, prefill_tokens)
@@ -307,11 +325,15 @@ def main(argv=None) -> int:
         print()
 
     if "model_impl" in sections:
+        from . import fallback as bench_fallback
+
         rows, agree = bench_fallback.run(args.model, args.tokens, 16, args.repeats)
         print(bench_fallback.table(rows, agree, args.tokens, 16) + "\n")
         results["model_impl"] = {"rows": [r.__dict__ for r in rows], "outputs_agree": agree}
 
     if "concurrency" in sections:
+        from engine import LLM
+
         llm = LLM(**engine_args)
         agg = concurrency(llm, args.tokens, repeats=args.repeats)
         llm.shutdown()

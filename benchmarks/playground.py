@@ -49,12 +49,10 @@ import threading
 import time
 from pathlib import Path
 
-import gradio_client
+from engine.config import FlagParser, add_engine_args, config_from_args
 
-from engine import LLM, LLMProcess, SamplingParams, add_engine_args, config_from_args
-from engine.config import FlagParser
-from playground.__main__ import _warm_up
-from playground.app import DEFAULT_SYSTEM_PROMPT, build_app, launch
+# Paddle and Gradio are imported where they are used, after the arguments are parsed: --help and
+# a wrong flag answer at once.
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["Tell me about the ocean.", "Describe a forest at night.", "Explain how a bicycle works.",
@@ -151,6 +149,8 @@ class DecodeMeter:
     the engine lock, the only other things a busy engine thread waits for (``waits``)."""
 
     def __init__(self, llm, n: int):
+        from engine import LLM
+
         self.n, self.steps, self._clocks = n, [], []
         self._on_engine_thread = isinstance(llm, LLM)   # an LLMProcess delivers events on its own thread
         self._unsubscribe = llm.subscribe(self._on_event)
@@ -193,6 +193,8 @@ class DecodeMeter:
 def chat_args(prompt: str, max_tokens: int) -> dict:
     """``/chat``'s inputs by their API names (greedy; the sampling controls the page adds later keep
     their off values)."""
+    from playground.app import DEFAULT_SYSTEM_PROMPT
+
     return dict(message=prompt, system_prompt=DEFAULT_SYSTEM_PROMPT, temperature=0.0, top_p=1.0, top_k=0,
                 max_tokens=max_tokens, seed=0, logprobs=LOGPROBS, min_p=0.0, repetition_penalty=1.0,
                 frequency_penalty=0.0, presence_penalty=0.0, stop_sequences="", mode="chat")
@@ -200,11 +202,15 @@ def chat_args(prompt: str, max_tokens: int) -> dict:
 
 def chat_messages(prompt: str) -> list[dict]:
     """A chat's first turn as the app sends it to the engine (its default system prompt)."""
+    from playground.app import DEFAULT_SYSTEM_PROMPT
+
     return [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}, {"role": "user", "content": prompt}]
 
 
 def engine_alone(llm, prompts: list[str], max_tokens: int, cores: list | None = None) -> float:
     """The chats straight through ``LLM.stream`` (the app idles); decode tok/s."""
+    from engine import SamplingParams
+
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=0, logprobs=LOGPROBS)
     meter = DecodeMeter(llm, len(prompts))
     threads0, cpu0, t0 = thread_cpu_s(), cpu_s(), time.perf_counter()
@@ -303,6 +309,8 @@ def ui_cpu_by_kind(llm, tabs: "Tabs", prompts: list[str], max_tokens: int) -> di
     """Cores the UI's threads (``_ui_cpu``: Gradio's event loop and workers, chat replies, the monitor) use for
     each kind of page work, with the engine decoding the tabs' chats: CPU time is what the open
     page takes from the decode, and unlike tok/s on a shared machine it hardly moves between runs."""
+    from engine import SamplingParams
+
     def cores(work) -> dict[str, float]:
         before, t0 = thread_cpu_s(), time.perf_counter()
         work()
@@ -343,6 +351,8 @@ LONG_MESSAGE = ("Here is a short story I am writing. A lighthouse keeper on a sm
 
 def first_chat(url: str, message: str = "What is the capital of France?") -> dict:
     """A chat as a visitor sends it (by default the first after start): time to the first streamed token."""
+    import gradio_client
+
     client = gradio_client.Client(url, verbose=False)
     t0 = time.perf_counter()
     job = client.submit(**chat_args(message, 16), api_name="/chat")
@@ -442,6 +452,10 @@ def main(argv: list[str] | None = None) -> dict:
         for key, value in result.items():
             print(f"{key:>30}: {value}")
         return result
+
+    from engine import LLM, LLMProcess
+    from playground.__main__ import _warm_up
+    from playground.app import build_app, launch
 
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)

@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from engine import LLM, SamplingParams, add_engine_args, config_from_args
-from engine.config import FlagParser
-from engine.sampling_reference import NumpySampler
+from engine.config import FlagParser, add_engine_args, config_from_args
 
 from . import results
+
+if TYPE_CHECKING:
+    from engine import SamplingParams
 
 SETTINGS = {"greedy": dict(temperature=0.0), "T 0.7, top-p 0.9": dict(temperature=0.7, top_p=0.9)}
 PROMPTS = ["Tell me about the ocean.", "Describe a forest at night.", "Explain how a bicycle works.",
@@ -68,6 +70,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.quick:
         args.streams, args.tokens, args.repeats = 2, 16, 2
+    from engine import LLM, SamplingParams     # Paddle, after the arguments: --help answers at once
+    from engine.sampling_reference import NumpySampler
+
     started = results.start()
     llm = LLM(**vars(config_from_args(args)))
     compiled = llm.engine.sampler

@@ -160,6 +160,16 @@ def test_an_unknown_flag_fails_before_paddle_or_gradio_is_imported(command, typo
     assert "paddle" not in imported and "gradio" not in imported and "torch" not in imported
 
 
+@pytest.mark.parametrize("module", ["benchmarks.engine", "benchmarks.sampler", "benchmarks.playground"])
+def test_a_benchmark_s_help_imports_neither_paddle_nor_gradio(module):
+    """A benchmark parses its arguments before it imports Paddle or Gradio: ``--help`` answers at once."""
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", module, "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    assert out.returncode == 0 and out.stdout.startswith(f"usage: python -m {module}"), out.stderr[-2000:]
+    assert not {name for name in imported if name.split(".")[0] in ("paddle", "gradio", "gradio_client", "torch")}
+
+
 def _space_env(port: int) -> dict:
     """The environment of ``python app.py`` on ``port``, bound to 127.0.0.1 as outside a Space."""
     env = {k: v for k, v in os.environ.items() if k not in ("GRADIO_SERVER_NAME", "PLAYGROUND_MODEL")}
