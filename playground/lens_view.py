@@ -147,20 +147,20 @@ def block_rows(lens: AttentionLens, *, layer: int | None, head: int | None,
     and ``last`` position, ``stored_by``, ``hit`` (from the prefix cache), ``state`` now (``shared``,
     ``used``, ``cached``, ``free`` in ``snapshot``), ``owners`` now (named by ``name``), ``outside``
     (wholly outside the layer's sliding window)."""
-    heat = lens.heat(layer, head)
+    heat = lens.heat(layer, head).tolist()          # Python floats: a loop over a NumPy array is slower
     start = _window_start(lens, layer)
     blocks = {b.get("block_id"): b for b in (snapshot or {}).get("blocks") or ()}
     rows: list[dict] = []
     for p, (block, w) in enumerate(zip(lens.block_ids, heat)):
         if rows and rows[-1]["block_id"] == block:
-            rows[-1]["mass"] += float(w)
+            rows[-1]["mass"] += w
             rows[-1]["last"] = p
             continue
         j = len(rows)
         now = blocks.get(block) or {}
         ref = int(now.get("ref_cnt", 0))
         state = ("shared" if ref > 1 else "used") if ref else ("cached" if now.get("hashed") else "free")
-        rows.append({"block_id": int(block), "mass": float(w), "first": p, "last": p,
+        rows.append({"block_id": int(block), "mass": w, "first": p, "last": p,
                      "stored_by": stored_by[j] if j < len(stored_by) else "",
                      "hit": (j + 1) * lens.block_size <= lens.num_cached_tokens, "state": state if now else None,
                      "owners": [name(str(o)) for o in now.get("owners") or ()]})
@@ -200,16 +200,15 @@ def lens_html(lens: AttentionLens, *, layer: int | None = None, head: int | None
     click on); ``snapshot``, ``stored_by``, ``name``: see `block_rows`; ``on_map``: ring the block
     map's cells (``map_cells``, a CSS selector) by mass; ``error``: a refusal to show above the lens."""
     check_layer_head(layer, head, lens.num_layers, lens.num_heads)
-    heat = lens.heat(layer, head)
-    top = float(heat.max()) or 1.0
+    heat = lens.heat(layer, head).tolist()
+    top = max(heat) or 1.0
     start = _window_start(lens, layer)
     texts = lens.tokens or tuple(str(t) for t in lens.token_ids)
     spans = []
     for p, (text, w, block) in enumerate(zip(texts, heat, lens.block_ids)):
         cls = "lz-tok" + (" lz-query" if p == lens.position else "") + (" lz-out" if p < start else "")
-        shade = (float(w) / top) ** 0.5
-        spans.append(f'<span class="{cls}" data-pos="{p}" data-weight="{float(w):.6f}" title="position {p} · block '
-                     f'{block} · weight {float(w):.4f}" style="background:rgba({HEAT},{shade:.3f})">'
+        spans.append(f'<span class="{cls}" data-pos="{p}" data-weight="{w:.6f}" title="position {p} · block '
+                     f'{block} · weight {w:.4f}" style="background:rgba({HEAT},{(w / top) ** 0.5:.3f})">'
                      f'{escape(_visible(text))}</span>' + ("<br>" if "\n" in text else ""))
     for q, text in enumerate(after, lens.position + 1):
         spans.append(f'<span class="lz-tok lz-after" data-pos="{q}" title="position {q}: after the token, '
