@@ -1,4 +1,4 @@
-"""The fused CPU decode step: the native model's decode layers as one Numba call.
+"""The fused CPU decode step: a decoder's decode layers as one Numba call.
 
 ``cpu_decode="fused"`` (``EngineConfig``) runs steps in which every scheduled
 sequence has exactly one new token through ``gpu_kernels.cpu.decode_step``
@@ -8,10 +8,18 @@ holds -- zero-copy views of its parameters, of the block-quantized weights
 compute with the same weights and share one cache. Q4_0 / Q4_1 / Q4_K weights are read
 as nibbles (half the bytes of their int8 codes), packed once at start-up.
 
-Paddle stays the model definition, the prefill path and the reference: prefill
-and mixed steps always run the Paddle layers, and ``cpu_decode="paddle"`` runs
-every step there. `fused_decode_support` says why the fast path does not apply
-to a model (GPU, half-precision, borrowed implementations).
+What it computes is the model's `DecoderSpec` (``engine.models.spec``), the
+description the Paddle layers are built from too: the spec picks the kernel's
+flags and how the weights are packed (norm weights as multiplied, ``offset + w``).
+A model offers the fused step its ``fused_decoder``: the native model itself, or
+a borrowed model's view of its layers (``engine.fallback.captured``), each with
+its ``spec``, ``layers``, ``embed_tokens``, ``norm``, ``rope`` (per layer) and
+``lm_head_blocks``.
+
+Paddle stays the prefill path and the reference: prefill and mixed steps always
+run the Paddle layers, and ``cpu_decode="paddle"`` runs every step there.
+`fused_decode_support` says why the fast path does not apply to a model (GPU,
+half-precision, a model with no ``fused_decoder``).
 """
 
 from __future__ import annotations
@@ -31,10 +39,10 @@ from gpu_kernels.cpu.sync import CONTROL_SIZE, OPEN, STRIDE, close_step, open_st
 from gpu_kernels.interop import host_view
 
 from .attention import AttentionMetadata
-from .models.llama import Linear, LlamaForCausalLM
+from .models.spec import DecoderSpec
 
 _F1 = types.float32[::1]  # the type of an empty list (no Q/K norms, no QKV bias)
-ACTIVATIONS = {"silu": kernel.SILU, "swish": kernel.SILU, "gelu_pytorch_tanh": kernel.GELU_TANH}
+ACTIVATIONS = {"silu": kernel.SILU, "gelu_pytorch_tanh": kernel.GELU_TANH}  # DecoderSpec.activation -> kernel
 MAX_THREADS = 8  # team size cap: a decode step of a small model has little work per phase
 
 
@@ -55,13 +63,13 @@ def fused_decode_support(model, kv_dtype: str, device: str, attention_backend: s
 
 
 def decoder_of(model):
-    """What the fused step reads: the native model itself, or a borrowed model's description of its
-    decoder (its ``fused_decoder``: ``engine.fallback.captured``); else the reason there is none."""
-    if isinstance(model, LlamaForCausalLM):
-        return model
+    """What the fused step reads: the model's ``fused_decoder`` (the native model itself, or a
+    borrowed model's view of its decoder: ``engine.fallback.captured``); else the reason there is none."""
     decoder = getattr(model, "fused_decoder", None)
     if decoder is None:
-        return f"{type(model).__name__} is not the native decoder"
+        return f"{type(model).__name__} has no decoder the fused step reads (no fused_decoder)"
+    if not isinstance(decoder, str) and not isinstance(getattr(decoder, "spec", None), DecoderSpec):
+        return f"{type(model).__name__}'s fused_decoder has no DecoderSpec"
     return decoder
 
 
@@ -72,12 +80,17 @@ def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
 
 
 class FusedDecode:
-    """Runs decode-only steps of a native model on its paged KV cache in one kernel call."""
+    """Runs decode-only steps of a model's ``fused_decoder`` on its paged KV cache in one kernel call."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_caches):
+    def __init__(self, model, kv_caches):
         model = decoder_of(model)
-        cfg = model.cfg
-        self.cfg = cfg
+        if isinstance(model, str):
+            raise ValueError(f"no fused decode step: {model}")
+        spec = model.spec
+        self.spec = spec
+        if spec.activation not in ACTIVATIONS:
+            raise ValueError(f"activation {spec.activation!r}: the fused decode step computes "
+                             f"{sorted(ACTIVATIONS)}")
         single_threaded_blas()  # the kernel's work items already use every core
         self._keep = []  # tensors and arrays whose memory the kernel reads
         formats, float_w, codes, nibbles, scales, offsets = [], [], [], [], [], []  # per linear
@@ -86,17 +99,17 @@ class FusedDecode:
         placeholder_i8 = np.zeros((1, 1), np.int8)
         placeholder_u8 = np.zeros((1, 1), np.uint8)
         norms, qk_norms, bias = [], [], []
-        for layer in model.layers:
+        norm_names = ["input_layernorm", "post_attention_layernorm"] + (
+            ["pre_feedforward_layernorm", "post_feedforward_layernorm"] if spec.sandwich_norms else [])
+        for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            norms.append(self._view(layer.input_layernorm.weight))
-            norms.append(self._view(layer.post_attention_layernorm.weight))
-            if cfg.sandwich_norms:
-                norms.append(self._view(layer.pre_feedforward_layernorm.weight))
-                norms.append(self._view(layer.post_feedforward_layernorm.weight))
-            if cfg.qk_norm:
-                qk_norms.append(self._view(attn.q_norm.weight))
-                qk_norms.append(self._view(attn.k_norm.weight))
-            if attn.qkv_proj.bias is not None:
+            norms += [self._norm(getattr(layer, name, None), f"layer {i} {name}") for name in norm_names]
+            if spec.qk_norm:
+                qk_norms += [self._norm(getattr(attn, name, None), f"layer {i} {name}") for name in ("q_norm", "k_norm")]
+            if (attn.qkv_proj.bias is not None) != spec.qkv_bias:
+                raise ValueError(f"layer {i}'s Q/K/V projection {'has' if attn.qkv_proj.bias is not None else 'lacks'}"
+                                 f" a bias; the spec says qkv_bias={spec.qkv_bias}")
+            if spec.qkv_bias:
                 bias.append(self._view(attn.qkv_proj.bias))
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 fmt, w, c, n, s, o = self._linear(linear, placeholder_f2, placeholder_i8, placeholder_u8)
@@ -114,20 +127,16 @@ class FusedDecode:
         self.scales, self.offsets = typed_list(self._scales), typed_list(self._offsets)
         self.norms, self.qk_norms, self.qkv_bias = typed_list(norms), typed_list(qk_norms), typed_list(bias)
         self.embed = self._view(model.embed_tokens.weight)
-        self.final_norm = self._view(model.norm.weight)
-        ropes = model.rope if isinstance(model.rope, (list, tuple)) else [model.rope] * len(model.layers)
+        self.final_norm = self._norm(model.norm, "the final norm")
+        ropes = [model.rope[i] for i in range(len(model.layers))]
         self.cos = typed_list([self._view(r.cos) for r in ropes])  # per layer (the same arrays where shared)
         self.sin = typed_list([self._view(r.sin) for r in ropes])
-        self.windows = np.zeros(len(model.layers), np.int64)
-        self.windows[:len(cfg.sliding_windows)] = cfg.sliding_windows
-        if cfg.activation not in ACTIVATIONS:
-            raise ValueError(f"activation {cfg.activation!r}: the fused decode step computes "
-                             f"{sorted(ACTIVATIONS)}")
-        self.activation = ACTIVATIONS[cfg.activation]
+        self.windows = np.array([spec.window(i) for i in range(len(model.layers))], np.int64)
+        self.activation = ACTIVATIONS[spec.activation]
         self.k_caches = typed_list([self._view(k) for k, _ in kv_caches])
         self.v_caches = typed_list([self._view(v) for _, v in kv_caches])
         self._num_layers = len(kv_caches)
-        self.scale = np.float32(cfg.head_dim ** -0.5 if cfg.attn_scale is None else cfg.attn_scale)
+        self.scale = np.float32(spec.softmax_scale)
         self.counters = np.zeros(kernel.num_phases(len(model.layers)) * STRIDE, np.int64)
         self.marks = np.zeros((kernel.num_phases(len(model.layers)), 0), np.int64)
         self.epoch = 0
@@ -152,9 +161,9 @@ class FusedDecode:
 
     def _buffers(self, num_tokens: int):
         """The step's shared per-layer result buffers for ``num_tokens`` sequences (views of one array)."""
-        cfg, layers = self.cfg, self._num_layers
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        widths = (q_size + 2 * kv_size, q_size, cfg.hidden_size, 2 * cfg.intermediate_size, cfg.hidden_size)
+        spec, layers = self.spec, self._num_layers
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        widths = (q_size + 2 * kv_size, q_size, spec.hidden_size, 2 * spec.intermediate_size, spec.hidden_size)
         need = layers * num_tokens * sum(widths)
         if self._buffer.size < need:
             self._buffer = np.empty(need, np.float32)
@@ -163,18 +172,30 @@ class FusedDecode:
             n = layers * num_tokens * width
             views.append(self._buffer[at:at + n].reshape(layers, num_tokens, width))
             at += n
-        views[1] = views[1].reshape(layers, num_tokens, cfg.num_heads, cfg.head_dim)
+        views[1] = views[1].reshape(layers, num_tokens, spec.num_heads, spec.head_dim)
         return views
 
     def _view(self, tensor: paddle.Tensor) -> np.ndarray:
         self._keep.append(tensor)
         return host_view(tensor)
 
+    def _norm(self, norm, what: str) -> np.ndarray:
+        """An RMSNorm's weight as the kernel multiplies by it: ``spec.norm_offset + w`` (computed once
+        where the offset is not 0, else the parameter's own memory)."""
+        if norm is None:
+            raise ValueError(f"{what} is missing; the spec (sandwich_norms={self.spec.sandwich_norms}, "
+                             f"qk_norm={self.spec.qk_norm}) computes it")
+        if not self.spec.norm_offset:
+            return self._view(norm.weight)
+        weight = np.ascontiguousarray(self._view(norm.weight), np.float32) + np.float32(self.spec.norm_offset)
+        self._keep.append(weight)
+        return weight
+
     def _append(self, *arrays):
         for lst, a in zip(self._linears, arrays):
             lst.append(a)
 
-    def _linear(self, linear: Linear, f2, i8, u8):
+    def _linear(self, linear, f2, i8, u8):
         if linear.block_weight is None:
             return kernel.FLOAT, self._view(linear.weight), i8, u8, f2, f2
         return self._blocks(linear.block_weight, f2, i8, u8)
@@ -220,25 +241,26 @@ class FusedDecode:
         (None when the LM head is not in blocks: `LlamaForCausalLM.compute_logits` then computes
         them); the step's K/V land in the cache."""
         num_tokens = len(token_ids)
-        out = np.empty((num_tokens, self.cfg.hidden_size), np.float32)
+        out = np.empty((num_tokens, self.spec.hidden_size), np.float32)
         rows = np.asarray(logit_rows, np.int64)
-        logits = np.empty((len(rows) if self.has_head else 0, self.cfg.vocab_size), np.float32)
+        logits = np.empty((len(rows) if self.has_head else 0, self.spec.vocab_size), np.float32)
         self.counters[:] = 0
         self.epoch += 1
         # bounds any phase's items (`decode_step.split_rows`: at most ~TAIL_ITEMS more than whole items)
-        items = -(-self._max_rows // min(kernel.DOT_ROWS, kernel.TILE)) + 8 + num_tokens * self.cfg.num_kv_heads
+        items = -(-self._max_rows // min(kernel.DOT_ROWS, kernel.TILE)) + 8 + num_tokens * self.spec.num_kv_heads
         if self.marks.shape[1] < items:
             self.marks = np.zeros((self.marks.shape[0], items), np.int64)
         args = (self.counters, self.marks, self.epoch, token_ids, positions, slots, block_tables, context_lens,
-                self.embed, np.float32(self.cfg.embed_scale), self.norms, self.qk_norms, self.qkv_bias,
-                self.final_norm, self.cos, self.sin, self.windows, self.cfg.grouped_qkv, self.activation, self.formats, self.float_w, self.codes, self.nibbles, self.scales, self.offsets,
-                self.k_caches, self.v_caches, self.cfg.num_heads, self.cfg.num_kv_heads,
-                np.float32(self.cfg.rms_norm_eps), self.scale, *self._buffers(num_tokens), out, rows, logits)
+                self.embed, np.float32(self.spec.embed_scale), self.norms, self.qk_norms, self.qkv_bias,
+                self.final_norm, self.cos, self.sin, self.windows, self.spec.grouped_qkv, self.activation,
+                self.formats, self.float_w, self.codes, self.nibbles, self.scales, self.offsets,
+                self.k_caches, self.v_caches, self.spec.num_heads, self.spec.num_kv_heads,
+                np.float32(self.spec.rms_norm_eps), self.scale, *self._buffers(num_tokens), out, rows, logits)
         if self._team is None:
             kernel.decode_step(0, 1, *args)
         else:
             self._team.run(args)
-        cap = self.cfg.final_logit_softcapping
+        cap = self.spec.final_logit_softcapping
         if cap and self.has_head:
             logits = np.tanh(logits / np.float32(cap)) * np.float32(cap)
         return out, (logits if self.has_head else None)

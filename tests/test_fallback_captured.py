@@ -111,10 +111,10 @@ def test_the_probe_sees_gemma3s_window_and_local_rope(tmp_path):
 
     wrapped = build_paddleformers_model(load_checkpoint(tiny_gemma3(str(tmp_path / "gemma3"))), "float32", "cpu")
     view = describe_decoder(wrapped)
-    assert view.cfg.sliding_windows == (4, 0, 4) and view.cfg.grouped_qkv and view.cfg.sandwich_norms
-    assert view.cfg.activation == "gelu_pytorch_tanh" and view.cfg.attn_scale == 24 ** -0.5
+    assert view.spec.sliding_windows == (4, 0, 4) and view.spec.grouped_qkv and view.spec.sandwich_norms
+    assert view.spec.activation == "gelu_pytorch_tanh" and view.spec.attn_scale == 24 ** -0.5
     assert verify(wrapped, view) is None
-    no_window = dataclasses.replace(view, cfg=dataclasses.replace(view.cfg, sliding_windows=()))
+    no_window = dataclasses.replace(view, spec=dataclasses.replace(view.spec, sliding_windows=()))
     assert "departs from the eager" in verify(wrapped, no_window)
     one_rope = dataclasses.replace(view, rope=[view.rope[1]] * 3)
     assert "departs from the eager" in verify(wrapped, one_rope)

@@ -268,7 +268,8 @@ def test_fused_decode_falls_back_and_says_why(tmp_path):
     assert fused_decode_support(model, "float32", "gpu") == "device is gpu; the fused decode step is a CPU kernel"
     assert fused_decode_support(model, "bfloat16", "cpu") == ("dtype is bfloat16; the fused decode step computes "
                                                               "in float32")
-    assert fused_decode_support(object(), "float32", "cpu") == "object is not the native decoder"
+    assert fused_decode_support(object(), "float32", "cpu") == ("object has no decoder the fused step reads "
+                                                                "(no fused_decoder)")
     assert fused_decode_support(model, "float32", "cpu") is None
     llm.shutdown()
 

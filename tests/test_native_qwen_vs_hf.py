@@ -107,7 +107,7 @@ def test_native_qwen_matches_hf_transformers(variant, hf_transformers):
     checkpoint = load_checkpoint(directory)
     assert checkpoint.architecture == f"{VARIANTS[variant][0]}ForCausalLM"
     native = build_native_model(checkpoint.architecture, checkpoint.config, checkpoint.weights("float32"), "float32")
-    assert native.cfg.qkv_bias == variant.startswith("qwen2") and native.cfg.qk_norm == variant.startswith("qwen3")
+    assert native.spec.qkv_bias == variant.startswith("qwen2") and native.spec.qk_norm == variant.startswith("qwen3")
     for prompt, theirs in zip(prompts, reference["logits"]):
         ids = prompt["prompt_token_ids"]
         with paddle.no_grad():

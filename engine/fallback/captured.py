@@ -13,9 +13,10 @@ borrowed model whose layers are that computation can hand it those arrays:
 `describe_decoder` reads them from the library's own modules (the Q/K/V and
 gate/up products `fusion` fused, or the library's own fused ``qkv_proj`` /
 ``up_gate_proj``: the very parameters the eager forward multiplies by,
-zero-copy; Gemma's ``1 + w`` norm weights computed once) into a
-`DecoderView`, the duck-typed stand-in for the native model that
-``FusedDecode`` reads.
+zero-copy) into a `DecoderView`, the duck-typed stand-in for the native model
+that ``FusedDecode`` reads, and the facts into its `DecoderSpec` -- the same
+description the native loader builds from a config (Gemma's ``1 + w`` norms as
+``norm_offset=1``, which the fused step packs as the native model's are packed).
 
 PaddleFormers stays the definition of the architecture. The reading is
 gated twice:
@@ -45,7 +46,7 @@ from types import SimpleNamespace
 import numpy as np
 import paddle
 
-from ..models.llama import DecoderConfig
+from ..models.spec import DecoderSpec
 from .fusion import FusedLinear, ProjectionSlice
 
 LAYER_PARTS = {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
@@ -60,7 +61,7 @@ TOLERANCE = 1e-4  # max |hidden eager - hidden captured| relative to max |hidden
 class DecoderView:
     """What ``engine.fused_decode.FusedDecode`` reads from a native ``LlamaForCausalLM``, read from a borrowed one."""
 
-    cfg: DecoderConfig
+    spec: DecoderSpec
     layers: list
     embed_tokens: SimpleNamespace
     norm: SimpleNamespace
@@ -73,17 +74,17 @@ def _linear(layer) -> SimpleNamespace:
                            block_weight=getattr(layer, "block_weight", None))
 
 
-def _norm(layer, kind: str) -> tuple[paddle.Tensor, float]:
-    """An RMSNorm's weight as the kernel multiplies by it, and its epsilon: PaddleFormers'
-    ``RMSNorm`` (``x * w``) or Gemma 3's (``x * (1 + w)``, the weight read as ``1 + w``)."""
+def _norm(layer, kind: str) -> tuple[paddle.Tensor, float, float]:
+    """An RMSNorm's weight, epsilon and offset (the spec's ``norm_offset``): PaddleFormers'
+    ``RMSNorm`` (``x * w``: 0) or Gemma 3's (``x * (1 + w)``: 1)."""
     from paddleformers.nn.norm import RMSNorm
 
     if type(layer) is RMSNorm:
         if getattr(layer, "bias", None) is not None:
             raise _NotCapturable(f"{kind} has a bias")
-        return layer.weight, float(layer.variance_epsilon)
+        return layer.weight, float(layer.variance_epsilon), 0.0
     if type(layer) in _unit_offset_norms():
-        return 1.0 + layer.weight.astype("float32"), float(layer.eps)
+        return layer.weight, float(layer.eps), 1.0
     raise _NotCapturable(f"{kind} is {type(layer).__name__}, not an RMSNorm the kernel computes")
 
 
@@ -159,7 +160,7 @@ def _describe(wrapped) -> DecoderView:
     if embed is None or norm is None or rotary is None:
         raise _NotCapturable(f"{type(body).__name__} has no embed_tokens / norm / rotary_emb")
     local_rotary = getattr(body, "rotary_emb_local", None)  # Gemma 3's sliding layers' (`fixups`)
-    layers, rotaries, windows, eps = [], [], [], set()
+    layers, rotaries, windows, eps, offsets = [], [], [], set(), set()
     kinds = dict(qk_norm=set(), qkv_bias=set(), grouped=set(), sandwich=set(), activation=set(), scale=set())
     for i, layer in enumerate(body.layers):
         names = _sublayer_names(layer)
@@ -190,40 +191,45 @@ def _describe(wrapped) -> DecoderView:
         view = SimpleNamespace(self_attn=SimpleNamespace(qkv_proj=_linear(qkv), o_proj=_linear(attn.o_proj)),
                                mlp=SimpleNamespace(gate_up_proj=_linear(gate_up), down_proj=_linear(mlp.down_proj)))
         for name in norm_names:  # input, post-attention[, pre-feedforward, post-feedforward]
-            weight, e = _norm(getattr(layer, name), f"layer {i} {name}")
+            weight, e, offset = _norm(getattr(layer, name), f"layer {i} {name}")
             setattr(view, name, SimpleNamespace(weight=weight))
             eps.add(e)
+            offsets.add(offset)
         if has_norms:
             for name in ("q_norm", "k_norm"):
-                weight, e = _norm(getattr(attn, name), f"layer {i} {name}")
+                weight, e, offset = _norm(getattr(attn, name), f"layer {i} {name}")
                 setattr(view.self_attn, name, SimpleNamespace(weight=weight))
                 eps.add(e)
+                offsets.add(offset)
         layers.append(view)
     mixed = [key for key, values in kinds.items() if len(values) > 1]
     if mixed:
         raise _NotCapturable(f"layers differ in {', '.join(mixed)}")
-    final_weight, final_eps = _norm(norm, "the final norm")
+    final_weight, final_eps, final_offset = _norm(norm, "the final norm")
     eps.add(final_eps)
+    offsets.add(final_offset)
     if len(eps) > 1:
         raise _NotCapturable(f"norms differ in epsilon ({sorted(eps)})")
+    if len(offsets) > 1:
+        raise _NotCapturable(f"norms differ in their weight's offset ({sorted(offsets)})")
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = wrapped.head_dim
     if layers and tuple(layers[0].self_attn.qkv_proj.weight.shape)[1] != (heads + 2 * kv_heads) * head_dim:
         raise _NotCapturable("the fused Q/K/V width is not (heads + 2 kv_heads) * head_dim")
     one = {key: next(iter(values)) if values else None for key, values in kinds.items()}
     embed_scale = getattr(embed, "embed_scale", None)  # Gemma's scaled embedding (a float32 buffer)
-    cfg = DecoderConfig(
+    spec = DecoderSpec(
         vocab_size=int(embed.weight.shape[0]), hidden_size=config.hidden_size,
         intermediate_size=int(layers[0].mlp.gate_up_proj.weight.shape[1]) // 2 if layers else 0,
         num_layers=len(layers), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        rms_norm_eps=eps.pop(), rope_theta=0.0, rope_scaling=None,
         max_position_embeddings=config.max_position_embeddings,
-        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        qkv_bias=bool(one["qkv_bias"]), qk_norm=bool(one["qk_norm"]),
-        embed_scale=1.0 if embed_scale is None else float(embed_scale.astype("float32")),
+        rms_norm_eps=eps.pop(), norm_offset=offsets.pop(), sandwich_norms=bool(one["sandwich"]),
+        qkv_bias=bool(one["qkv_bias"]), qk_norm=bool(one["qk_norm"]), grouped_qkv=bool(one["grouped"]),
         attn_scale=None if one["scale"] is None else float(one["scale"]),
-        activation=one["activation"] or "silu", sandwich_norms=bool(one["sandwich"]),
-        sliding_windows=tuple(windows) if any(windows) else (), grouped_qkv=bool(one["grouped"]),
+        sliding_windows=tuple(windows) if any(windows) else (), **_rope_facts(config, local_rotary),
+        activation=one["activation"] or "silu",
+        embed_scale=1.0 if embed_scale is None else float(embed_scale.astype("float32")),
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         final_logit_softcapping=float(wrapped.softcap) if wrapped.softcap else None)
     head = getattr(model, "lm_head", None)
     head_blocks = wrapped.lm_head_blocks if getattr(head, "bias", None) is None else None
@@ -231,9 +237,20 @@ def _describe(wrapped) -> DecoderView:
     for r in rotaries:
         if id(r) not in tables:
             tables[id(r)] = _rope_tables(r, embed.weight, config.max_position_embeddings)
-    return DecoderView(cfg=cfg, layers=layers, embed_tokens=SimpleNamespace(weight=embed.weight),
+    return DecoderView(spec=spec, layers=layers, embed_tokens=SimpleNamespace(weight=embed.weight),
                        norm=SimpleNamespace(weight=final_weight), rope=[tables[id(r)] for r in rotaries],
                        lm_head_blocks=head_blocks)
+
+
+def _rope_facts(config, local_rotary) -> dict:
+    """The spec's RoPE facts as the config states them (the kernel reads the tables the library's
+    rotary embeddings compute, `_rope_tables`; the probe checks them)."""
+    theta = getattr(config, "rope_theta", None)
+    scaling = getattr(config, "rope_scaling", None)
+    local = getattr(config, "rope_local_base_freq", None) if local_rotary is not None else None
+    return dict(rope_theta=float(theta) if isinstance(theta, (int, float)) and theta > 0 else 10000.0,
+                rope_scaling=scaling if isinstance(scaling, dict) else None,
+                local_rope_theta=float(local) if local else None)
 
 
 def _rope_tables(rotary, like: paddle.Tensor, max_positions: int) -> SimpleNamespace:
@@ -254,7 +271,7 @@ def verify(wrapped, view: DecoderView) -> str | None:
     block = 8
     caches = [(paddle.zeros([1, kv_heads, block, head_dim], dtype="float32"),
                paddle.zeros([1, kv_heads, block, head_dim], dtype="float32")) for _ in range(layers)]
-    vocab = view.cfg.vocab_size
+    vocab = view.spec.vocab_size
     tokens = (np.arange(PROBE_TOKENS + 1, dtype=np.int64) * 7919 + 11) % vocab
 
     def meta(lo, hi):

@@ -1,4 +1,7 @@
-"""The model contract (`EngineModel`), the native model registry, and HF-weight → native-parameter loading."""
+"""The model contract (`EngineModel`), the native model registry, and HF-weight → native-parameter loading.
+
+A native model is built from its `DecoderSpec` (``engine.models.spec``); the spec also decides how
+weights are packed at load (Q/K rows permuted for interleaved RoPE, the fused Q/K/V product's layout)."""
 
 from __future__ import annotations
 
@@ -9,7 +12,9 @@ import numpy as np
 import paddle
 
 from ..block_linear import BlockWeight, attach_blocks, fused_blocks
-from .llama import DecoderConfig, LlamaForCausalLM
+from ..loader.gguf_blocks import combine_rows
+from .llama import LlamaForCausalLM
+from .spec import ARCHITECTURES, DecoderSpec
 
 @runtime_checkable
 class EngineModel(Protocol):
@@ -34,13 +39,7 @@ class EngineModel(Protocol):
         ...
 
 
-NATIVE_ARCHITECTURES = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
-    "Ernie4_5ForCausalLM": LlamaForCausalLM,  # Llama with interleaved RoPE: Q/K rows permuted at load
-}
-INTERLEAVED_ROPE = ("Ernie4_5ForCausalLM",)
+NATIVE_ARCHITECTURES = {name: LlamaForCausalLM for name in ARCHITECTURES}  # one decoder, a spec per architecture
 
 _FUSED = {  # HF projection -> (our fused parameter, position among its parts)
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -50,21 +49,18 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bia
 
 
 def build_native_model(architecture: str, hf_config: dict, weights, dtype: str,
-                       blocks: dict | None = None) -> LlamaForCausalLM:
+                       blocks: dict | None = None, spec: DecoderSpec | None = None) -> LlamaForCausalLM:
     """Construct the native model for ``architecture`` and load HF-named weights into it.
 
     ``blocks``: HF-named weights also kept quantized (``Checkpoint.quantized_blocks``),
-    which float32 CPU inputs then multiply on (``engine.block_linear``).
+    which float32 CPU inputs then multiply on (``engine.block_linear``). ``spec``: the decoder
+    to build instead of the one ``hf_config`` describes (`DecoderSpec.from_hf`).
     """
-    if architecture not in NATIVE_ARCHITECTURES:
-        raise ValueError(
-            f"no native implementation for {architecture}; native architectures: {', '.join(NATIVE_ARCHITECTURES)}"
-        )
-    cfg = DecoderConfig.from_hf(architecture, hf_config)
-    model = NATIVE_ARCHITECTURES[architecture](cfg)
-    if architecture in INTERLEAVED_ROPE:
-        weights = interleaved_to_half(weights, cfg.head_dim)
-        blocks = {name: map_rows(b, _rope_rows(name, cfg.head_dim)) if _rope_rows(name, cfg.head_dim) is not None
+    spec = spec or DecoderSpec.from_hf(architecture, hf_config)
+    model = NATIVE_ARCHITECTURES.get(architecture, LlamaForCausalLM)(spec)
+    if spec.rope_interleaved:
+        weights = interleaved_to_half(weights, spec.head_dim)
+        blocks = {name: map_rows(b, _rope_rows(name, spec.head_dim)) if _rope_rows(name, spec.head_dim) is not None
                   else b for name, b in (blocks or {}).items()}
     load_hf_weights(model, weights)
     if dtype != "float32":
@@ -73,6 +69,16 @@ def build_native_model(architecture: str, hf_config: dict, weights, dtype: str,
         attach_native_blocks(model, blocks)
     model.eval()
     return model
+
+
+def qkv_rows(spec: DecoderSpec, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Q, K and V (outputs along axis 0) stacked as the spec lays out the fused product: all queries,
+    all keys, all values; or (``grouped_qkv``) per KV head its query heads, its key, its value."""
+    if not spec.grouped_qkv:
+        return np.concatenate([q, k, v])
+    nkv, rest = spec.num_kv_heads, q.shape[1:]
+    parts = [a.reshape(nkv, -1, *rest) for a in (q, k, v)]
+    return np.concatenate(parts, axis=1).reshape(-1, *rest)
 
 
 _QK = re.compile(r"^model\.layers\.\d+\.self_attn\.(q|k)_proj\.(weight|bias)$")
@@ -102,8 +108,6 @@ def interleaved_to_half(weights, head_dim: int):
 
 def map_rows(blocks, order: np.ndarray):
     """The same per-head row permutation on block-quantized weights (rows are outputs)."""
-    from ..loader.gguf_blocks import combine_rows
-
     head_dim = len(order)
     return combine_rows([blocks], lambda a: a.reshape(a.shape[0] // head_dim, head_dim, *a.shape[1:])[:, order]
                         .reshape(a.shape))
@@ -115,22 +119,21 @@ def load_hf_weights(model: LlamaForCausalLM, weights) -> None:
     pending: dict[str, dict[int, np.ndarray]] = {}
     loaded = set()
     for name, array in weights:
-        if name.startswith("lm_head.") and model.cfg.tie_word_embeddings:
+        if name.startswith("lm_head.") and model.spec.tie_word_embeddings:
             continue
         target, part = _native_name(name)
         if target not in params:
             raise ValueError(f"checkpoint tensor {name} has no place in the native model ({target})")
-        if target.endswith(".weight") and array.ndim == 2 and "embed_tokens" not in target:
-            array = array.T  # HF [out, in] -> Paddle [in, out]
         if part is None:
-            _assign(params[target], array)
+            _assign(params[target], _paddle_layout(target, array))
             loaded.add(target)
             continue
         parts = pending.setdefault(target, {})
         parts[part] = array
         if len(parts) == (3 if "qkv" in target else 2):
-            fused = np.concatenate([parts[i] for i in sorted(parts)], axis=-1)
-            _assign(params[target], fused)
+            ordered = [parts[i] for i in sorted(parts)]
+            fused = qkv_rows(model.spec, *ordered) if "qkv" in target else np.concatenate(ordered)
+            _assign(params[target], _paddle_layout(target, fused))
             loaded.add(target)
             del pending[target]
     missing = set(params) - loaded
@@ -138,9 +141,15 @@ def load_hf_weights(model: LlamaForCausalLM, weights) -> None:
         raise ValueError(f"checkpoint is missing tensors for: {sorted(missing | set(pending))[:8]}")
 
 
+def _paddle_layout(target: str, array: np.ndarray) -> np.ndarray:
+    """HF [out, in] linears -> Paddle [in, out]; embeddings, norms and biases as they are."""
+    return array.T if target.endswith(".weight") and array.ndim == 2 and "embed_tokens" not in target else array
+
+
 def attach_native_blocks(model: LlamaForCausalLM, blocks: dict) -> int:
     """Give the native linears (fused like their weights) and the LM head their blocks; returns how many."""
     attached = 0
+    qkv = lambda *parts: qkv_rows(model.spec, *parts)  # noqa: E731 -- the fused product's row layout
     for i, layer in enumerate(model.layers):
         prefix = f"model.layers.{i}."
         for linear, names in (
@@ -149,8 +158,11 @@ def attach_native_blocks(model: LlamaForCausalLM, blocks: dict) -> int:
             (layer.mlp.gate_up_proj, ["mlp.gate_proj", "mlp.up_proj"]),
             (layer.mlp.down_proj, ["mlp.down_proj"]),
         ):
-            attached += attach_blocks(linear, fused_blocks(blocks, [f"{prefix}{n}.weight" for n in names]))
-    head = "model.embed_tokens.weight" if model.cfg.tie_word_embeddings else "lm_head.weight"
+            parts = fused_blocks(blocks, [f"{prefix}{n}.weight" for n in names])
+            if parts is not None and linear is layer.self_attn.qkv_proj and model.spec.grouped_qkv:
+                parts = combine_rows([blocks[f"{prefix}{n}.weight"] for n in names], qkv)
+            attached += attach_blocks(linear, parts)
+    head = "model.embed_tokens.weight" if model.spec.tie_word_embeddings else "lm_head.weight"
     if head in blocks:
         model.lm_head_blocks = BlockWeight(blocks[head])
         attached += 1

@@ -1,105 +1,30 @@
-"""Native Paddle decoder for Llama, Qwen2 and Qwen3 — one implementation, three flag sets.
+"""The native Paddle decoder: one implementation, built from a `DecoderSpec` (``engine.models.spec``).
 
-| architecture | differences from Llama |
-|---|---|
-| ``Qwen2ForCausalLM`` | bias on the Q/K/V projections |
-| ``Qwen3ForCausalLM`` | RMSNorm on each head of Q and K before RoPE; explicit ``head_dim`` |
-| ``Ernie4_5ForCausalLM`` | interleaved ("GLM-style") RoPE, served as rotate-half on Q/K rows permuted at load (`engine.models.interleaved_to_half`); tied embeddings by default |
+Every fact that separates one architecture from another is a field of the spec,
+read here: Q/K/V bias (Qwen2), RMSNorm on each head of Q and K (Qwen3, Gemma 3),
+interleaved RoPE served as rotate-half on rows permuted at load (ERNIE 4.5),
+``(1 + w)`` norms, norms around attention and MLP, tanh-GELU, a scaled embedding,
+a softmax scale, a sliding window and a RoPE base per layer, soft-capped logits
+(Gemma 3). The fused CPU decode step (``engine.fused_decode``) reads the same
+spec and these modules' parameters, and is tested against them.
 
 Q/K/V are one fused projection and gate/up another, so a layer runs two
 matmuls where HF runs five. Weights are stored Paddle-style, ``[in, out]``.
 On the CPU, float32 inputs multiply on the checkpoint's quantized blocks when
 the loader kept them (``engine.block_linear``). Attention goes through
 ``engine.attention.paged_attention`` (the paged KV cache) or, without metadata,
-``dense_causal_attention`` (the reference). Decode-only CPU steps can also run
-as one fused kernel over these same parameters (``engine.fused_decode``); this
-module stays the definition that path is tested against.
+``dense_causal_attention`` (the reference).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
 from ..attention import AttentionMetadata, KVCache, dense_causal_attention, every_layer_attends, paged_attention
-from .rope import RotaryEmbedding
-
-
-@dataclass(frozen=True)
-class DecoderConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool = False
-    qk_norm: bool = False
-    # what only borrowed decoders have (``engine.fallback.captured`` reads them; the native
-    # decoder refuses configs that need them, `from_hf`), as the fused decode step takes them:
-    embed_scale: float = 1.0                    # embedding rows times this (Gemma: sqrt(hidden))
-    attn_scale: float | None = None             # softmax scale; None: head_dim ** -0.5
-    activation: str = "silu"                    # the gated MLP's: "silu" or "gelu_pytorch_tanh"
-    sandwich_norms: bool = False                # attention and MLP outputs normed before their residual adds
-    sliding_windows: tuple[int, ...] = ()       # per layer (0: the whole context); () none anywhere
-    grouped_qkv: bool = False                   # the QKV product per KV head: its query heads, key, value
-    final_logit_softcapping: float | None = None
-
-    @classmethod
-    def from_hf(cls, architecture: str, c: dict) -> "DecoderConfig":
-        ernie = architecture == "Ernie4_5ForCausalLM"
-        if ernie and c.get("use_bias"):
-            raise ValueError("Ernie4_5ForCausalLM with use_bias=true (biased linears and norms) has no native "
-                             "implementation; use model_impl='paddleformers'")
-        windowed = _sliding_layers(c)
-        if windowed:
-            raise ValueError(f"{architecture} with sliding-window layers ({windowed[:4]}..., sliding_window="
-                             f"{c.get('sliding_window')}) has no native implementation: the native decoder "
-                             f"attends to the whole context")
-        act = c.get("hidden_act") or c.get("hidden_activation") or "silu"
-        if act not in ("silu", "swish"):
-            raise ValueError(f"{architecture} with hidden_act={act!r} has no native implementation: the native "
-                             "decoder's MLP is SiLU-gated; use model_impl='paddleformers'")
-        heads = c["num_attention_heads"]
-        return cls(
-            vocab_size=c["vocab_size"],
-            hidden_size=c["hidden_size"],
-            intermediate_size=c["intermediate_size"],
-            num_layers=c["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=c.get("num_key_value_heads") or heads,
-            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-            rope_theta=c.get("rope_theta", 10000.0),
-            rope_scaling=c.get("rope_scaling"),
-            max_position_embeddings=c.get("max_position_embeddings", 4096),
-            tie_word_embeddings=c.get("tie_word_embeddings", ernie),  # ERNIE 4.5's config defaults to tied
-            qkv_bias=architecture == "Qwen2ForCausalLM" or c.get("attention_bias", False),
-            qk_norm=architecture == "Qwen3ForCausalLM",
-        )
-
-
-def _sliding_layers(c: dict) -> list[int]:
-    """Layers an HF config makes attend through a sliding window (Qwen2's ``use_sliding_window``,
-    ``max_window_layers``, ``layer_types``), as HF transformers decides them."""
-    if not c.get("sliding_window"):
-        return []
-    types = c.get("layer_types")
-    if types:
-        return [i for i, t in enumerate(types) if t == "sliding_attention"]
-    if not c.get("use_sliding_window"):
-        return []
-    n = c["num_hidden_layers"]
-    return [i for i in range(n) if i >= c.get("max_window_layers", n)]
+from .rope import LayerRopes, RotaryEmbedding
+from .spec import DecoderSpec
 
 
 class Linear(nn.Layer):
@@ -125,87 +50,119 @@ class Linear(nn.Layer):
 
 
 class RMSNorm(nn.Layer):
-    def __init__(self, dim: int, eps: float):
+    """``x * rsqrt(mean(x^2) + eps) * (offset + w)`` (``offset``: the spec's ``norm_offset``)."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
-        self.eps = eps
-        self.weight = self.create_parameter([dim], default_initializer=nn.initializer.Constant(1.0))
+        self.eps, self.offset = eps, offset
+        init = nn.initializer.Constant(1.0 - offset)
+        self.weight = self.create_parameter([dim], default_initializer=init)
 
     def forward(self, x):
+        weight = self.weight if not self.offset else self.weight.astype("float32") + self.offset
         if x.dtype == paddle.float32:
-            return x * paddle.rsqrt((x * x).mean(-1, keepdim=True) + self.eps) * self.weight
+            return x * paddle.rsqrt((x * x).mean(-1, keepdim=True) + self.eps) * weight
         x32 = x.astype("float32")
         x32 = x32 * paddle.rsqrt((x32 * x32).mean(-1, keepdim=True) + self.eps)
-        return (x32 * self.weight.astype("float32")).astype(x.dtype)
+        return (x32 * weight.astype("float32")).astype(x.dtype)
+
+
+def _norm(spec: DecoderSpec, dim: int) -> RMSNorm:
+    return RMSNorm(dim, spec.rms_norm_eps, spec.norm_offset)
 
 
 class Attention(nn.Layer):
-    def __init__(self, cfg: DecoderConfig, rope: RotaryEmbedding):
+    def __init__(self, spec: DecoderSpec, layer: int, rope: RotaryEmbedding):
         super().__init__()
-        self.cfg, self.rope = cfg, rope
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.scale = cfg.head_dim ** -0.5
+        self.spec, self.rope = spec, rope
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = Linear(self.q_size, spec.hidden_size)
+        if spec.qk_norm:
+            self.q_norm = _norm(spec, spec.head_dim)
+            self.k_norm = _norm(spec, spec.head_dim)
+        self.scale = spec.softmax_scale
+        self.window = spec.window(layer) or None
+
+    def _split(self, qkv):
+        """q [T, heads, d], k and v [T, kv_heads, d] from the fused product (as the spec lays it out)."""
+        spec = self.spec
+        nh, nkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        if not spec.grouped_qkv:  # all queries, all keys, all values
+            return paddle.split(qkv.reshape([-1, nh + 2 * nkv, d]), [nh, nkv, nkv], axis=1)
+        q, k, v = paddle.split(qkv.reshape([-1, nkv, nh // nkv + 2, d]), [nh // nkv, 1, 1], axis=2)
+        return q.reshape([-1, nh, d]), k.squeeze(2), v.squeeze(2)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata | None, kv_cache: KVCache | None):
-        cfg = self.cfg
-        nh, nkv = cfg.num_heads, cfg.num_kv_heads
-        qkv = self.qkv_proj(x).reshape([-1, nh + 2 * nkv, cfg.head_dim])
-        if cfg.qk_norm:
-            q, k, v = paddle.split(qkv, [nh, nkv, nkv], axis=1)
-            q, k = self.rope.apply(self.q_norm(q), cos, sin), self.rope.apply(self.k_norm(k), cos, sin)
+        spec, qkv = self.spec, self.qkv_proj(x)
+        if spec.qk_norm or spec.grouped_qkv:
+            q, k, v = self._split(qkv)
+            if spec.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
         else:  # rotate Q and K heads in one go
-            qk, v = paddle.split(qkv, [nh + nkv, nkv], axis=1)
+            nh, nkv = spec.num_heads, spec.num_kv_heads
+            qk, v = paddle.split(qkv.reshape([-1, nh + 2 * nkv, spec.head_dim]), [nh + nkv, nkv], axis=1)
             q, k = paddle.split(self.rope.apply(qk, cos, sin), [nh, nkv], axis=1)
         if meta is None:
-            out = dense_causal_attention(q, k, v, scale=self.scale)
+            out = dense_causal_attention(q, k, v, scale=self.scale, sliding_window=self.window)
         else:
-            out = paged_attention(q, k, v, kv_cache, meta, scale=self.scale)
+            out = paged_attention(q, k, v, kv_cache, meta, scale=self.scale, sliding_window=self.window)
         return self.o_proj(out.reshape([-1, self.q_size]))
 
 
 class MLP(nn.Layer):
-    def __init__(self, cfg: DecoderConfig):
+    def __init__(self, spec: DecoderSpec):
         super().__init__()
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size)
+        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size)
+        self.gelu = spec.activation == "gelu_pytorch_tanh"
 
     def forward(self, x):
         gate, up = paddle.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj((F.gelu(gate, approximate=True) if self.gelu else F.silu(gate)) * up)
 
 
 class DecoderLayer(nn.Layer):
-    def __init__(self, cfg: DecoderConfig, rope: RotaryEmbedding):
+    def __init__(self, spec: DecoderSpec, layer: int, rope: RotaryEmbedding):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rope)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.sandwich = spec.sandwich_norms
+        self.input_layernorm = _norm(spec, spec.hidden_size)
+        self.self_attn = Attention(spec, layer, rope)
+        self.post_attention_layernorm = _norm(spec, spec.hidden_size)
+        if self.sandwich:  # Gemma 2/3: attention and MLP outputs normed before their residual adds
+            self.pre_feedforward_layernorm = _norm(spec, spec.hidden_size)
+            self.post_feedforward_layernorm = _norm(spec, spec.hidden_size)
+        self.mlp = MLP(spec)
 
     def forward(self, x, cos, sin, meta, kv_cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
+        if not self.sandwich:
+            x = x + attn
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(attn)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class LlamaForCausalLM(nn.Layer):
-    """Also serves ``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM`` (see module docstring)."""
+    """Every native architecture: what differs is the `DecoderSpec` (module docstring)."""
 
-    def __init__(self, cfg: DecoderConfig):
+    def __init__(self, spec: DecoderSpec):
         super().__init__()
-        self.cfg = cfg
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.LayerList([DecoderLayer(cfg, self.rope) for _ in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.spec = spec
+        self.rope = LayerRopes(spec)
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.LayerList([DecoderLayer(spec, i, self.rope[i]) for i in range(spec.num_layers)])
+        self.norm = _norm(spec, spec.hidden_size)
+        if not spec.tie_word_embeddings:
+            self.lm_head = Linear(spec.hidden_size, spec.vocab_size)
         self.lm_head_blocks = None  # LM head (or tied embedding) in quantized blocks, see engine.block_linear
+
+    @property
+    def fused_decoder(self):
+        """What the fused CPU decode step reads (``engine.fused_decode``): the model itself."""
+        return self
 
     def forward(self, input_ids, positions, meta: AttentionMetadata | None = None, kv_caches=None):
         """Hidden states [num_tokens, hidden] after the final norm.
@@ -214,21 +171,25 @@ class LlamaForCausalLM(nn.Layer):
         without, ``input_ids`` is one whole sequence and attention is dense.
         """
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rope.tables(positions, x.dtype)
+        if self.spec.embed_scale != 1.0:
+            x = x * paddle.to_tensor(self.spec.embed_scale, dtype="float32").astype(x.dtype)
+        tables = self.rope.tables(positions, x.dtype)
         with every_layer_attends(type(self).__name__, kv_caches):
             for i, layer in enumerate(self.layers):
-                x = layer(x, cos, sin, meta, None if kv_caches is None else kv_caches[i])
+                x = layer(x, *tables[i], meta, None if kv_caches is None else kv_caches[i])
         return self.norm(x)
 
     def kv_layout(self) -> tuple[int, int, int]:
         """(layers, KV heads, head_dim): what the model runner sizes the paged cache by."""
-        return self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim
+        return self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim
 
     def compute_logits(self, hidden):
         if self.lm_head_blocks is not None and self.lm_head_blocks.accepts(hidden):
-            return self.lm_head_blocks.matmul(hidden)
-        if self.cfg.tie_word_embeddings:
+            logits = self.lm_head_blocks.matmul(hidden)
+        elif self.spec.tie_word_embeddings:
             logits = paddle.matmul(hidden, self.embed_tokens.weight, transpose_y=True)
         else:
             logits = self.lm_head(hidden)
-        return logits.astype("float32")
+        logits = logits.astype("float32")
+        cap = self.spec.final_logit_softcapping
+        return logits if not cap else paddle.tanh(logits / cap) * cap

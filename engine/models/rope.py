@@ -74,3 +74,36 @@ class RotaryEmbedding:
         x1, x2 = x[..., : self.half], x[..., self.half:]
         rotated = paddle.concat([-x2, x1], axis=-1)
         return x * cos + rotated * sin
+
+
+class LayerRopes:
+    """Each layer's `RotaryEmbedding` (``spec.layer_rope``): one per distinct base, shared by the layers
+    that rotate with it (Gemma 3's windowed layers with their local base, the others with the global).
+    ``positions``, ``cos`` and ``sin`` are the first layer's; ``resize`` resizes every one."""
+
+    def __init__(self, spec):
+        by_base: dict[tuple, RotaryEmbedding] = {}
+        self.by_layer = []
+        for i in range(spec.num_layers):
+            theta, scaling = spec.layer_rope(i)
+            key = (theta, repr(scaling))
+            if key not in by_base:
+                by_base[key] = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, theta, scaling)
+            self.by_layer.append(by_base[key])
+        self.distinct = list(by_base.values())
+
+    def __getitem__(self, layer: int) -> RotaryEmbedding:
+        return self.by_layer[layer]
+
+    def resize(self, positions: int) -> None:
+        for rope in self.distinct:
+            rope.resize(positions)
+
+    positions = property(lambda self: self.by_layer[0].positions)
+    cos = property(lambda self: self.by_layer[0].cos)
+    sin = property(lambda self: self.by_layer[0].sin)
+
+    def tables(self, positions, dtype) -> list:
+        """Per layer: its ``(cos, sin)`` for ``positions`` (gathered once per distinct base)."""
+        gathered = {id(r): r.tables(positions, dtype) for r in self.distinct}
+        return [gathered[id(r)] for r in self.by_layer]

@@ -19,7 +19,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
-from ..models import INTERLEAVED_ROPE, interleaved_to_half, load_hf_weights
+from ..models import interleaved_to_half, load_hf_weights
 from ..models.llama import Linear, LlamaForCausalLM
 from .sharding import ShardPlan
 
@@ -58,7 +58,7 @@ class TensorParallelLlama(LlamaForCausalLM):
     def __init__(self, plan: ShardPlan, group):
         super().__init__(plan.local_config())
         self.plan, self.group = plan, group
-        cfg = self.cfg
+        cfg = self.spec
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, plan.vocab_start, group)
         for layer in self.layers:
             layer.self_attn.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, group)
@@ -78,7 +78,7 @@ def build_sharded_model(architecture: str, hf_config: dict, weights, dtype: str,
     """Rank ``plan.rank``'s model, its slices taken from ``weights`` (HF ``(name, array)`` pairs read
     one at a time from the checkpoint file): the rank keeps its slice of each and drops the rest."""
     model = TensorParallelLlama(plan, group)
-    if architecture in INTERLEAVED_ROPE:
+    if plan.cfg.rope_interleaved:
         weights = interleaved_to_half(weights, plan.cfg.head_dim)
     load_hf_weights(model, plan.shard_weights(weights))
     if dtype != "float32":

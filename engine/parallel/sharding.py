@@ -34,13 +34,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..models.llama import DecoderConfig
+from ..models.spec import DecoderSpec
 
 @dataclass(frozen=True)
 class ShardPlan:
     """The slice rank ``rank`` of ``world`` holds, for a decoder of config ``cfg``."""
 
-    cfg: DecoderConfig
+    cfg: DecoderSpec
     rank: int
     world: int
 
@@ -75,7 +75,7 @@ class ShardPlan:
     def vocab_start(self) -> int:
         return self.rank * self.vocab_per_rank
 
-    def local_config(self) -> DecoderConfig:
+    def local_config(self) -> DecoderSpec:
         """The decoder a rank builds: its heads, KV heads, MLP width and vocab range."""
         from dataclasses import replace
 
@@ -120,20 +120,20 @@ _LAYER = re.compile(r"^model\.layers\.\d+\.(?:self_attn|mlp)\.(\w+)\.(weight|bia
 SHARDED_IMPLS = ("native", "paddleformers")
 
 
-def decoder_shape(hf_config: dict) -> DecoderConfig:
+def decoder_shape(hf_config: dict) -> DecoderSpec:
     """The sizes a `ShardPlan` splits, read from an HF config as every decoder names them (the
-    PaddleFormers backend's models too, which the native `DecoderConfig.from_hf` refuses)."""
+    PaddleFormers backend's models too, which the native `DecoderSpec.from_hf` refuses)."""
     c = hf_config
     heads = c["num_attention_heads"]
-    return DecoderConfig(vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
-                         intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"],
-                         num_heads=heads, num_kv_heads=c.get("num_key_value_heads") or heads,
-                         head_dim=c.get("head_dim") or c["hidden_size"] // heads, rms_norm_eps=0.0, rope_theta=0.0,
-                         rope_scaling=None, max_position_embeddings=0,
-                         tie_word_embeddings=bool(c.get("tie_word_embeddings")))
+    return DecoderSpec(vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+                       intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"],
+                       num_heads=heads, num_kv_heads=c.get("num_key_value_heads") or heads,
+                       head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+                       max_position_embeddings=c.get("max_position_embeddings") or 4096,
+                       tie_word_embeddings=bool(c.get("tie_word_embeddings")))
 
 
-def check_shardable(architecture: str, hf_config: dict, world: int, model_impl: str = "native") -> DecoderConfig:
+def check_shardable(architecture: str, hf_config: dict, world: int, model_impl: str = "native") -> DecoderSpec:
     """The decoder config, or a ValueError saying why ``world`` ranks cannot split this model: every
     rank must get whole query heads, whole KV heads (or one replicated KV head each, the ranks
     dividing evenly among the KV heads) and an equal share of the MLP."""
@@ -145,7 +145,7 @@ def check_shardable(architecture: str, hf_config: dict, world: int, model_impl: 
                          f"model_impl={model_impl!r} has no sharded implementation yet (use tensor_parallel_size=1 "
                          f"or model_impl='paddleformers')")
     if model_impl == "native":
-        cfg = DecoderConfig.from_hf(architecture, hf_config)
+        cfg = DecoderSpec.from_hf(architecture, hf_config)
     else:
         cfg = decoder_shape(hf_config)
     heads, kv, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
