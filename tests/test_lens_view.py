@@ -232,3 +232,33 @@ def test_the_notebook_widget_shows_the_lens_of_a_clicked_token(smollm2_llm):
                                    atol=1e-6)
     finally:
         pg.close()
+
+
+def test_the_panel_on_our_server_draws_the_servers_lens(smollm2_llm):
+    """Remote mode on this project's server: the panel's lens comes through ``RemoteLLM`` (the server's
+    ``/engine/attention_lens``), the same as in process; bad input is named by the server, in the panel."""
+    from test_engine_client import serve
+
+    from engine.client.http import RemoteLLM
+
+    srv, url = serve(smollm2_llm)
+    remote = monitor = None
+    try:
+        remote = RemoteLLM(url)
+        monitor = EngineMonitor(remote, interval=0.1)
+        panel = LensPanel(Handlers(remote, monitor, Limits()))
+        assert panel.unavailable is None
+        session = chat(panel, "Name three colours.", max_tokens=8)
+        reply = session.tree.last_reply().reply
+        ids = list(reply.prompt_token_ids) + reply.all_token_ids
+        page, _, _ = panel.lens(session, reply.request_id, len(ids) - 2, "layer 2", None)
+        np.testing.assert_allclose(weights_drawn(page), smollm2_llm.attention_lens(ids, len(ids) - 2).heat(2, None),
+                                   atol=1e-5)
+        bad = html.unescape(panel.lens(session, reply.request_id, len(ids) + 5, None, None)[0])
+        assert re.search(r'lz-error">position must be an integer in \[0, \d+\]', bad)
+    finally:
+        if monitor is not None:
+            monitor.close()
+        if remote is not None:
+            remote.shutdown()
+        srv.should_exit = True
