@@ -22,6 +22,7 @@ request"); a request id is never shown as it is.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from html import escape
 from typing import Any
@@ -143,14 +144,34 @@ def block_source(prov: Any, start: int, end: int, name: Callable[[Any], str]) ->
     return "; ".join(parts)
 
 
+@functools.lru_cache(maxsize=1)
+def _frame() -> dict:
+    """The batch figure without data, as Plotly's JSON (validated once, as ``timeline_chart``'s)."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12, row_heights=[0.55, 0.45],
+                        subplot_titles=("inter-token latency (ms) · x: reply token", "requests in the step"))
+    fig.add_trace(go.Scatter(mode="lines+markers", name="ITL", line={"color": "#6366f1"},
+                             hovertemplate="token %{x}: %{y:.0f} ms<br>%{customdata}<extra></extra>"), row=1, col=1)
+    fig.add_trace(go.Bar(name="decoding", marker_color="#a78bfa",
+                         hovertemplate="token %{x}: %{y} decoding<br>%{customdata}<extra></extra>"), row=2, col=1)
+    fig.add_trace(go.Bar(name="prefilling", marker_color="#f59e0b",
+                         hovertemplate="token %{x}: %{y} prefilling<br>%{customdata}<extra></extra>"), row=2, col=1)
+    fig.update_layout(barmode="stack", height=360, margin={"l": 44, "r": 8, "t": 28, "b": 30}, font={"size": 12},
+                      template="none", plot_bgcolor="#ffffff", hovermode="closest", showlegend=True,
+                      legend={"orientation": "h", "y": -0.12, "x": 0}, uirevision="batches")
+    fig.update_annotations(font_size=13, x=0, xanchor="left")
+    fig.update_xaxes(gridcolor="#e2e8f0")
+    fig.update_yaxes(gridcolor="#e2e8f0", rangemode="tozero")
+    return dict(fig.to_plotly_json(), config={"displayModeBar": False, "responsive": True})
+
+
 def batch_figure(prov: Any, batches: Mapping[int, tuple], request_id: str, name: Callable[[Any], str]) -> dict:
     """Plotly's JSON: the reply's inter-token latency per token (top) above who shared each step (bottom).
 
     ``batches``: engine step -> ``(time, duration_s, prefill {request: tokens}, decode requests)``
     (``EngineMonitor.batches``); tokens whose steps it no longer holds are left out."""
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
-
     xs, itl, decode_n, prefill_n, hover = [], [], [], [], []
     for j in range(1, len(prov.reply)):
         here, before = batches.get(prov.reply[j].step), batches.get(prov.reply[j - 1].step)
@@ -165,19 +186,6 @@ def batch_figure(prov: Any, batches: Mapping[int, tuple], request_id: str, name:
         prefill_n.append(len(prefill))
         hover.append(f"step {prov.reply[j].step} took {duration * 1000:.0f} ms<br>decoding with this reply: "
                      f"{', '.join(others) or 'nothing else'}<br>prefilling: {', '.join(pre) or 'none'}")
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12, row_heights=[0.55, 0.45],
-                        subplot_titles=("inter-token latency (ms) · x: reply token", "requests in the step"))
-    fig.add_trace(go.Scatter(x=xs, y=itl, mode="lines+markers", name="ITL", line={"color": "#6366f1"},
-                             customdata=hover, hovertemplate="token %{x}: %{y:.0f} ms<br>%{customdata}<extra></extra>"),
-                  row=1, col=1)
-    fig.add_trace(go.Bar(x=xs, y=decode_n, name="decoding", marker_color="#a78bfa", customdata=hover,
-                         hovertemplate="token %{x}: %{y} decoding<br>%{customdata}<extra></extra>"), row=2, col=1)
-    fig.add_trace(go.Bar(x=xs, y=prefill_n, name="prefilling", marker_color="#f59e0b", customdata=hover,
-                         hovertemplate="token %{x}: %{y} prefilling<br>%{customdata}<extra></extra>"), row=2, col=1)
-    fig.update_layout(barmode="stack", height=360, margin={"l": 44, "r": 8, "t": 28, "b": 30}, font={"size": 12},
-                      template="none", plot_bgcolor="#ffffff", hovermode="closest", showlegend=True,
-                      legend={"orientation": "h", "y": -0.12, "x": 0}, uirevision="batches")
-    fig.update_annotations(font_size=13, x=0, xanchor="left")
-    fig.update_xaxes(gridcolor="#e2e8f0")
-    fig.update_yaxes(gridcolor="#e2e8f0", rangemode="tozero")
-    return dict(fig.to_plotly_json(), config={"displayModeBar": False, "responsive": True})
+    frame = _frame()
+    data = [dict(trace, x=xs, y=y, customdata=hover) for trace, y in zip(frame["data"], (itl, decode_n, prefill_n))]
+    return {"data": data, "layout": frame["layout"], "config": frame["config"]}

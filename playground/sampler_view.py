@@ -69,15 +69,15 @@ def sampler_pipeline_html(pipe: Any, *, decode: Callable[[int], str] | None = No
     for s in stages:
         ref = before if before is not None else s
         k = min(BARS, ref.probs.size)
-        ids = [int(t) for t in ref.probs.argsort()[::-1][:k]]
+        best = np.argpartition(-ref.probs, k - 1)[:k]           # not a sort of the whole vocabulary
+        ids = [int(t) for t in best[np.argsort(-ref.probs[best], kind="stable")]]
         if token is not None and token not in ids:
             ids.append(int(token))
-        kept = np.zeros(s.probs.size, bool)
-        kept[s.kept] = True
         rows = []
         for t in ids:
             p = float(s.probs[t])
-            alive = bool(kept[t])
+            i = int(np.searchsorted(s.kept, t))                   # kept is ascending
+            alive = i < s.kept.size and int(s.kept[i]) == t
             cls = ["sp-bar"] + ([] if alive else ["sp-cut"]) + (["sp-token"] if t == token else [])
             if t == token and not alive:
                 cls.append("sp-tokcut")
