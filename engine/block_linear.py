@@ -7,9 +7,13 @@ Paddle. On a CPU a decode step is bound by reading the weights from memory,
 the formats it can compute on (`engine.loader.gguf_blocks`: Q4_0, Q4_1,
 Q8_0) as int8 codes plus per-block scales, 1.25 bytes per weight, and
 float32 inputs multiply on those (`gpu_kernels.cpu.block_matmul`: a fused
-dot kernel for one row, dequantized tiles through BLAS for more). The
-weights are the same numbers either way (the blocks dequantize exactly to
-the float32 tensors); only the order of the floating-point sums differs.
+dot kernel for one row, a micro-kernel for a few). A prefill's many rows
+(more than ``SMALL_T``) are a compute-bound product: where the layer still
+holds its float32 weight, they multiply on it in one call to NumPy's BLAS
+(`float_matmul`, threaded), which beats both dequantizing tiles and Paddle's
+own CPU matmul. The weights are the same numbers either way (the blocks
+dequantize exactly to the float32 tensors); only the order of the
+floating-point sums differs.
 
 `attach_blocks` gives a layer its blocks; the native ``Linear`` and the
 borrowed models' ``paddle.nn.Linear`` / LM heads then route float32 inputs
@@ -20,9 +24,10 @@ from __future__ import annotations
 
 import types
 
+import numpy as np
 import paddle
 
-from gpu_kernels.cpu.block_matmul import block_matmul
+from gpu_kernels.cpu.block_matmul import SMALL_T, block_matmul
 from gpu_kernels.interop import host_view
 
 from .loader.gguf_blocks import BlockQuantized, concat_rows
@@ -40,12 +45,27 @@ class BlockWeight:
         """Float32 input (blocks are only kept for CPU models, so ``x`` is on the CPU)."""
         return x.dtype == paddle.float32
 
-    def matmul(self, x: paddle.Tensor) -> paddle.Tensor:
+    def matmul(self, x: paddle.Tensor, weight: paddle.Tensor | None = None) -> paddle.Tensor:
+        """``x @ W.T``; on ``weight`` (the same ``W`` as float32 ``[in, out]``), when given, for more than
+        ``SMALL_T`` rows (`float_matmul`)."""
+        if weight is not None and x.size > SMALL_T * self.in_features:
+            return float_matmul(x, weight)
         shape = list(x.shape[:-1]) + [self.out_features]
         out = paddle.empty(shape, dtype="float32")
         block_matmul(host_view(x).reshape(-1, self.in_features), self.codes, self.scales, self.offsets,
                      host_view(out).reshape(-1, self.out_features))
         return out
+
+
+def float_matmul(x: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
+    """``x @ weight`` for float32 CPU tensors (``weight`` ``[in, out]``) through NumPy's BLAS, on its threads.
+
+    Paddle's CPU matmul (MKL) runs these prefill-sized products 3-10x slower than the OpenBLAS that
+    NumPy ships (e.g. a 257 x 640 by 640 x 4096 product; ``benchmarks.fallback_gemma``)."""
+    num_in, num_out = weight.shape
+    out = paddle.empty(list(x.shape[:-1]) + [num_out], dtype="float32")
+    np.matmul(host_view(x).reshape(-1, num_in), host_view(weight), out=host_view(out).reshape(-1, num_out))
+    return out
 
 
 def fused_blocks(blocks: dict[str, BlockQuantized], names: list[str]) -> BlockQuantized | None:
@@ -58,7 +78,7 @@ def fused_blocks(blocks: dict[str, BlockQuantized], names: list[str]) -> BlockQu
 def _linear_forward(self, x):
     """``paddle.nn.Linear.forward`` (``x @ W + b``, W ``[in, out]``) with float32 inputs on the blocks."""
     if self.block_weight.accepts(x):
-        y = self.block_weight.matmul(x)
+        y = self.block_weight.matmul(x, self.weight)
         return y if self.bias is None else y + self.bias
     return paddle.nn.functional.linear(x, self.weight, self.bias)
 

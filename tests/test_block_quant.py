@@ -171,6 +171,20 @@ def test_block_weight_multiplies_float32_paddle_tensors():
     np.testing.assert_allclose(y.numpy(), x.numpy() @ w.T, rtol=1e-5, atol=1e-4)
 
 
+def test_a_prefill_sized_product_runs_on_the_float_weight_when_given():
+    """More than SMALL_T rows with the float ``[in, out]`` weight at hand: one BLAS product on it (the
+    same numbers as NumPy's), not the blocks; fewer rows, or no weight, stay on the blocks."""
+    rng = np.random.default_rng(5)
+    raw, w = _quantized(rng, 48, 64, QT.Q4_0)
+    bw = BlockWeight(unpack(raw, QT.Q4_0, w.shape))
+    weight = paddle.to_tensor(np.ascontiguousarray(w.T))
+    many = paddle.randn([1, cpu_block_matmul.SMALL_T + 1, 64])
+    np.testing.assert_array_equal(bw.matmul(many, weight).numpy()[0], many.numpy()[0] @ w.T)
+    for x, given in ((many, None), (many[:, :cpu_block_matmul.SMALL_T], weight)):
+        blocks = cpu_block_matmul.block_matmul(x.numpy()[0], bw.codes, bw.scales, bw.offsets)
+        np.testing.assert_array_equal(bw.matmul(x, given).numpy()[0], blocks)
+
+
 def test_smollm2_blocks_equal_its_dequantized_weights(smollm2_checkpoint, smollm2_state_dict):
     blocks = smollm2_checkpoint.quantized_blocks()
     # every linear of the 30 layers (Q4_1) and the embedding / tied LM head (Q8_0)

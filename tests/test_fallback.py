@@ -159,6 +159,48 @@ def test_speedups_compute_what_the_library_layers_compute():
         np.testing.assert_allclose(layer(x).numpy(), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_a_prefill_sized_linear_computes_what_paddle_computes():
+    from engine.fallback.speedups import apply_speedups
+    from gpu_kernels.cpu.block_matmul import SMALL_T
+
+    rng = np.random.default_rng(3)
+    layer = paddle.nn.Linear(64, 40)
+    for rows in (3, SMALL_T + 5):
+        x = paddle.to_tensor(rng.standard_normal((1, rows, 64)).astype(np.float32))
+        expected = paddle.nn.functional.linear(x, layer.weight, layer.bias).numpy()
+        if rows > SMALL_T:  # on NumPy's BLAS: the same product as NumPy's
+            expected_blas = x.numpy() @ layer.weight.numpy() + layer.bias.numpy()
+        assert apply_speedups(layer) == ["Linear"]
+        np.testing.assert_allclose(layer(x).numpy(), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(layer(x).numpy(), expected_blas)
+
+
+def test_rotary_embedding_speedup_is_bit_identical_to_the_library():
+    """Gemma 3's ``apply_rotary_pos_emb`` with its cos/sin broadcast over the heads expanded first:
+    the same numbers bit for bit, on the strided query/key views the attention layer passes."""
+    import paddleformers.transformers.gemma3_text.modeling as gemma3
+
+    from engine.fallback.speedups import apply_speedups
+
+    rng = np.random.default_rng(6)
+    tokens, heads, dim = 9, 4, 16
+    mix = paddle.to_tensor(rng.standard_normal((1, tokens, 1, (heads + 2) * dim)).astype(np.float32))
+    q, k, _ = paddle.split(mix, [heads * dim, dim, dim], axis=-1)
+    q, k = q.reshape([1, tokens, heads, dim]).transpose([0, 2, 1, 3]), k.transpose([0, 2, 1, 3])
+    cos, sin = (paddle.to_tensor(rng.standard_normal((1, tokens, dim)).astype(np.float32)) for _ in range(2))
+    original = getattr(gemma3.apply_rotary_pos_emb, "original", gemma3.apply_rotary_pos_emb)
+    expected = original(q, k, cos, sin)
+    model = gemma3.Gemma3ForCausalLM.__new__(gemma3.Gemma3ForCausalLM)  # only its class is looked at
+    paddle.nn.Layer.__init__(model)
+    assert apply_speedups(model) == ["gemma3_text.apply_rotary_pos_emb"]
+    assert gemma3.apply_rotary_pos_emb.original is original
+    for got, want in zip(gemma3.apply_rotary_pos_emb(q, k, cos, sin), expected):
+        assert got.shape == want.shape
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+    half = gemma3.apply_rotary_pos_emb(q, k, cos.astype("float16"), sin.astype("float16"))  # not float32: the library's
+    np.testing.assert_array_equal(half[0].numpy(), original(q, k, cos.astype("float16"), sin.astype("float16"))[0].numpy())
+
+
 def test_fused_qkv_rows_come_apart_the_way_gemma3_splits_them():
     from engine.fallback.weights import fuse_qkv
 

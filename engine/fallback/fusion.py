@@ -62,7 +62,7 @@ class FusedLinear(paddle.nn.Layer):
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         if self.block_weight is not None and self.block_weight.accepts(x):
-            y = self.block_weight.matmul(x)
+            y = self.block_weight.matmul(x, self.weight)
         else:
             y = paddle.matmul(x, self.weight)
         return y if self.bias is None else y + self.bias
