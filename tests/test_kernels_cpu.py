@@ -293,3 +293,21 @@ def test_no_two_cached_kernels_share_a_cache_file():
                 assert key not in seen, f"{info.name}.{name} and {seen[key]} share the cache file of {key}"
                 seen[key] = f"{info.name}.{name}"
     assert len(seen) > 10
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("rows", [3, 4500])  # on the calling thread, and spread over the threads
+def test_rms_norm_rows_match_the_float64_formula(offset, rows):
+    from gpu_kernels.cpu.norms import rms_norm
+
+    rng = np.random.default_rng(int(offset) * 10 + rows)
+    full = (rng.standard_normal((rows, 2, 256)) * 4).astype(np.float32)
+    x = full[:, 1]  # strided rows, as a split of a fused projection gives them
+    w = rng.standard_normal(256).astype(np.float32)
+    out = np.full(x.shape, np.nan, np.float32)
+    rms_norm(x, w, 1e-6, offset, out)
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + 1e-6) * (w.astype(np.float64) + offset)
+    np.testing.assert_allclose(out, want, rtol=2e-6, atol=2e-6 * np.abs(want).max())
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(x, w[:128], 1e-6, offset, out)

@@ -12,7 +12,9 @@ Paddle's CPU kernels run them fast:
     kernel is ~50x slower than a multiply: 1.4 ms vs 13 µs on a 128 x 576
     tensor; the native RMSNorm squares by multiplying too), and skip the
     ``auto_cast(False)`` guard (~40 µs per call; the engine never runs
-    under AMP autocast).
+    under AMP autocast). Float32 on the CPU: one Numba pass per row
+    (``gpu_kernels.cpu.norms``) instead of Paddle's five ops, the mean
+    of squares summed in float64 (agrees to float32 rounding).
 
 ``paddle.nn.Linear`` (weights no GGUF block format holds, e.g. Q6_K)
     float32 products of a prefill's many rows on the CPU through NumPy's
@@ -37,12 +39,28 @@ import types
 import paddle
 
 from gpu_kernels.cpu.block_matmul import SMALL_T
+from gpu_kernels.cpu.norms import rms_norm
+from gpu_kernels.interop import host_view
 
 from ..block_linear import float_matmul
 
 
+def _on_cpu_kernel(x, weight) -> bool:
+    return x.dtype == paddle.float32 and weight.dtype == paddle.float32 and x.place.is_cpu_place()
+
+
+def _cpu_rms_norm(x, weight, eps: float, offset: float):
+    """The norm of float32 CPU rows in one pass (``gpu_kernels.cpu.norms``); ``offset`` 1 for ``1 + weight``."""
+    dim = x.shape[-1]
+    out = paddle.empty(x.shape, dtype="float32")
+    rms_norm(host_view(x).reshape(-1, dim), host_view(weight), eps, offset, host_view(out).reshape(-1, dim))
+    return out
+
+
 def _rms_norm_forward(self, hidden_states):
     """``paddleformers.nn.norm.RMSNorm.forward`` with fuse_rms_norm off, squaring by multiplication."""
+    if _on_cpu_kernel(hidden_states, self.weight):
+        return _cpu_rms_norm(hidden_states, self.weight, self.variance_epsilon, 0.0)
     h32 = hidden_states if hidden_states.dtype == paddle.float32 else hidden_states.astype("float32")
     variance = (h32 * h32).mean(-1, keepdim=True)
     out = paddle.rsqrt(variance + self.variance_epsilon) * hidden_states
@@ -53,6 +71,8 @@ def _rms_norm_forward(self, hidden_states):
 
 def _gemma3_rms_norm_forward(self, x):
     """``Gemma3RMSNorm.forward``: float32 normalisation, scaled by ``1 + weight``, cast back."""
+    if _on_cpu_kernel(x, self.weight):
+        return _cpu_rms_norm(x, self.weight, self.eps, 1.0)
     x32 = x if x.dtype == paddle.float32 else x.astype("float32")
     out = x32 * paddle.rsqrt((x32 * x32).mean(-1, keepdim=True) + self.eps)
     out = out * (1.0 + self.weight.astype("float32"))
