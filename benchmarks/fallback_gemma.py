@@ -15,6 +15,8 @@ they share whatever load the machine has then); every figure is the median over 
   ``predicted_per_second`` (its first token costs it no step: a 1/N advantage).
 
 The eager PaddleFormers path (``cpu_decode="paddle"``) is measured the same way after them.
+``python -m benchmarks.fallback_gemma`` runs this section alone and writes
+``benchmarks/results/fallback_gemma.json`` (the per-round ratios, targets and loads with it).
 """
 
 from __future__ import annotations
@@ -164,3 +166,46 @@ def figures(doc: dict) -> list[dict]:
             out.append(figure(f"Gemma 3 270M, {name}: {what} (peer: llama.cpp, {doc['threads']} threads)", "tok/s",
                               round(r[f"{what}_tok_s"], 2), round(peer[f"{what}_tok_s"], 2)))
     return out
+
+
+def _round_ratios(doc: dict, what: str) -> list[float]:
+    ours, peer = doc["rows"]["fallback (captured decode)"], doc["rows"][doc["peer"]]
+    return [a / b for a, b in zip(ours[f"{what}_rounds"], peer[f"{what}_rounds"])]
+
+
+def main(argv=None) -> int:
+    from engine.config import FlagParser
+
+    from . import results
+
+    parser = FlagParser(prog="python -m benchmarks.fallback_gemma",
+                        description=__doc__.split("\n\n")[0].replace("``", ""))
+    parser.add_argument("--tokens", type=int, default=64, help="greedy tokens decoded per round")
+    parser.add_argument("--prefill-tokens", type=int, default=256, help="prompt length of the prefill rounds")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
+    parser.add_argument("--threads", type=int, default=2, help="llama-server -t/-tb")
+    parser.add_argument("--quiet-below", type=float, default=None, metavar="LOAD",
+                        help="before each round, wait (up to --quiet-timeout s) for a 1-minute load average below LOAD")
+    parser.add_argument("--quiet-timeout", type=float, default=600.0, metavar="S")
+    args = parser.parse_args(argv)
+    started = results.start()
+    doc = run(args.tokens, args.prefill_tokens, args.repeats, args.threads, args.quiet_below, args.quiet_timeout)
+    text = table(doc)
+    print(text)
+    targets = []
+    for what, goal in (("prefill", 1.0), ("decode", 0.8)):
+        ratio = statistics.median(_round_ratios(doc, what))
+        targets.append({"target": f"{what} >= {goal}x llama.cpp (median of the rounds' ratios)",
+                        "value": f"{ratio:.2f}x", "met": ratio >= goal})
+    path = results.write_run(
+        "fallback_gemma", figures(doc), ours="the fallback (PaddleFormers backend)", peer=doc["peer"],
+        title="Gemma 3 270M through the fallback beside llama.cpp on the same GGUF", started=started,
+        settings={"model": MODEL, "tokens": args.tokens, "prefill_tokens": doc["prefill_tokens"],
+                  "rounds": args.repeats, "threads": args.threads},
+        targets=targets, notes=[text.join(["```\n", "\n```"])], raw=doc)
+    print(f"results: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
