@@ -103,7 +103,8 @@ def edit_cost_html(est: Any, actual: dict | None = None, *, title: str = "What t
         return f'<td class="{mark}">{escape(str(value))}</td>'
 
     rows = [
-        ("from the prefix cache", f"{cached:,} tokens ({len(est['shared_block_ids'])} blocks)",
+        ("from the prefix cache", f"{cached:,} tokens ({len(est['shared_block_ids'])} "
+                                  f"block{'s' * (len(est['shared_block_ids']) != 1)})",
          cell(f"{a.get('cached', 0):,} tokens", f"{cached:,} tokens")),
         ("to compute", f"{computed:,} tokens ({est['new_blocks']} new block{'s' * (est['new_blocks'] != 1)}, "
                        f"{est['num_chunks']} chunk{'s' * (est['num_chunks'] != 1)})",

@@ -40,16 +40,18 @@ def _frame() -> dict:
     from plotly.subplots import make_subplots
 
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08, row_heights=[0.6, 0.4],
-                        subplot_titles=("KV events (hover: the cause)", "blocks held by requests"))
+                        subplot_titles=("", "blocks held by requests"))
     for kind, color in KIND_COLORS.items():
         fig.add_trace(go.Scatter(name=kind, mode="markers", marker={"color": color, "size": 10, "symbol": (
             "x" if kind == "preempt" else "diamond" if kind == "evict" else "circle")},
             hovertemplate="%{customdata}<extra></extra>", meta=kind), row=1, col=1)
     fig.add_trace(go.Scatter(name="held", mode="lines", line={"color": "#0f172a", "width": 2, "shape": "hv"},
                              hovertemplate="event %{x}: %{y} blocks held<extra></extra>", meta="held"), row=2, col=1)
-    fig.update_layout(height=520, margin={"l": 72, "r": 8, "t": 28, "b": 24}, font={"size": FONT_PX},
+    # The legend above the lanes (the summary above the figure gives the counts): on a phone it wraps
+    # to three rows, which the top margin holds without covering the first lane.
+    fig.update_layout(height=560, margin={"l": 72, "r": 8, "t": 72, "b": 24}, font={"size": FONT_PX},
                       hovermode="closest", template="none", plot_bgcolor="#ffffff", uirevision="replay",
-                      legend={"orientation": "h", "y": 1.12, "x": 0, "font": {"size": FONT_PX}})
+                      legend={"orientation": "h", "y": 1.0, "yanchor": "bottom", "x": 0, "font": {"size": FONT_PX}})
     fig.update_annotations(font_size=FONT_PX + 1, x=0, xanchor="left")
     fig.update_xaxes(gridcolor="#e2e8f0", zeroline=False, tickfont={"size": FONT_PX})
     fig.update_xaxes(title_text="event #", rangeslider={"visible": True, "thickness": 0.08}, row=2, col=1)
@@ -98,10 +100,8 @@ def replay_figure(log: dict, at: int | None = None) -> dict:
         data.append(trace)
     layout = copy.copy(frame["layout"])
     counters = log.get("counters", {})
-    layout["annotations"] = [dict(a) for a in frame["layout"]["annotations"]]
-    layout["annotations"][0]["text"] = (f"KV events · {counters.get('preemptions', 0)} preemptions, "
-                                        f"{counters.get('evictions', 0)} evictions (engine counters)")
-    layout["annotations"][1]["text"] = f"blocks held by requests (of {counters.get('num_blocks', '?')})"
+    layout["annotations"] = [dict(a, text=f"blocks held by requests (of {counters.get('num_blocks', '?')})")
+                             for a in frame["layout"]["annotations"]]
     if at is not None and 0 <= at < len(events):
         layout["shapes"] = [{"type": "line", "xref": "x", "yref": "paper", "x0": xs[at], "x1": xs[at], "y0": 0,
                              "y1": 1, "line": {"color": "#dc2626", "width": 1.5, "dash": "dot"}}]
