@@ -11,7 +11,7 @@ HTTP), in this process:
 2. **Decode with the panel open vs closed**: ``--streams`` tabs each send a second message of their
    own conversation at once (``Handlers.send``, greedy, the same prompts every round so the same
    tokens), with every tab's lens panel *closed*, then *open* holding a lens of its first reply,
-   alternated ``--repeats`` times; and *open, clicking*: one tab clicks a token of its lens every
+   alternated ``--repeats`` times (the order reversed every other round); and *open, clicking*: one tab clicks a token of its lens every
    ``--click-every`` s while the chats decode (each click is a lens pass: a request of its own that
    joins the decode steps). Decode tok/s from the engine's step events (the steps where every chat
    decodes, lens passes included). Goal: open = closed within noise.
@@ -129,8 +129,8 @@ def main(argv=None) -> None:
               f"{statistics.median(alone):.3f} s; load {results.load_average()})", flush=True)
         decode_round(llm, panel, ChatSession, args.streams, 8, "closed", args.click_every)       # warm
         rates: dict[str, list[float]] = {"closed": [], "open": [], "clicking": []}
-        for _ in range(args.repeats):
-            for mode in rates:
+        for r in range(args.repeats):
+            for mode in (list(rates) if r % 2 == 0 else list(rates)[::-1]):      # each mode first and last in turn
                 rates[mode].append(decode_round(llm, panel, ChatSession, args.streams, args.tokens, mode,
                                                 args.click_every))
         med = {k: statistics.median(v) for k, v in rates.items()}

@@ -44,7 +44,7 @@ LENS_CSS = """<style>
 .lz-tok.lz-query{outline:2px solid #4f46e5;outline-offset:1px}.lz-tok.lz-after{color:#94a3b8}
 .lz-tok.lz-out{background:repeating-linear-gradient(45deg,#e2e8f0 0 2px,#fff 2px 5px)!important;color:#64748b}
 .lz-note{margin:4px 0;padding:4px 8px;border-radius:6px;background:#eef2ff;color:#3730a3;font-size:12px}
-.lz-blocks{display:grid;grid-template-columns:auto 1fr auto;gap:2px 8px;align-items:center;margin-top:6px;
+.lz-blocks{display:grid;grid-template-columns:auto minmax(60px,220px) 1fr;gap:2px 8px;align-items:center;margin-top:6px;
  max-height:240px;overflow-y:auto}
 .lz-bid{font-variant-numeric:tabular-nums;font-weight:600;cursor:pointer}
 .lz-bar{height:12px;border-radius:3px;background:#f1f5f9;overflow:hidden}.lz-bar i{display:block;height:100%}
@@ -226,8 +226,8 @@ def lens_html(lens: AttentionLens, *, layer: int | None = None, head: int | None
         cells.append(f'<span class="lz-bid" data-block="{r["block_id"]}" title="positions {r["first"]}–{r["last"]}">'
                      f'#{r["block_id"]}</span><span class="lz-bar"><i style="width:{100 * share:.1f}%;background:'
                      f'rgba({HEAT},{0.25 + 0.75 * share:.3f})"></i></span><span class="lz-who lz-row" '
-                     f'data-block="{r["block_id"]}" data-mass="{r["mass"]:.6f}">{100 * r["mass"]:.1f}% · '
-                     f'{escape(r["stored_by"])}{owners}{tags}</span>')
+                     f'data-block="{r["block_id"]}" data-mass="{r["mass"]:.6f}">{100 * r["mass"]:.1f}%'
+                     f'{" · " + escape(r["stored_by"]) if r["stored_by"] else ""}{owners}{tags}</span>')
         ring.append(f'{map_cells}[data-block="{r["block_id"]}"]{{box-shadow:inset 0 0 0 3px '
                     f'rgba({HEAT},{0.2 + 0.8 * share:.3f})}}')
     style = f"<style>{''.join(ring)}</style>" if on_map else ""
