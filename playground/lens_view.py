@@ -44,7 +44,7 @@ LENS_CSS = """<style>
 .lz-tok.lz-query{outline:2px solid #4f46e5;outline-offset:1px}.lz-tok.lz-after{color:#94a3b8}
 .lz-tok.lz-out{background:repeating-linear-gradient(45deg,#e2e8f0 0 2px,#fff 2px 5px)!important;color:#64748b}
 .lz-note{margin:4px 0;padding:4px 8px;border-radius:6px;background:#eef2ff;color:#3730a3;font-size:12px}
-.lz-blocks{display:grid;grid-template-columns:auto minmax(60px,220px) 1fr;gap:2px 8px;align-items:center;margin-top:6px;
+.lz-blocks{display:grid;grid-template-columns:auto min(220px,28%) minmax(0,1fr);gap:2px 8px;align-items:center;margin-top:6px;
  max-height:240px;overflow-y:auto}
 .lz-bid{font-variant-numeric:tabular-nums;font-weight:600;cursor:pointer}
 .lz-bar{height:12px;border-radius:3px;background:#f1f5f9;overflow:hidden}.lz-bar i{display:block;height:100%}
