@@ -20,7 +20,9 @@ Views:
 
 from __future__ import annotations
 
+import threading
 import zlib
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from html import escape
 from typing import Any
@@ -397,48 +399,76 @@ def logprob_html(records: Sequence[Mapping[str, Any]], *, selected: int | None =
     """
     if not records:
         return f'{_CSS}<div class="pg-panel lp-view"><i>The next reply\'s tokens will show here.</i></div>'
-    spans = []
-    for rec in records:
-        idx = int(rec["index"])
-        prob = rec.get("prob")
-        classes = ["lp-tok"]
-        if rec.get("forced"):
-            classes.append("lp-forced")
-        if selected is not None and idx == selected:
-            classes.append("lp-selected")
-        if rec.get("stop"):
-            classes.append("lp-end")
-        rows = "".join(
-            f'<tr class="{"lp-chosen" if row["chosen"] else "lp-alt"}" data-token-id="{_e(row["token_id"])}">'
-            f'<td>{_e(row["text"])}</td><td>{_e(row["prob_text"])}</td></tr>'
-            for row in token_tooltip_rows(rec, metric)
-        )
-        entropy = rec.get("entropy")
-        ent_text = "" if entropy is None else (
-            f'<div class="lp-entropy">entropy {"≥ " if rec.get("entropy_is_bound") else ""}{entropy:.2f} bits</div>'
-        )
-        forced = '<div>forced by branch</div>' if rec.get("forced") else ""
-        prob_attr = "" if prob is None else f' data-prob="{prob:.6f}"'
-        if metric == "rank":
-            chosen = next((a for a in rec.get("alternatives") or [] if a["token_id"] == rec.get("token_id")), None)
-            color = _rank_color(None if chosen is None else chosen.get("rank"))
-        else:
-            color = prob_color(prob)
-        text = str(rec.get("text", ""))
-        shown = "end" if rec.get("stop") else _visible(text)
-        stop = f'<div>ended the reply: {_e(_visible(text))}</div>' if rec.get("stop") else ""
-        spans.append(
-            f'<span class="{" ".join(classes)}" data-index="{idx}" data-token-id="{_e(rec.get("token_id"))}"'
-            f'{prob_attr} style="background:{color}">{_e(shown)}'
-            f'<span class="lp-tip">{forced}{stop}<table>{rows}</table>{ent_text}</span></span>'
-            + ("<br>" if "\n" in text and not rec.get("stop") else "")
-        )
+    spans = [_token_span(rec, metric, selected is not None and int(rec["index"]) == selected) for rec in records]
     ends = {"probability": ("0", "1"), "logprob": ("−∞", "0"), "rank": ("#4+", "#1")}.get(metric, ("0", "1"))
     scale = (
         f'<div class="lp-scale">{_e(metric)} <span>{ends[0]}</span><span class="bar"></span><span>{ends[1]}</span>'
         + (hint if hint is not None else BRANCH_HINT) + '</div>'
     )
     return f'{_CSS}<div class="pg-panel lp-view"><div class="lp-text">{"".join(spans)}</div>{scale}</div>'
+
+
+# A streaming reply's logprob view is drawn again every half second or so with every token so far:
+# each token's span (its colour and its table of alternatives) is drawn once per metric and kept,
+# so an update draws only the new tokens. Keyed by the record object (kept alive beside its span,
+# so its id cannot be reused meanwhile) and whether it ended the reply (set once it has).
+_SPANS: OrderedDict = OrderedDict()
+_SPANS_MAX = 8192
+_SPANS_LOCK = threading.Lock()
+
+
+def _token_span(rec: Mapping[str, Any], metric: str, selected: bool) -> str:
+    """One token's span of the logprob view, from the cache unless it is the selected token."""
+    if selected:
+        return _draw_token_span(rec, metric, True)
+    key = (id(rec), metric, bool(rec.get("stop")))
+    with _SPANS_LOCK:
+        hit = _SPANS.get(key)
+    if hit is not None and hit[0] is rec:
+        return hit[1]
+    html = _draw_token_span(rec, metric, False)
+    with _SPANS_LOCK:
+        _SPANS[key] = (rec, html)
+        while len(_SPANS) > _SPANS_MAX:
+            _SPANS.popitem(last=False)
+    return html
+
+
+def _draw_token_span(rec: Mapping[str, Any], metric: str, selected: bool) -> str:
+    idx = int(rec["index"])
+    prob = rec.get("prob")
+    classes = ["lp-tok"]
+    if rec.get("forced"):
+        classes.append("lp-forced")
+    if selected:
+        classes.append("lp-selected")
+    if rec.get("stop"):
+        classes.append("lp-end")
+    rows = "".join(
+        f'<tr class="{"lp-chosen" if row["chosen"] else "lp-alt"}" data-token-id="{_e(row["token_id"])}">'
+        f'<td>{_e(row["text"])}</td><td>{_e(row["prob_text"])}</td></tr>'
+        for row in token_tooltip_rows(rec, metric)
+    )
+    entropy = rec.get("entropy")
+    ent_text = "" if entropy is None else (
+        f'<div class="lp-entropy">entropy {"≥ " if rec.get("entropy_is_bound") else ""}{entropy:.2f} bits</div>'
+    )
+    forced = '<div>forced by branch</div>' if rec.get("forced") else ""
+    prob_attr = "" if prob is None else f' data-prob="{prob:.6f}"'
+    if metric == "rank":
+        chosen = next((a for a in rec.get("alternatives") or [] if a["token_id"] == rec.get("token_id")), None)
+        color = _rank_color(None if chosen is None else chosen.get("rank"))
+    else:
+        color = prob_color(prob)
+    text = str(rec.get("text", ""))
+    shown = "end" if rec.get("stop") else _visible(text)
+    stop = f'<div>ended the reply: {_e(_visible(text))}</div>' if rec.get("stop") else ""
+    return (
+        f'<span class="{" ".join(classes)}" data-index="{idx}" data-token-id="{_e(rec.get("token_id"))}"'
+        f'{prob_attr} style="background:{color}">{_e(shown)}'
+        f'<span class="lp-tip">{forced}{stop}<table>{rows}</table>{ent_text}</span></span>'
+        + ("<br>" if "\n" in text and not rec.get("stop") else "")
+    )
 
 
 BRANCH_HINT = ('<span class="lp-hint-hover">· hover a token for alternatives · click it to branch</span>'

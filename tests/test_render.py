@@ -540,3 +540,19 @@ def test_every_tabs_map_of_one_snapshot_reads_its_blocks_owners_once(snapshot):
     maps += [render.block_map_html(snap, labels={"req-a": name}, css=False) for name in names[1:]]
     assert all(f"{name} (3)" in m for m, name in zip(maps, names))
     assert len(reads) == first          # the other tabs' drawings reuse the order and the grid
+
+
+def test_the_logprob_view_draws_each_token_once_and_redraws_what_changed(records):
+    """A streaming reply's view is drawn again with every token so far: the tokens drawn before come
+    from a cache, and a token that changed (it ended the reply) or another metric is drawn again."""
+    render._SPANS.clear()
+    first = render.logprob_html(records, selected=1)
+    assert len(render._SPANS) == len(records) - 1          # the selected token is drawn each time
+    again = render.logprob_html(records, selected=1)
+    render._SPANS.clear()
+    assert again == first == render.logprob_html(records, selected=1)
+    records[-1]["stop"] = True                             # the reply ended on its last token
+    ended = render.logprob_html(records)
+    assert re.findall(r"<span class=\"lp-tok[^\"]*\"", ended)[-1] == "<span class=\"lp-tok lp-end\""
+    assert "ended the reply" in ended and "ended the reply" not in render.logprob_html(records[:-1])
+    assert render.logprob_html(records, metric="rank") != render.logprob_html(records, metric="probability")
