@@ -381,7 +381,8 @@ class Playground:
                 f'{column("Prefix cache", self.prefix_panel.value)}</div>'
                 f'{row}{column("Sampler pipeline", self.sampler_view.value)}'
                 f'{column("Where the K/V came from", self.provenance_view.value)}</div>'
-                f'{column("Engine", self.engine_panel.value)}</div>')
+                + (f'{row}{column("Attention lens", self.lens_panel.view.value)}</div>' if self.lens_panel.lens else "")
+                + f'{column("Engine", self.engine_panel.value)}</div>')
 
     def _bundle(self, live: bool = True) -> dict:
         bundle = self.widget._repr_mimebundle_() if live else {}

@@ -227,6 +227,7 @@ def test_the_notebook_widget_shows_the_lens_of_a_clicked_token(smollm2_llm):
         assert pg.attention_lens(10_000) is None
         assert re.search(r'lz-error">position must be an integer in \[0, \d+\]', panel.view.value)
         assert panel.lens.position == 3                              # the lens held stays below the error
+        assert 'data-position="3"' in pg.picture_html()              # the saved notebook's picture shows it
         page = show_lens(smollm2_llm, lens.token_ids, 5, layer=1).data
         np.testing.assert_allclose(weights_drawn(page), smollm2_llm.attention_lens(list(lens.token_ids), 5).heat(1, None),
                                    atol=1e-6)
