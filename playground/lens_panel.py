@@ -75,8 +75,9 @@ class LensPanel:
                                         allow_custom_value=True, min_width=140)
             self.view = gr.HTML(lens_empty_html(self.unavailable), js_on_load=LENS_CLICK_JS,
                                 apply_default_css=False, elem_id="lens-view")
-            self.request = gr.Textbox(visible=False, elem_id="lens-request")
-            self.position = gr.Number(visible=False, precision=0, elem_id="lens-position")
+            # The named API's inputs (attention_lens: request_id, position, layer, head); not on the page.
+            self.request = gr.Textbox(label="request id", visible=False, elem_id="lens-request")
+            self.position = gr.Number(label="position", visible=False, precision=0, elem_id="lens-position")
         self.box = box
 
     def wire(self, T, session, reply_view, prompt_view) -> None:

@@ -263,3 +263,32 @@ def test_the_panel_on_our_server_draws_the_servers_lens(smollm2_llm):
         if remote is not None:
             remote.shutdown()
         srv.should_exit = True
+
+
+def test_the_named_api_refuses_another_visitors_request(smollm2_llm):
+    """``/attention_lens`` over HTTP (gradio_client): its parameters named; a request id of another
+    client's conversation is refused in the panel's HTML, and the engine takes no step."""
+    import gradio_client
+
+    from playground.app import build_app, launch
+
+    demo = build_app(smollm2_llm)
+    _, url, _ = launch(demo, prevent_thread_lock=True, quiet=True)
+    try:
+        client = gradio_client.Client(url, verbose=False)
+        info = client.view_api(return_format="dict", print_info=False)["named_endpoints"]["/attention_lens"]
+        assert [p["parameter_name"] for p in info["parameters"]] == ["request_id", "position", "layer", "head"]
+        added = []
+        unsubscribe = smollm2_llm.subscribe(lambda e: added.append(e.data) if e.kind == "request_added" else None)
+        try:
+            gradio_client.Client(url, verbose=False).predict("My secret word is pineapple.", api_name="/chat")
+        finally:
+            unsubscribe()
+        theirs = next(d["request_id"] for d in added if str(d.get("request_id", "")).startswith("chat-"))
+        steps = smollm2_llm.engine.step_count
+        page = client.predict(theirs, 3, "all layers (mean)", "all heads (mean)", api_name="/attention_lens")[0]
+        assert "not one of this tab" in page and "pineapple" not in page.lower()
+        assert smollm2_llm.engine.step_count == steps
+    finally:
+        demo.close()
+        demo.playground_monitor.close()
