@@ -93,13 +93,14 @@ def _check_finite(logits) -> None:
         raise FloatingPointError("the step's logits are not finite")
 
 
-def warm_up(runner, device: str, num_tokens: int = 4) -> None:
+def warm_up(runner, device: str, num_tokens: int = 4, stage=lambda name: None) -> None:
     """A ``num_tokens`` prefill and a one-token decode through ``runner``'s model on a throwaway cache,
     then one decode through the fused CPU decode step where it serves (``cpu_decode="fused"``).
 
     Same block size, KV dtype and attention backend as the engine's steps, so
     the kernels it compiles are the ones serving uses. Raises RuntimeError
-    with the cause when the step fails or its logits are not finite.
+    with the cause when the step fails or its logits are not finite. ``stage(name)`` is called as
+    each part starts (`compile_progress.STAGES`: what a first run compiles there).
     """
     layers, kv_heads, head_dim = runner.model.kv_layout()
     kv_dtype = runner.kv_caches[0][0].dtype
@@ -110,7 +111,8 @@ def warm_up(runner, device: str, num_tokens: int = 4) -> None:
     table = paddle.to_tensor(np.arange(num_blocks, dtype=np.int32)[None])  # block i holds positions i*bs...
     try:
         with paddle.no_grad():
-            for lo, hi in ((0, num_tokens), (num_tokens, num_tokens + 1)):
+            for lo, hi, part in ((0, num_tokens, "prefill"), (num_tokens, num_tokens + 1, "decode")):
+                stage(part)
                 positions = paddle.to_tensor(np.arange(lo, hi, dtype=np.int64))
                 meta = AttentionMetadata(
                     positions=positions, slot_mapping=positions, block_tables=table,
@@ -120,6 +122,7 @@ def warm_up(runner, device: str, num_tokens: int = 4) -> None:
                 hidden = runner.model.forward(paddle.zeros([hi - lo], dtype="int64"), positions, meta, caches)
                 _check_finite(runner.model.compute_logits(hidden[-1:]))
             if runner.fused_decode is not None:
+                stage("fused decode")
                 # The fused CPU decode kernel reads the engine's own cache: one token at slot 0,
                 # which nothing has used yet (the pool is empty at load; later steps overwrite it).
                 zero = paddle.to_tensor(np.zeros(1, dtype=np.int64))

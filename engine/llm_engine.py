@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 import paddle
 
+from .compile_progress import compile_progress
 from .config import EngineConfig
 from .device import resolve_attention_backend, resolve_device, warm_up
 from .kv_cache_manager import KVCacheManager
@@ -95,17 +96,20 @@ class LLMEngine:
         rope = getattr(model, "rope", None)    # tables for the positions served, before the runner views them
         if hasattr(rope, "resize"):
             rope.resize(min(wanted_len or num_blocks * config.block_size, num_blocks * config.block_size))
-        if self.tensor_parallel is not None:  # every rank allocates its cache (same blocks) and warms up together
-            self.runner = self.tensor_parallel.make_runner(num_blocks, config.block_size, kernels_backend,
-                                                           config.cpu_decode)
-        else:
-            self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype,  # owns the KV tensors
-                                      kernels_backend, config.cpu_decode, self.device)
-            warm_up(self.runner, self.device)  # a broken device/backend fails here, with its cause
+        with compile_progress() as progress:    # the first run after an install compiles the kernels here
+            if self.tensor_parallel is not None:  # every rank allocates its cache (same blocks), warms up together
+                self.runner = self.tensor_parallel.make_runner(num_blocks, config.block_size, kernels_backend,
+                                                               config.cpu_decode)
+            else:
+                progress.stage("runner")
+                self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype,  # owns the KV tensors
+                                          kernels_backend, config.cpu_decode, self.device)
+                warm_up(self.runner, self.device, stage=progress.stage)  # a broken device/backend fails here
+            progress.stage("sampler")
+            self.sampler = Sampler(lambda t: self.tokenizer.decode([t], skip_special_tokens=False))
+            self.sampler.warm_up()
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.kv_cache_ratio)
-        self.sampler = Sampler(lambda t: self.tokenizer.decode([t], skip_special_tokens=False))
-        self.sampler.warm_up()
         model_limit = checkpoint.config.get("max_position_embeddings") or num_blocks * config.block_size
         self.max_model_len = min(config.max_model_len or model_limit, model_limit, num_blocks * config.block_size)
         self.vocab_size = checkpoint.config["vocab_size"]
