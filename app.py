@@ -101,4 +101,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from engine.process_exit import exit_without_teardown
+
+    exit_without_teardown(main())   # all is stopped: without the seconds of Paddle's and Gradio's teardown

@@ -188,13 +188,12 @@ def main(argv: list[str] | None = None) -> int:
         _say("Ready. Press Ctrl-C to stop.")
         while demo.is_running:
             time.sleep(0.2)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:   # Ctrl-C, or SIGTERM through _stop_on_sigterm
         signal.signal(signal.SIGINT, signal.SIG_DFL)    # a second Ctrl-C during clean-up quits at once
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        _say("Stopping ...")
     finally:
         if demo is not None:
-            demo.close()
+            demo.close(verbose=False)    # one line for the stop: ours
             demo.playground_monitor.close()
         if llm is not None:
             llm.shutdown()
@@ -203,4 +202,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from engine.process_exit import exit_without_teardown
+
+    exit_without_teardown(main())   # all is stopped: without the seconds of Paddle's and Gradio's teardown

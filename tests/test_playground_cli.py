@@ -75,9 +75,11 @@ class Playground:
 @pytest.mark.slow
 def test_start_up_is_announced_and_ctrl_c_or_sigterm_stops_it_cleanly(tiny):
     apps = {signal.SIGINT: Playground(tiny), signal.SIGTERM: Playground(tiny)}   # start together
+    engines = {}
     try:
-        for app in apps.values():
+        for signum, app in apps.items():
             app.wait_for("Ready", timeout=240)
+            engines[signum] = _spawned_children(app.proc.pid)
     finally:
         results = {signum: app.stop(signum) for signum, app in apps.items()}
 
@@ -90,9 +92,10 @@ def test_start_up_is_announced_and_ctrl_c_or_sigterm_stops_it_cleanly(tiny):
         assert "HTTP Request:" not in text + err, "other libraries' INFO records (httpx) reach the terminal"
         assert "share=True" not in text + err and "--share adds a public gradio.live link" in text
         said = [next(i for i, line in enumerate(lines) if line.startswith(start)) for start in
-                ("Starting", "Loading", "Warming up", "Warmed up", "* Running on local URL", "Ready",
-                 "Stopped")]
+                ("Starting", "Loading", "Warming up", "Warmed up", "* Running on local URL", "Ready")]
         assert said == sorted(said), text
+        assert [line.strip() for line in lines[said[-1] + 1:] if line.strip()] == ["Stopped."], text
+        assert engines[signum] and not [pid for pid in engines[signum] if _alive(pid)], "the engine outlived it"
 
 
 @pytest.mark.parametrize("argv", [["--model", "no-such-model"], ["--block-size", "0"]])
