@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -21,11 +22,20 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
 
 @pytest.fixture(scope="module")
 def app_url(smollm2_llm):
-    demo = build_app(smollm2_llm, refresh_every=0.5)
+    with serving(smollm2_llm) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def serving(llm, **build_kwargs):
+    """The playground on ``llm`` served in this process (its URL); closed, with its monitor, after."""
+    demo = build_app(llm, refresh_every=0.5, **build_kwargs)
     _, url, _ = launch(demo, prevent_thread_lock=True, quiet=True)
-    yield url
-    demo.close()
-    demo.playground_monitor.close()
+    try:
+        yield url
+    finally:
+        demo.close()
+        demo.playground_monitor.close()
 
 
 @pytest.fixture(scope="module")

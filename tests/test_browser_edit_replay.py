@@ -6,15 +6,13 @@ engine's counters, and the slider moves the state to a preemption and its cause.
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
 from playwright.sync_api import expect
-from test_browser import CHROMIUM, CHROMIUM_ARGS, browser, set_number, wait_engine_idle  # noqa: F401  (fixtures)
+from test_browser import CHROMIUM, CHROMIUM_ARGS, browser, serving, set_number, wait_engine_idle  # noqa: F401  (fixtures)
 
 from engine import LLM, SamplingParams
-from playground.app import build_app, launch
 from tiny_models import make_tiny_model, tiny_prompts
 
 pytestmark = pytest.mark.browser
@@ -31,11 +29,8 @@ def tiny_llm(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def app_url(tiny_llm):
-    demo = build_app(tiny_llm, refresh_every=0.5, system_prompt="w1 w2 w3")
-    _, url, _ = launch(demo, prevent_thread_lock=True, quiet=True)
-    yield url
-    demo.close()
-    demo.playground_monitor.close()
+    with serving(tiny_llm, system_prompt="w1 w2 w3") as url:
+        yield url
 
 
 def open_page(browser, url, viewport):  # noqa: F811

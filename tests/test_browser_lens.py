@@ -12,10 +12,9 @@ import os
 
 import pytest
 from playwright.sync_api import expect
-from test_browser import CHROMIUM, CHROMIUM_ARGS, browser, send, set_number, wait_engine_idle  # noqa: F401
+from test_browser import CHROMIUM, CHROMIUM_ARGS, browser, send, serving, set_number, wait_engine_idle  # noqa: F401
 from test_browser_v3_views import DESKTOP, PHONE, finished, open_page
 
-from playground.app import build_app, launch
 
 pytestmark = pytest.mark.browser
 
@@ -23,11 +22,8 @@ pytestmark = pytest.mark.browser
 @pytest.fixture(scope="module")
 def app_url(smollm2_llm):
     wait_engine_idle(smollm2_llm)
-    demo = build_app(smollm2_llm, refresh_every=0.5)
-    _, url, _ = launch(demo, prevent_thread_lock=True, quiet=True)
-    yield url
-    demo.close()
-    demo.playground_monitor.close()
+    with serving(smollm2_llm) as url:
+        yield url
 
 
 def weights(page) -> list[str]:

@@ -5,7 +5,6 @@ pipeline view marks is in the sampler's kept set; names of other visitors' reque
 
 from __future__ import annotations
 
-import contextlib
 import re
 import types
 
@@ -16,6 +15,7 @@ from engine import LLM, SamplingParams
 from playground.chat import ChatSession, Reply, start_branch, stream_reply
 from playground.provenance_view import batch_figure, block_source, provenance_html
 from playground.sampler_view import reply_pipeline, sampler_pipeline_html
+from test_app import handlers_on
 from tiny_models import make_tiny_model, tiny_prompts
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -114,18 +114,6 @@ def test_batch_figure_latency_and_who_shared_each_step(tiny_dir):
     text = " ".join(itl["customdata"])
     assert "turn 2" in text and "another visitor's request" in text
     assert not any(o.request_id in text for o in outs)
-
-
-@contextlib.contextmanager
-def handlers_on(engine):
-    from playground.handlers import Handlers, Limits
-    from playground.monitor import EngineMonitor
-
-    monitor = EngineMonitor(engine, interval=0.1)
-    try:
-        yield Handlers(engine, monitor, Limits())
-    finally:
-        monitor.close()
 
 
 def click(index: int):
