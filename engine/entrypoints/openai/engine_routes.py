@@ -120,10 +120,7 @@ def add_engine_routes(app: FastAPI, state) -> None:
     @app.post("/engine/attention_lens")
     async def attention_lens(request: Request):
         state.ready()
-        body = await read_json_object(request)
-        unknown = set(body) - {"token_ids", "position", "layer", "head"}
-        if unknown:
-            raise ApiError(f"unknown field(s) {sorted(unknown)}; accepted: token_ids, position, layer, head")
+        body = await _known_fields(request, ("token_ids", "position", "layer", "head"))
         try:
             lens = await asyncio.to_thread(state.llm.attention_lens, body.get("token_ids"), body.get("position"),
                                            body.get("layer"), body.get("head"))
@@ -134,11 +131,7 @@ def add_engine_routes(app: FastAPI, state) -> None:
     @app.post("/engine/sampler_pipeline")
     async def sampler_pipeline(request: Request):
         state.ready()
-        body = await read_json_object(request)
-        accepted = ("token_ids", "position", "sampling_params", "num_prompt_tokens")
-        unknown = set(body) - set(accepted)
-        if unknown:
-            raise ApiError(f"unknown field(s) {sorted(unknown)}; accepted: {', '.join(accepted)}")
+        body = await _known_fields(request, ("token_ids", "position", "sampling_params", "num_prompt_tokens"))
         params = _params(body.get("sampling_params") or {})
         try:
             pipe = await asyncio.to_thread(state.llm.sampler_pipeline, body.get("token_ids"), body.get("position"),
@@ -150,10 +143,7 @@ def add_engine_routes(app: FastAPI, state) -> None:
     @app.post("/engine/estimate_prefill")
     async def estimate_prefill(request: Request):
         state.ready()
-        body = await read_json_object(request)
-        unknown = set(body) - {"token_ids"}
-        if unknown:
-            raise ApiError(f"unknown field(s) {sorted(unknown)}; accepted: token_ids")
+        body = await _known_fields(request, ("token_ids",))
         try:
             return (await asyncio.to_thread(state.llm.estimate_prefill, body.get("token_ids"))).to_dict()
         except ValueError as exc:
@@ -179,3 +169,12 @@ def _params(data):
         return params_from_dict(data)
     except (TypeError, ValueError) as exc:
         raise ApiError(str(exc), param="sampling_params") from None
+
+
+async def _known_fields(request: Request, accepted: tuple[str, ...]) -> dict:
+    """The request's JSON object, refused (400) if it names a field outside ``accepted``, listing them."""
+    body = await read_json_object(request)
+    unknown = set(body) - set(accepted)
+    if unknown:
+        raise ApiError(f"unknown field(s) {sorted(unknown)}; accepted: {', '.join(accepted)}")
+    return body
