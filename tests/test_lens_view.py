@@ -115,7 +115,8 @@ def test_a_chats_lens_names_the_turn_that_stored_each_block(lens_panel, smollm2_
     page, layer, head = lens_panel.on_reply_token(session, "all layers (mean)", "all heads (mean)", Click(index=index))
     lens = panel.lens
     assert lens.position == len(second.reply.prompt_token_ids) + index and panel.request_id == second.reply.request_id
-    rows = re.findall(r'lz-row" data-block="\d+" data-mass="[0-9.]+">[^<]*· ([^<·]+)', page)
+    # each row's "stored by" / "computed by" part (a row of a block a live request holds adds "· held by ...")
+    rows = re.findall(r'lz-row" data-block="\d+" data-mass="[0-9.]+">[^<]*?· ((?:stored|computed) by [^<·]+)', page)
     size = lens.block_size
     first_turn = (len(session.tree.replies()[0].reply.prompt_token_ids) - 1) // size   # blocks turn 1 computed
     assert rows[0].startswith("stored by turn 1") and rows[first_turn - 1].startswith("stored by turn 1")
