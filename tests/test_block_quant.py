@@ -48,10 +48,61 @@ def test_q4_k_super_blocks_dequantize_exactly_like_gguf():
     np.testing.assert_array_equal(blocks.dequantize(), gguf.quants.dequantize(raw, QT.Q4_K).reshape(rows, cols))
 
 
+def _q6_k(rng, rows, cols):
+    """Random Q6_K super-blocks (any bytes are valid codes and int8 scales) with a small f16 ``d``;
+    gguf-py has no Q6_K quantizer. The raw rows and ``gguf.quants.dequantize``'s weights."""
+    raw = rng.integers(0, 256, (rows * cols // 256, 210), dtype=np.uint8)
+    raw[:, 208:210] = (rng.random((len(raw), 1)) * 0.01).astype(np.float16).view(np.uint8)
+    raw = raw.reshape(rows, -1)
+    return raw, gguf.quants.dequantize(raw, QT.Q6_K).reshape(rows, cols)
+
+
+def test_q6_k_super_blocks_dequantize_exactly_like_gguf():
+    """Q6_K's scale per 16 inputs is kept as two scales per block of 32 codes."""
+    raw, expected = _q6_k(np.random.default_rng(5), 3, 512)
+    blocks = unpack(raw, QT.Q6_K, (3, 512))
+    assert blocks.group == 16 and blocks.scales.shape == (3, 32) and blocks.shape == (3, 512)
+    assert blocks.codes.min() >= -32 and blocks.codes.max() <= 31
+    np.testing.assert_array_equal(blocks.dequantize(), expected)
+    assert blocks.nbytes < expected.nbytes / 2  # int8 codes and a float32 scale per 16: 1.5 bytes a weight
+
+
 def test_formats_without_a_kernel_are_not_kept():
     assert unpack(np.zeros((4, 256), np.uint8), QT.F32, (4, 64)) is None
-    assert unpack(np.zeros((4, 210), np.uint8), QT.Q6_K, (4, 256)) is None  # blocks of 16: no per-32 scale
-    assert set(KEPT_FORMATS) == {"Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K"}
+    assert unpack(np.zeros((4, 220), np.uint8), QT.Q5_K, (4, 256)) is None
+    assert unpack(np.zeros((4, 210 * 3 // 2), np.uint8), QT.Q6_K, (4, 384)) is None  # not whole super-blocks
+    assert set(KEPT_FORMATS) == {"Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"}
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 5, 16, 40, 70])
+@pytest.mark.parametrize("nibbles", [False, True])
+def test_every_kernel_path_scales_groups_of_16(tokens, nibbles):
+    """A weight with a scale per 16 inputs (Q6_K; and Q4_K stacked with it, offsets included) on each
+    path of `block_matmul` (dot products, the micro-kernel, dequantized tiles through BLAS), as int8
+    codes and as packed nibbles: the product of its dequantized weights. A kernel that read one
+    scale per block of 32 would be off by the ratio of the two halves' scales."""
+    rng = np.random.default_rng(tokens + 100 * nibbles)
+    q6_raw, _ = _q6_k(rng, 20, 256)
+    q6 = unpack(q6_raw, QT.Q6_K, (20, 256))
+    q4_raw = rng.integers(0, 256, (9, 144), dtype=np.uint8)  # 9 rows of one Q4_K super-block
+    for at in (0, 2):
+        q4_raw[:, at:at + 2] = (rng.random((9, 1)) * 0.01).astype(np.float16).view(np.uint8)
+    q4 = unpack(q4_raw, QT.Q4_K, (9, 256))
+    stacked = concat_rows([q6, q4])
+    assert stacked.group == 16 and stacked.kind == "Q6_K+Q4_K"
+    w = stacked.dequantize()
+    np.testing.assert_array_equal(w, np.concatenate([q6.dequantize(), q4.dequantize()]))
+    codes = stacked.codes
+    if nibbles:  # codes 0..15 only: shift Q6_K's into range, the shift folded into the offsets
+        codes = np.concatenate([q6.codes % 16, q4.codes]).astype(np.int8)
+        w = (stacked.scales.reshape(29, -1, 1) * codes.reshape(29, -1, 16)
+             + stacked.offsets.reshape(29, -1, 1)).reshape(29, 256)
+        c = codes.view(np.uint8)
+        codes = np.ascontiguousarray(c[..., :16] | (c[..., 16:] << 4))
+    x = rng.standard_normal((tokens, 256)).astype(np.float32)
+    y = cpu_block_matmul.block_matmul(x, codes, stacked.scales, stacked.offsets)
+    expected = x.astype(np.float64) @ w.T.astype(np.float64)
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
 def test_row_operations_follow_the_dequantized_rows():

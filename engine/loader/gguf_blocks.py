@@ -11,6 +11,7 @@ inputs is ``scale * code + offset`` with a small integer ``code`` and one
 | Q4_1 | 2 + 2 + 16 | nibble | f16 ``m`` |
 | Q5_0 | 2 + 4 + 16 | nibble + 16 x high bit - 16 | 0 |
 | Q4_K | (2 + 2 + 12 + 128) / 8 | nibble | ``-dmin * m_j`` |
+| Q6_K | (128 + 64 + 16 + 2) / 8 | 6 bits - 32 | 0 (a scale per 16 inputs) |
 
 Q4_K is a "K-quant": a super-block of 256 inputs holds f16 ``d`` and ``dmin`` and,
 per block ``j`` of 32, 6-bit ``sc_j`` and ``m_j``; its weights are
@@ -21,8 +22,12 @@ per block ``j`` of 32, 6-bit ``sc_j`` and ``m_j``; its weights are
 four) with float32 scales and offsets; `dequantize` gives back exactly the
 float32 values ``gguf.quants.dequantize`` produces, so a matmul on the
 blocks computes with the same weights as one on the dequantized tensor.
-Other formats (Q6_K's blocks of 16, Q5_1, Q5_K, ...) are not kept (`unpack`
-returns None) and run on their float weights.
+Q6_K is a K-quant with a scale per 16 inputs: a super-block of 256 holds f16 ``d``,
+16 int8 ``sc_j`` and 6-bit ``q``; its weights are ``(d * sc_j) * (q - 32)``. It is
+kept as int8 codes ``q - 32`` with a scale per 16 (``scales`` then has two per
+block of 32 codes, and the kernels scale each half on its own: `gpu_kernels.cpu.block_dot`).
+Other formats (Q5_1, Q5_K, ...) are not kept (`unpack` returns None) and run on
+their float weights.
 
 Every transformation the loaders apply to linear weights permutes or
 concatenates *rows* (outputs): `map_rows` and `concat_rows` apply them to
@@ -40,18 +45,31 @@ from gguf import GGMLQuantizationType as QT
 from .gguf_names import hf_name, undo_rope_permutation
 
 BLOCK = 32
-KEPT_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K")
+KEPT_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K")
 SUPER = 256  # inputs per K-quant super-block
 
 
 @dataclass(frozen=True)
 class BlockQuantized:
-    """A ``[out, in]`` weight as ``scales[o, b] * codes[o, b, j] + offsets[o, b]`` (blocks of 32 inputs)."""
+    """A ``[out, in]`` weight as ``scales[o, g] * code + offsets[o, g]``: codes in blocks of 32 inputs,
+    a scale and an offset per ``group`` inputs (32, or 16 for Q6_K)."""
 
     codes: np.ndarray    # int8    [out, in // 32, 32]
-    scales: np.ndarray   # float32 [out, in // 32]
-    offsets: np.ndarray  # float32 [out, in // 32] (zeros for Q4_0 / Q8_0)
+    scales: np.ndarray   # float32 [out, in // group]
+    offsets: np.ndarray  # float32 [out, in // group] (zeros for Q4_0 / Q8_0 / Q6_K)
     kind: str            # GGUF format name, "+"-joined after concatenating different ones
+
+    @property
+    def group(self) -> int:
+        """Inputs per scale: 32, or 16."""
+        return self.codes.shape[1] * BLOCK // self.scales.shape[1]
+
+    def in_groups_of_16(self) -> "BlockQuantized":
+        """The same weight with a scale (and offset) per 16 inputs: each block's repeated, exactly."""
+        if self.group == 16:
+            return self
+        return BlockQuantized(self.codes, np.repeat(self.scales, 2, axis=1), np.repeat(self.offsets, 2, axis=1),
+                              self.kind)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -63,8 +81,9 @@ class BlockQuantized:
 
     def dequantize(self) -> np.ndarray:
         """float32 ``[out, in]``, computed as GGUF's own dequantization does."""
-        w = self.scales[..., None] * self.codes.astype(np.float32) + self.offsets[..., None]
-        return w.reshape(self.shape)
+        out, groups = self.scales.shape
+        codes = self.codes.reshape(out, groups, -1).astype(np.float32)
+        return (self.scales[..., None] * codes + self.offsets[..., None]).reshape(self.shape)
 
     def map_rows(self, fn: Callable[[np.ndarray], np.ndarray]) -> "BlockQuantized":
         """Apply a row operation (reorder, reshape along outputs) to codes, scales and offsets alike."""
@@ -79,7 +98,10 @@ def combine_rows(parts: list[BlockQuantized], fn: Callable[..., np.ndarray]) -> 
 
 
 def concat_rows(parts: list[BlockQuantized]) -> BlockQuantized:
-    """Stack weights along outputs (fused projections such as Q/K/V or gate/up)."""
+    """Stack weights along outputs (fused projections such as Q/K/V or gate/up); parts with a scale per
+    16 inputs and parts with one per 32 stack with a scale per 16 throughout."""
+    if len({p.group for p in parts}) > 1:
+        parts = [p.in_groups_of_16() for p in parts]
     return combine_rows(parts, lambda *arrays: np.concatenate(arrays))
 
 
@@ -92,6 +114,12 @@ def unpack(raw: np.ndarray, tensor_type: QT, shape: tuple[int, ...]) -> BlockQua
         codes, scales, offsets = _q4_k(np.ascontiguousarray(raw).view(np.uint8).reshape(rows * nblk // 8, -1))
         return BlockQuantized(codes.reshape(rows, nblk, BLOCK), scales.reshape(rows, nblk),
                               offsets.reshape(rows, nblk), tensor_type.name)
+    if tensor_type == QT.Q6_K:
+        if shape[1] % SUPER:
+            return None
+        codes, scales = _q6_k(np.ascontiguousarray(raw).view(np.uint8).reshape(rows * nblk // 8, -1))
+        return BlockQuantized(codes.reshape(rows, nblk, BLOCK), scales.reshape(rows, 2 * nblk),
+                              np.zeros((rows, 2 * nblk), np.float32), tensor_type.name)
     blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(rows * nblk, -1)
     scales = blocks[:, :2].copy().view(np.float16).astype(np.float32)[:, 0]
     offsets = np.zeros_like(scales)
@@ -128,6 +156,19 @@ def _q4_k(supers: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     scales = (d * sc.astype(np.float32)).reshape(-1)
     offsets = -(dmin * m.astype(np.float32)).reshape(-1)
     return codes, scales, offsets
+
+
+def _q6_k(supers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q6_K super-blocks (uint8 ``[n, 210]``) -> codes int8 ``[n * 256]`` (``q - 32``) and scales ``[n * 16]``
+    (``d * sc_j``, a scale per 16 inputs), unpacked as ``gguf.quants.Q6_K.dequantize_blocks`` does: 128
+    bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, f16 ``d``."""
+    n = supers.shape[0]
+    ql, qh, sc, d = supers[:, :128], supers[:, 128:192], supers[:, 192:208], supers[:, 208:210]
+    scales = (d.copy().view(np.float16).astype(np.float32) * sc.copy().view(np.int8).astype(np.float32))
+    low = (ql.reshape(n, -1, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)
+    high = (qh.reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & np.uint8(0x03)
+    codes = (low.reshape(n, -1, 32) | (high.reshape(n, -1, 32) << np.uint8(4))).astype(np.int8) - np.int8(32)
+    return codes.reshape(-1), scales.reshape(-1)
 
 
 def iter_gguf_blocks(f, config: dict) -> Iterator[tuple[str, BlockQuantized]]:

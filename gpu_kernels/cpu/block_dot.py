@@ -13,7 +13,11 @@ AVX2 and AVX-512 machines both run natively):
     the row as float32 (for products with many tokens through BLAS).
 
 Scales and offsets are float32 or float16 bits in uint16 arrays (both the same);
-offsets with a last dimension of 0 read as zeros (Q8_0 has none).
+offsets with a last dimension of 0 read as zeros (Q8_0 has none). A scale covers 32
+codes, or 16 where the scales have two per block of codes (GGUF's Q6_K scales
+blocks of 16): ``W[row, 16 g + j] = scales[row, g] * code + offsets[row, g]``, and
+``block_sums`` are then sums over 16 inputs. The kernels tell which from the shapes
+(scales per row = code blocks, or twice that).
 
 The codes' dtype picks the format at compile time: int8 ``[blocks * 32]`` (one
 code a byte), or uint8 ``[blocks * 16]``, nibbles (byte ``j`` of a block holds
@@ -99,6 +103,21 @@ class _Params:
         off_blocks = builder.extract_value(shapes[1], off_t.ndim - 1)
         self.has_offsets = builder.icmp_unsigned("!=", off_blocks, ir.Constant(_I64, 0))
         self.zero = cgutils.alloca_once_value(builder, ir.Constant(_I16, 0) if self.half else ir.Constant(_F32, 0.0))
+        self.per_block = ir.Constant(_I64, 1)
+
+    def blocks_of_codes(self, code_blocks):
+        """Say how many blocks of 32 codes a row has: ``per_block`` scales each (1, or 2 for groups of 16)."""
+        self.per_block = self.builder.udiv(self.num_blocks, code_blocks)
+        return self.builder.icmp_unsigned("==", self.per_block, ir.Constant(_I64, 2))
+
+    def group(self, row_base, b, second):
+        """Index of the scale (and offset) of half ``second`` (0 or 1) of code block ``b`` in a row whose
+        scales start at ``row_base``: ``b`` for groups of 32, ``2 b + second`` for groups of 16."""
+        builder = self.builder
+        at = builder.mul(b, self.per_block)
+        if second:
+            at = builder.add(at, builder.sub(self.per_block, ir.Constant(_I64, 1)))
+        return builder.add(row_base, at)
 
     def _value(self, ptr):
         value = self.builder.load(ptr)
@@ -119,13 +138,18 @@ def _dequant_codegen(nibble):
         params = _Params(context, builder, sc_t, args[1], off_t, args[2])
         out = _data(context, builder, out_t, args[3])
         fma = _fma(builder)
-        with cgutils.for_range(builder, params.num_blocks) as loop:
+        num_codes = builder.extract_value(context.make_array(codes_t)(context, builder, args[0]).shape, 0)
+        code_blocks = builder.udiv(num_codes, ir.Constant(_I64, 16 if nibble else 32))
+        params.blocks_of_codes(code_blocks)
+        zero = ir.Constant(_I64, 0)
+        with cgutils.for_range(builder, code_blocks) as loop:
             b = loop.index
             w = _codes_as_floats(builder, codes, b, nibble)
-            s = _splat(builder, params.scale(b))
-            m = _splat(builder, params.offset(b))
+            sm = [(_splat(builder, params.scale(g)), _splat(builder, params.offset(g)))
+                  for g in (params.group(zero, b, 0), params.group(zero, b, 1))]
             ob = builder.mul(b, ir.Constant(_I64, 32))
             for i in range(4):
+                s, m = sm[i // 2]
                 ptr = builder.gep(out, [builder.add(ob, ir.Constant(_I64, 8 * i))])
                 builder.store(builder.call(fma, [w[i], s, m]), builder.bitcast(ptr, _V8F.as_pointer()), align=4)
         return context.get_dummy_value()
@@ -171,23 +195,37 @@ def _dot_rows_codegen(rows, nibble):
         params = _Params(context, builder, sc_t, args[1], off_t, args[2])
         row = context.cast(builder, args[6], row_t, types.int64)
         row_bytes = builder.extract_value(context.make_array(codes_t)(context, builder, args[0]).shape, 1)
-        num_blocks = params.num_blocks
+        code_blocks = builder.udiv(row_bytes, ir.Constant(_I64, 16 if nibble else 32))
+        num_blocks = params.num_blocks  # scales (and offsets, block sums) per row
+        by_16 = params.blocks_of_codes(code_blocks)
         fma = _fma(builder)
         rows_at = [builder.add(row, ir.Constant(_I64, r)) for r in range(rows)]
         row_codes = [builder.gep(codes, [builder.mul(r, row_bytes)]) for r in rows_at]
         row_blocks = [builder.mul(r, num_blocks) for r in rows_at]
         accs = [cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for _ in range(rows)]
-        with cgutils.for_range(builder, num_blocks) as loop:
-            b = loop.index
-            xb = builder.mul(b, ir.Constant(_I64, 32))
-            xs = [_load_vec(builder, x, builder.add(xb, ir.Constant(_I64, 8 * i)), _V8F, 4) for i in range(4)]
-            for r in range(rows):
-                w = _codes_as_floats(builder, row_codes[r], b, nibble)
-                part = builder.fmul(w[0], xs[0], flags=_FAST)
-                for i in range(1, 4):
-                    part = builder.call(fma, [w[i], xs[i], part])
-                s = params.scale(builder.add(row_blocks[r], b))
-                builder.store(builder.call(fma, [_splat(builder, s), part, builder.load(accs[r])]), accs[r])
+
+        def blocks(halves):
+            """The loop over code blocks, each scaled as one group (``halves`` 1) or as two of 16 (2)."""
+            with cgutils.for_range(builder, code_blocks) as loop:
+                b = loop.index
+                xb = builder.mul(b, ir.Constant(_I64, 32))
+                xs = [_load_vec(builder, x, builder.add(xb, ir.Constant(_I64, 8 * i)), _V8F, 4) for i in range(4)]
+                for r in range(rows):
+                    w = _codes_as_floats(builder, row_codes[r], b, nibble)
+                    per = 4 // halves
+                    for h in range(halves):
+                        part = builder.fmul(w[h * per], xs[h * per], flags=_FAST)
+                        for i in range(h * per + 1, (h + 1) * per):
+                            part = builder.call(fma, [w[i], xs[i], part])
+                        at = builder.add(builder.mul(b, ir.Constant(_I64, halves)), ir.Constant(_I64, h))
+                        s = params.scale(builder.add(row_blocks[r], at))
+                        builder.store(builder.call(fma, [_splat(builder, s), part, builder.load(accs[r])]), accs[r])
+
+        with builder.if_else(by_16) as (sixteen, thirty_two):
+            with sixteen:
+                blocks(2)
+            with thirty_two:
+                blocks(1)
         shifts = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(rows)]
         with builder.if_then(params.has_offsets):  # Q8_0 has none: nothing to read
             with cgutils.for_range(builder, num_blocks) as loop:

@@ -48,10 +48,12 @@ _SEQ = dict(fastmath=True, boundscheck=False, nogil=True, cache=True)
 
 @njit(**_SEQ)
 def block_sums(x, out):
-    """out[t, b] = sum of block ``b`` of the row ``x[t]``."""
+    """out[t, g] = sum of group ``g`` of the row ``x[t]`` (groups of 32 inputs, or 16 where ``out`` has
+    twice as many: a weight with a scale per 16)."""
+    group = x.shape[1] // out.shape[1]
     for t in range(out.shape[0]):
-        for b in range(out.shape[1]):
-            out[t, b] = x[t, b * BLOCK:(b + 1) * BLOCK].sum()
+        for g in range(out.shape[1]):
+            out[t, g] = x[t, g * group:(g + 1) * group].sum()
 
 
 @njit(**_SEQ)
@@ -131,7 +133,7 @@ def _blas(x, codes, scales, offsets, out):
     num_out, num_blocks = scales.shape
     xt = np.ascontiguousarray(x.T)  # [in, T]
     for item in prange((num_out + TILE - 1) // TILE):
-        w = np.empty((TILE, num_blocks * BLOCK), np.float32)
+        w = np.empty((TILE, x.shape[1]), np.float32)
         blas_rows(xt, codes, scales, offsets, w, out, item * TILE, min(num_out, item * TILE + TILE))
 
 
@@ -157,12 +159,16 @@ def block_matmul(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, offsets: 
                  out: np.ndarray | None = None) -> np.ndarray:
     """``x`` float32 ``[T, in]`` times the ``[out, in]`` block-quantized weight, transposed: ``[T, out]``.
 
-    ``codes``: int8 ``[out, in // 32, 32]`` or nibbles, uint8 ``[out, in // 32, 16]``.
+    ``codes``: int8 ``[out, in // 32, 32]`` or nibbles, uint8 ``[out, in // 32, 16]``; ``scales``
+    ``[out, in // 32]``, or ``[out, in // 16]`` for a scale per 16 inputs (`cpu.block_dot`).
     """
     num_out, num_blocks, width = codes.shape
     nibbles = codes.dtype == np.uint8
     if width != (BLOCK // 2 if nibbles else BLOCK) or x.ndim != 2 or x.shape[1] != num_blocks * BLOCK:
         raise ValueError(f"block_matmul: x {x.shape} does not match codes {codes.shape} (blocks of {BLOCK})")
+    if scales.ndim != 2 or scales.shape[1] not in (num_blocks, 2 * num_blocks):
+        raise ValueError(f"block_matmul: scales {scales.shape} need a scale per 32 or per 16 inputs of codes "
+                         f"{codes.shape}")
     if x.dtype != np.float32 or codes.dtype not in (np.int8, np.uint8):
         raise ValueError(f"block_matmul takes float32 x and int8 codes or uint8 nibbles; got {x.dtype} and "
                          f"{codes.dtype}")

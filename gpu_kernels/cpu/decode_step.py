@@ -143,7 +143,7 @@ def _linear_phase(k, x, formats, float_w, codes, nibbles, scales, offsets, out, 
         items = (items + team_size - 1) // team_size * team_size
         rows = (num_out + items - 1) // items
         xt = np.ascontiguousarray(x.T)
-        w = np.empty((rows, num_blocks * BLOCK), np.float32)
+        w = np.empty((rows, x.shape[1]), np.float32)
     big, small, head, items = split_rows(num_out, rows, x.shape[0] <= SMALL_T)
     item = claim(counters, phase)
     while item < items:

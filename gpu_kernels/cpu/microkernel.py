@@ -11,8 +11,8 @@ kernel works on the codes themselves:
 
 ``codes`` / ``scales`` / ``offsets``: the rows of a block-quantized weight as
 in `cpu.block_dot` (2-d: int8 ``[out, in]`` or nibbles uint8 ``[out, in / 2]``;
-scales and offsets float32 or float16 bits ``[out, in / 32]``, offsets possibly
-``[out, 0]``: none), ``xt``: float32 ``[in, Tp]`` (the tokens'
+scales and offsets float32 or float16 bits ``[out, in / 32]`` or ``[out, in / 16]``
+(groups of 16), offsets possibly ``[out, 0]``: none), ``xt``: float32 ``[in, Tp]`` (the tokens'
 activations transposed, ``Tp`` a multiple of 8), ``yt``: float32 ``[rows, Tp]``.
 
 Per block of 32 inputs, the kernel dequantizes the ``R`` rows' codes
@@ -85,14 +85,15 @@ def _tile_codegen(rows, vecs, nibble):
         xt, yt = _data(context, builder, sig.args[4], args[4]), _data(context, builder, sig.args[5], args[5])
         row, yrow, col = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (3, 6, 7))
         row_bytes = builder.extract_value(arrays[0].shape, 1)
-        num_blocks = params.num_blocks
+        num_blocks = builder.udiv(row_bytes, ir.Constant(_I64, 16 if nibble else 32))  # blocks of 32 codes
+        params.blocks_of_codes(num_blocks)
         xstride = builder.extract_value(arrays[4].shape, 1)
         fma = _fma(builder)
         half = rows * BLOCK
         buf = cgutils.alloca_once(builder, _F32, size=2 * half)
         row_codes = [builder.gep(codes, [builder.mul(builder.add(row, ir.Constant(_I64, r)), row_bytes)])
                      for r in range(rows)]
-        row_blocks = [builder.mul(builder.add(row, ir.Constant(_I64, r)), num_blocks) for r in range(rows)]
+        row_blocks = [builder.mul(builder.add(row, ir.Constant(_I64, r)), params.num_blocks) for r in range(rows)]
         _prefetch_rows(builder, codes, builder.add(row, ir.Constant(_I64, rows)), rows, row_bytes)
 
         def dequant(b):
@@ -100,10 +101,10 @@ def _tile_codegen(rows, vecs, nibble):
             at = builder.mul(builder.and_(b, ir.Constant(_I64, 1)), ir.Constant(_I64, half))
             for r in range(rows):
                 w = _codes_as_floats(builder, row_codes[r], b, nibble)
-                idx = builder.add(row_blocks[r], b)
-                s = _splat(builder, params.scale(idx))
-                m = _splat(builder, params.offset(idx))
+                sm = [(_splat(builder, params.scale(g)), _splat(builder, params.offset(g)))
+                      for g in (params.group(row_blocks[r], b, 0), params.group(row_blocks[r], b, 1))]
                 for i in range(4):
+                    s, m = sm[i // 2]
                     ptr = builder.gep(buf, [builder.add(at, ir.Constant(_I64, r * BLOCK + 8 * i))])
                     builder.store(builder.call(fma, [w[i], s, m]), builder.bitcast(ptr, _V8F.as_pointer()), align=4)
 
