@@ -201,6 +201,82 @@ def test_rotary_embedding_speedup_is_bit_identical_to_the_library():
     np.testing.assert_array_equal(half[0].numpy(), original(q, k, cos.astype("float16"), sin.astype("float16"))[0].numpy())
 
 
+def test_rope_kernel_is_the_library_formula_bit_for_bit():
+    """``gpu_kernels.cpu.rope`` against PaddleFormers' Llama ``apply_rotary_pos_emb`` (its own
+    ``rotate_half``): contiguous and strided inputs, cos/sin of batch 1 broadcast over a batch of 2."""
+    import paddleformers.transformers.llama.modeling as llama
+
+    from gpu_kernels.cpu.rope import rope_rotate_half
+
+    library = getattr(llama.apply_rotary_pos_emb, "original", llama.apply_rotary_pos_emb)
+    rng = np.random.default_rng(7)
+    x = paddle.to_tensor(rng.standard_normal((2, 5, 3, 10)).astype(np.float32))
+    cos, sin = (paddle.to_tensor(rng.standard_normal((1, 5, 10)).astype(np.float32)) for _ in range(2))
+    for q in (x.transpose([0, 2, 1, 3]), x.transpose([0, 2, 1, 3]).contiguous()):
+        want = library(q, q, cos, sin)[0].numpy()
+        got = rope_rotate_half(q.numpy(), cos.numpy(), sin.numpy(), np.empty(q.shape, np.float32))
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="head_dim even"):
+        rope_rotate_half(np.zeros((1, 1, 2, 3), np.float32), np.zeros((1, 2, 3), np.float32),
+                         np.zeros((1, 2, 3), np.float32), np.zeros((1, 1, 2, 3), np.float32))
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "llama"])
+def test_mlp_speedup_computes_what_the_library_mlp_computes(arch):
+    """The gated activation in one pass (``gpu_kernels.cpu.gated``) against the library's
+    ``MLP.forward``: Gemma 3's tanh GELU on its own ``up_gate_proj``, and Llama's SiLU behind
+    ``gate_proj``/``up_proj`` fused by `fusion`; rows past a multiple of 8 wide included."""
+    from paddleformers.nn.mlp import MLP
+    from paddleformers.transformers import LlamaConfig
+    from paddleformers.transformers.gemma3_text.configuration import Gemma3TextConfig
+    from paddleformers.transformers.gemma3_text.modeling import Gemma3MLP
+
+    from engine.fallback.fusion import fuse_projections
+    from engine.fallback.speedups import apply_speedups
+
+    rng = np.random.default_rng(8)
+    hidden, inter = 24, 44   # 44: the vector routine's last 4 columns are the scalar tail
+    if arch == "gemma3":
+        mlp = Gemma3MLP(Gemma3TextConfig(hidden_size=hidden, intermediate_size=inter,
+                                         hidden_activation="gelu_pytorch_tanh"), fuse_up_gate=True)
+    else:
+        mlp = MLP(LlamaConfig(hidden_size=hidden, intermediate_size=inter, hidden_act="silu"))
+    for p in mlp.parameters():
+        p.set_value(rng.standard_normal(p.shape).astype(np.float32) * 0.5)
+    x = paddle.to_tensor(rng.standard_normal((1, 37, hidden)).astype(np.float32))
+    expected = MLP.forward(mlp, x).numpy()
+    assert apply_speedups(mlp) == sorted(["Linear", type(mlp).__name__])
+    if arch == "llama":
+        assert fuse_projections(mlp)["fused_gate_up"] == 1
+    got = mlp(x).numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    mlp.act_fn = paddle.nn.ReLU()  # an activation the kernel does not run: the library's forward
+    np.testing.assert_array_equal(mlp(x).numpy(), MLP.forward(mlp, x).numpy())
+
+
+def test_sliding_row_indices_speedup_matches_the_library_loop():
+    """``prepare_sliding_window_startend_row_indices`` on the packed row indices the backend passes
+    (two requests, a window shorter than the pack): the library's integers exactly."""
+    from paddleformers.transformers import masking_utils
+    from paddleformers.transformers.gemma3_text.configuration import Gemma3TextConfig
+
+    from engine.fallback.speedups import apply_speedups
+
+    config = Gemma3TextConfig(num_hidden_layers=2, sliding_window=4,
+                              layer_types=["sliding_attention", "full_attention"])
+    model = paddle.nn.Layer()
+    model.config = config
+    assert apply_speedups(model) == ["masking_utils.prepare_sliding_window_startend_row_indices"]
+    fast = masking_utils.prepare_sliding_window_startend_row_indices
+    rows = paddle.to_tensor(np.repeat([9, 9, 9, 9, 9, 9, 9, 9, 9, 13, 13, 13, 13], 1).reshape(1, 1, -1, 1)
+                            .astype(np.int32))
+    want = fast.original(rows, window_size=4)
+    got = fast(rows, window_size=4)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got.numpy(), want.numpy())
+    assert not np.array_equal(got.numpy(), rows.numpy())  # the window did change some rows
+
+
 def test_fused_qkv_rows_come_apart_the_way_gemma3_splits_them():
     from engine.fallback.weights import fuse_qkv
 

@@ -6,5 +6,6 @@ conversions inside ``njit`` code), ``block_matmul`` (float32 rows times
 GGUF-quantized weight blocks, on the row kernels of ``block_dot`` and the
 several-token ``microkernel``), ``activations`` (a vector ``exp``),
 ``decode_step`` (a whole decode step, its work shared through ``sync``),
-``norms`` (RMS normalisation of many rows) and ``blas`` (one BLAS thread per work item).
+``norms`` (RMS normalisation of many rows), ``rope`` (rotary embedding of many rows),
+``gated`` (a gated MLP's activation of many rows) and ``blas`` (one BLAS thread per work item).
 """
