@@ -66,35 +66,38 @@ def test_fused_decode_matches_paddle_layers_on_smollm2(smollm2_llm):
 
 def random_blocks(rng, qtype, out_features, in_features):
     """A random weight in ``qtype``'s blocks: gguf's quantizer, or (Q4_K, which gguf-py cannot
-    quantize) random super-blocks with small f16 d / dmin -- any other bytes are valid."""
-    if qtype != QT.Q4_K:
+    quantize) random super-blocks with small f16 d / dmin -- any other bytes are valid (Q6_K alike:
+    its f16 d last)."""
+    if qtype not in (QT.Q4_K, QT.Q6_K):
         raw = gguf.quants.quantize(rng.standard_normal((out_features, in_features)).astype(np.float32), qtype)
         return unpack(raw, qtype, (out_features, in_features))
-    raw = rng.integers(0, 256, (out_features * in_features // 256, 144), dtype=np.uint8)
-    for at in (0, 2):
+    size, halves = (144, (0, 2)) if qtype == QT.Q4_K else (210, (208,))
+    raw = rng.integers(0, 256, (out_features * in_features // 256, size), dtype=np.uint8)
+    for at in halves:
         raw[:, at:at + 2] = (rng.random((len(raw), 1)) * 0.01).astype(np.float16).view(np.uint8)
     return unpack(raw.reshape(out_features, -1), qtype, (out_features, in_features))
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q5_0, QT.Q4_K])
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q5_0, QT.Q4_K, QT.Q6_K])
 @pytest.mark.parametrize("tokens", [1, 3, 5, 17])  # dot products; the micro-kernel, 16 + 8 token columns
 def test_block_linears_compute_with_the_checkpoint_weights(qtype, tokens):
     rng = np.random.default_rng(int(qtype) + tokens)
-    out_features, in_features = 70, (256 if qtype == QT.Q4_K else 96)
+    out_features, in_features = 70, (256 if qtype in (QT.Q4_K, QT.Q6_K) else 96)
     blocks = random_blocks(rng, qtype, out_features, in_features)
 
     class Layer:  # what FusedDecode reads from a native Linear
         block_weight = BlockWeight(blocks)
     f2, i8, u8 = np.zeros((1, 1), np.float32), np.zeros((1, 1), np.int8), np.zeros((1, 1), np.uint8)
     fmt, _, codes, nibbles, scales, offsets = FusedDecode._linear(FusedDecode.__new__(FusedDecode), Layer, f2, i8, u8)
-    assert fmt == (kernel.INT8 if qtype in (QT.Q8_0, QT.Q5_0) else kernel.NIBBLE)  # 4-bit codes as nibbles
+    assert fmt == (kernel.INT8 if qtype in (QT.Q8_0, QT.Q5_0, QT.Q6_K) else kernel.NIBBLE)  # 4-bit codes as nibbles
 
-    no_offsets = qtype in (QT.Q8_0, QT.Q5_0)
-    assert offsets.shape[1] == (0 if no_offsets else in_features // 32)  # Q8_0 / Q5_0: no offsets to read
+    no_offsets = qtype in (QT.Q8_0, QT.Q5_0, QT.Q6_K)
+    assert offsets.shape[1] == (0 if no_offsets else in_features // 32)  # Q8_0 / Q5_0 / Q6_K: no offsets to read
+    assert scales.shape[1] == in_features // (16 if qtype == QT.Q6_K else 32)
     x = rng.standard_normal((tokens, in_features)).astype(np.float32)
     results = []
-    # GGUF's float16 scales and offsets kept as they are (bits in uint16): exact (Q4_K's d * sc_j: float32)
-    for half in ((False,) if qtype == QT.Q4_K else (False, True)):
+    # GGUF's float16 scales and offsets kept as they are (bits in uint16): exact (K-quants' d * sc_j: float32)
+    for half in ((False,) if qtype in (QT.Q4_K, QT.Q6_K) else (False, True)):
         params = [typed_list([np.ascontiguousarray(a, np.float16).view(np.uint16) if half else a])
                   for a in (scales, offsets)]
         lists = (np.array([fmt]), typed_list([f2]), typed_list([codes]), typed_list([nibbles]), *params)
@@ -111,6 +114,34 @@ def test_block_linears_compute_with_the_checkpoint_weights(qtype, tokens):
             results.append(out)
     for out in results[1:]:
         np.testing.assert_array_equal(out, results[0])
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 17, 70])  # column items up to SMALL_T tokens, then one BLAS call
+def test_float_linears_are_shared_by_the_team(tokens):
+    """A float32 ``[in, out]`` linear (a weight no block format holds): its output columns split
+    into items the team shares, one thread or two giving the same numbers as ``x @ W``."""
+    rng = np.random.default_rng(tokens)
+    in_features, out_features = 96, 300
+    w = rng.standard_normal((in_features, out_features)).astype(np.float32)
+    x = rng.standard_normal((tokens, in_features)).astype(np.float32)
+    f2, i8, u8 = np.zeros((1, 1), np.float32), np.zeros((1, 1), np.int8), np.zeros((1, 1), np.uint8)
+    lists = (np.array([kernel.FLOAT]), typed_list([w]), typed_list([i8]), typed_list([u8]), typed_list([f2]),
+             typed_list([f2]))
+    results = []
+    for threads in (1, 2):
+        out = np.full((tokens, out_features), np.nan, np.float32)
+        counters, marks = np.zeros(STRIDE, np.int64), np.zeros((1, out_features), np.int64)
+        team = [threading.Thread(target=kernel._linear_phase, args=(0, x, *lists, out, counters, marks, 1, 0, threads))
+                for _ in range(threads)]
+        for t in team:
+            t.start()
+        for t in team:
+            t.join()
+        np.testing.assert_allclose(out, x @ w, rtol=1e-5, atol=1e-4)
+        results.append(out)
+    np.testing.assert_array_equal(results[1], results[0])
+    if tokens <= kernel.SMALL_T:  # items of columns, each claimed once, then one failed claim per thread
+        assert counters[0] == kernel.split_rows(out_features, kernel.DOT_ROWS, True)[3] + 2 > 3
 
 
 def _one_q8_linear(rng):
