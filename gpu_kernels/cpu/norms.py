@@ -9,7 +9,10 @@ PaddleFormers computes a norm as five Paddle CPU ops (square, mean, add, rsqrt, 
 multiplies), each a pass over the tensor plus its dispatch: ~0.4 ms for a 257 x 640 tensor,
 six norms a Gemma 3 layer. Here it is one pass per row, the rows spread over the threads.
 The mean of squares is summed in float64 (Paddle sums float32), so results agree with the
-library's to float32 rounding, not bit for bit.
+library's to float32 rounding, not bit for bit. The squares of float32 values are exact in
+float64, and the sum may be reassociated (``fastmath`` ``reassoc`` on that loop alone), which
+lets LLVM vectorize it: a norm of a 257 x 640 tensor 0.17 -> 0.05 ms; reordering a float64 sum of
+a row moves it by far less than a float32 rounding step.
 """
 from __future__ import annotations
 
@@ -23,13 +26,19 @@ _SEQ = dict(fastmath=False, cache=True, nogil=True, boundscheck=False)
 PARALLEL_MIN_ELEMENTS = 1 << 20  # fewer: the calling thread alone (a one-pass op: a parallel launch costs more)
 
 
+@njit(fastmath={"reassoc"}, cache=True, nogil=True, boundscheck=False)
+def _sum_squares(x, r):
+    s = 0.0
+    for i in range(x.shape[1]):
+        v = np.float64(x[r, i])
+        s += v * v
+    return s
+
+
 @njit(**_SEQ)
 def _row(x, scale, eps, out, r):
     dim = x.shape[1]
-    s = 0.0
-    for i in range(dim):
-        v = np.float64(x[r, i])
-        s += v * v
+    s = _sum_squares(x, r)
     inv = np.float32(1.0 / math.sqrt(np.float32(s / dim) + eps))
     for i in range(dim):
         out[r, i] = (x[r, i] * inv) * scale[i]
