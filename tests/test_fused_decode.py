@@ -116,10 +116,10 @@ def test_block_linears_compute_with_the_checkpoint_weights(qtype, tokens):
         np.testing.assert_array_equal(out, results[0])
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 17, 70])  # column items up to SMALL_T tokens, then one BLAS call
-def test_float_linears_are_shared_by_the_team(tokens):
-    """A float32 ``[in, out]`` linear (a weight no block format holds): its output columns split
-    into items the team shares, one thread or two giving the same numbers as ``x @ W``."""
+@pytest.mark.parametrize("tokens", [1, 3, 17, 70])
+def test_float_linears_give_the_product_on_any_team(tokens):
+    """A float32 ``[in, out]`` linear (a weight no block format holds) as one phase: one thread or two
+    give the same numbers as ``x @ W``."""
     rng = np.random.default_rng(tokens)
     in_features, out_features = 96, 300
     w = rng.standard_normal((in_features, out_features)).astype(np.float32)
@@ -140,8 +140,6 @@ def test_float_linears_are_shared_by_the_team(tokens):
         np.testing.assert_allclose(out, x @ w, rtol=1e-5, atol=1e-4)
         results.append(out)
     np.testing.assert_array_equal(results[1], results[0])
-    if tokens <= kernel.SMALL_T:  # items of columns, each claimed once, then one failed claim per thread
-        assert counters[0] == kernel.split_rows(out_features, kernel.DOT_ROWS, True)[3] + 2 > 3
 
 
 def _one_q8_linear(rng):

@@ -31,8 +31,7 @@ computed it, nor on how many did.
 A linear ``k`` of the stack comes in one of three formats (``formats[k]``):
 
 ============  ===========================================================
-``FLOAT``     ``float_w[k]``: float32 ``[in, out]`` (the Paddle parameter; items of output columns,
-              or one BLAS call for more than ``SMALL_T`` tokens)
+``FLOAT``     ``float_w[k]``: float32 ``[in, out]`` (the Paddle parameter)
 ``INT8``      ``codes[k]`` int8 ``[out, in // 32 * 32]``: ``W = scale * code + offset``
 ``NIBBLE``    ``nibbles[k]`` uint8 ``[out, in // 32 * 16]``: byte ``j`` of a block holds
               code ``j`` in its low and code ``j + 16`` in its high four bits (GGUF's Q4 order)
@@ -94,19 +93,6 @@ def _rows_of(k, x, formats, float_w, codes, nibbles, scales, offsets, sums, xt, 
 
 
 @njit(**_SEQ)
-def _float_columns(x, w, out, lo, hi):
-    """out[:, lo:hi] = x @ w[:, lo:hi] for a float32 ``[in, out]`` weight and a few tokens: each weight row's
-    slice is read once and applied to every token, into accumulators that stay in L1."""
-    acc = np.zeros((x.shape[0], hi - lo), np.float32)
-    for i in range(w.shape[0]):
-        for t in range(x.shape[0]):
-            xv = x[t, i]
-            for j in range(hi - lo):
-                acc[t, j] += xv * w[i, lo + j]
-    out[:, lo:hi] = acc
-
-
-@njit(**_SEQ)
 def split_rows(num_out, rows, tail):
     """A matmul phase's items: ``big`` items of ``rows`` outputs over the first ``head``, then items of
     ``small`` (with ``tail``: ``TAIL_ITEMS`` or so of a quarter of ``rows``, starting on a multiple of 4
@@ -135,25 +121,10 @@ def _linear_phase(k, x, formats, float_w, codes, nibbles, scales, offsets, out, 
                   team_size):
     """out = x @ W_k.T as one phase: this thread runs the items it claims, then every item not yet
     finished (`cpu.sync`)."""
-    if formats[k] == FLOAT and x.shape[0] > SMALL_T:  # one item: a BLAS call on the whole [in, out] weight
+    if formats[k] == FLOAT:  # one item: a BLAS call on the whole [in, out] weight
         if claim(counters, phase) == 0 or not finished(marks, phase, 0, epoch):
             out[:] = np.dot(x, float_w[k])
             finish(marks, phase, 0, epoch)
-        return
-    if formats[k] == FLOAT:  # items of DOT_ROWS output columns (`_float_columns`), shared like the rows below
-        num_out = float_w[k].shape[1]
-        big, small, head, items = split_rows(num_out, DOT_ROWS, True)
-        item = claim(counters, phase)
-        while item < items:
-            lo, hi = _item_rows(item, big, DOT_ROWS, small, head, num_out)
-            _float_columns(x, float_w[k], out, lo, hi)
-            finish(marks, phase, item, epoch)
-            item = claim(counters, phase)
-        for item in range(items):
-            if not finished(marks, phase, item, epoch):
-                lo, hi = _item_rows(item, big, DOT_ROWS, small, head, num_out)
-                _float_columns(x, float_w[k], out, lo, hi)
-                finish(marks, phase, item, epoch)
         return
     num_out, num_blocks = scales[k].shape
     sums = np.empty((x.shape[0], num_blocks), np.float32)
