@@ -79,8 +79,8 @@ class EngineConfig:
         flags=("--tensor-parallel-size", "-tp"))
     device: str = _setting("auto", "auto: the GPU when Paddle has CUDA and numba-cuda works, else the CPU",
                            choices=DEVICES)
-    quantization: str = _setting("auto", "auto: CPU matmuls run on a GGUF's Q4_0/Q4_1/Q8_0 blocks; none: float "
-                                         "weights only", choices=QUANTIZATION_MODES)
+    quantization: str = _setting("auto", "auto: CPU matmuls run on a GGUF's blocks (Q4_0/Q4_1/Q4_K/Q5_0/Q6_K/"
+                                         "Q8_0); none: float weights only", choices=QUANTIZATION_MODES)
     attention_backend: str = _setting("auto", "auto: follow the tensors (cuda on GPU, cpu else); reference: the "
                                               "NumPy definition", choices=ATTENTION_BACKENDS)
     cpu_decode: str = _setting("fused", "fused: CPU decode steps of native models as one Numba kernel; paddle: "

@@ -179,7 +179,7 @@ class Checkpoint:
 
     def quantized_blocks(self) -> dict[str, "BlockQuantized"]:
         """HF-named linear weights that the file stores in a block format the engine computes on
-        directly (`engine.loader.gguf_blocks`: Q4_0, Q4_1, Q8_0), rows ordered as in `weights`.
+        directly (`engine.loader.gguf_blocks`: Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0), rows ordered as in `weights`.
         Empty for other checkpoints and formats."""
         return dict(self._read_blocks()) if self._read_blocks else {}
 
