@@ -29,7 +29,7 @@ from .model_runner import ModelRunner, kv_block_bytes
 from .outputs import StreamDelta
 from .prefill_estimate import PrefillEstimate, PrefillRate, estimate_prefill
 from .provenance import ProvenanceRecorder
-from .request import Request, RequestStatus
+from .request import Request
 from .sampler import LogitsAdjust, Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler

@@ -39,7 +39,6 @@ import pickle
 import queue
 import signal
 import threading
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator

@@ -51,7 +51,7 @@ from numba import njit
 
 from .activations import gelu_tanh_mul, silu_mul
 from .attention import decode_item, store_rows
-from .block_matmul import BLOCK, MATVEC_T, SMALL_T, blas_rows, block_sums, matvec_rows, padded_transpose, tiled_rows
+from .block_matmul import MATVEC_T, SMALL_T, blas_rows, block_sums, matvec_rows, padded_transpose, tiled_rows
 from .sync import claim, finish, finished, join_step, leave_step
 
 FLOAT, INT8, NIBBLE = 0, 1, 2
