@@ -134,6 +134,8 @@ def bench_cpu(cases=CPU_DECODE_CASES) -> list[dict]:
 
 
 def bench_cpu_prefill(cases=CPU_PREFILL_CASES) -> list[dict]:
+    import numba
+
     from gpu_kernels import interop, reference
     from gpu_kernels.cpu import attention as cpu, prefill as cpu_prefill
     from gpu_kernels.cpu.blas import single_threaded_blas
@@ -151,7 +153,7 @@ def bench_cpu_prefill(cases=CPU_PREFILL_CASES) -> list[dict]:
         out = np.zeros_like(p.query)
         kc, vc = (interop.host_view(c) for c in (p.k_cache, p.v_cache))
         args = (p.query, kc, vc, p.block_tables, p.query_start_loc, p.context_lens, p.scale,
-                window, out, cpu.min_parallel_work)
+                window, out, numba.get_num_threads(), cpu.min_parallel_work)
         seen = [min(j + 1, window) if window else j + 1 for j in range(prompt)]
         flops = 4 * head_dim * heads * seqs * sum(seen)
         best = lambda fn, reps: min(_host_time(fn, 1) for _ in range(reps)) / 1e3  # noqa

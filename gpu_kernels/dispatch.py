@@ -139,6 +139,6 @@ def paged_prefill(query, k_cache, v_cache, block_tables, query_start_loc, contex
         return out
     single_threaded_blas()
     with _cpu_lock:
-        cpu_prefill.paged_prefill(q, kc, vc, bt, qsl, cl, float(scale), window, o,
+        cpu_prefill.paged_prefill(q, kc, vc, bt, qsl, cl, float(scale), window, o, get_num_threads(),
                                   cpu.min_parallel_work)
     return out

@@ -141,6 +141,20 @@ def test_parallel_split_k_decode_and_parallel_prefill(monkeypatch, dtype):
     assert_close(got, ref, dtype)
 
 
+def test_parallel_prefill_hands_out_the_costliest_tiles_first():
+    """The order items are handed to threads: tiles by tokens times visible keys, largest first
+    (a 257-token chunk in tiles of 48 -- its short last tile sees the most keys -- and a decode)."""
+    from gpu_kernels.cpu.prefill import costliest_first
+
+    qsl, lens = np.array([0, 257, 258], np.int32), np.array([257, 40], np.int32)
+    tile_start, tile = np.array([0, 6, 7], np.int64), np.array([48, 64], np.int64)
+    # costs: 48 x 48, 48 x 96, ..., 48 x 240, then 17 x 257 = 4369 (between 48 x 96 and 48 x 48), 1 x 40
+    assert costliest_first(qsl, lens, tile_start, tile, 0).tolist() == [4, 3, 2, 1, 5, 0, 6]
+    # a window of 64: the tiles from the third on see 48 + 63 keys (equal: kept in order), the first
+    # two 48 and 96, the short last one 17 + 63
+    assert costliest_first(qsl, lens, tile_start, tile, 64).tolist() == [2, 3, 4, 1, 0, 5, 6]
+
+
 def test_shape_errors_are_reported():
     prob = make_problem(np.random.default_rng(6), context_lens=[4], query_lens=[1],
                         num_kv_heads=2, group=2)
