@@ -144,19 +144,21 @@ def test_a_model_bypassing_our_attention_is_refused(tmp_path):
 def test_speedups_compute_what_the_library_layers_compute():
     from paddleformers.nn.norm import RMSNorm
     from paddleformers.transformers import LlamaConfig
-    from paddleformers.transformers.gemma3_text.modeling import Gemma3RMSNorm
+    from paddleformers.transformers.gemma3_text.configuration import Gemma3TextConfig
+    from paddleformers.transformers.gemma3_text.modeling import Gemma3RMSNorm, Gemma3RMSNormPipe
 
     from engine.fallback.speedups import apply_speedups
 
     rng = np.random.default_rng(2)
     layers = [RMSNorm(LlamaConfig(hidden_size=64, rms_norm_eps=1e-5, fuse_rms_norm=False)),
-              Gemma3RMSNorm(64, eps=1e-6)]
+              Gemma3RMSNorm(64, eps=1e-6), Gemma3RMSNormPipe(Gemma3TextConfig(hidden_size=64))]
     x = paddle.to_tensor(rng.standard_normal((1, 7, 64)).astype(np.float32) * 3)
     for layer in layers:
         layer.weight.set_value(rng.standard_normal(64).astype(np.float32))
         expected = type(layer).forward(layer, x).numpy()  # the library's own forward
         assert apply_speedups(layer) == [type(layer).__name__]
         np.testing.assert_allclose(layer(x).numpy(), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(layers[-1]((x, None)).numpy(), expected, rtol=1e-5, atol=1e-5)  # a pipeline tuple
 
 
 def test_a_prefill_sized_linear_computes_what_paddle_computes():

@@ -7,7 +7,8 @@ are touched, matched by class (not by model), and only their ``forward``
 on our model instances; the formulas are the library's own, written so that
 Paddle's CPU kernels run them fast:
 
-``paddleformers.nn.norm.RMSNorm`` (Llama, Phi3, ...) and Gemma 3's ``Gemma3RMSNorm``
+``paddleformers.nn.norm.RMSNorm`` (Llama, Phi3, ...) and Gemma 3's ``Gemma3RMSNorm`` (and
+``Gemma3RMSNormPipe``, its final norm)
     square with ``x * x`` instead of ``x.pow(2)`` (Paddle's CPU ``pow``
     kernel is ~50x slower than a multiply: 1.4 ms vs 13 µs on a 128 x 576
     tensor; the native RMSNorm squares by multiplying too), and skip the
@@ -97,6 +98,11 @@ def _gemma3_rms_norm_forward(self, x):
     out = x32 * paddle.rsqrt((x32 * x32).mean(-1, keepdim=True) + self.eps)
     out = out * (1.0 + self.weight.astype("float32"))
     return out if x.dtype == paddle.float32 else out.astype(x.dtype)
+
+
+def _gemma3_rms_norm_pipe_forward(self, x):
+    """``Gemma3RMSNormPipe.forward`` (Gemma 3's final norm): the first of a tuple, then `_gemma3_rms_norm_forward`."""
+    return _gemma3_rms_norm_forward(self, x[0] if isinstance(x, tuple) else x)
 
 
 def _linear_forward(self, x):
@@ -238,9 +244,10 @@ def _speedups() -> dict[type, object]:
 
     table = {RMSNorm: _rms_norm_forward, paddle.nn.Linear: _linear_forward, MLP: _mlp_forward}
     try:
-        from paddleformers.transformers.gemma3_text.modeling import Gemma3MLP, Gemma3RMSNorm
+        from paddleformers.transformers.gemma3_text.modeling import Gemma3MLP, Gemma3RMSNorm, Gemma3RMSNormPipe
 
         table[Gemma3RMSNorm] = _gemma3_rms_norm_forward
+        table[Gemma3RMSNormPipe] = _gemma3_rms_norm_pipe_forward
         table[Gemma3MLP] = _mlp_forward
     except ImportError:
         pass

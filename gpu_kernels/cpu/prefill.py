@@ -36,8 +36,9 @@ times visible keys: the longest-processing-time-first rule). Causal work grows w
 tile's index, so Numba's static split of a ``prange`` over the items (each thread a
 contiguous share) left one thread with most of the late tiles: a Gemma 3 270M layer of 257
 tokens (head_dim 256, 4 query heads on 1 KV head: six items) ran 1.5 ms on one thread while
-the other idled after 0.7; claimed in that order, 1.2 ms. Claimed items also leave less to a thread that the machine's
-other work delays. Calls under ``min_parallel_work`` run on the calling thread.
+the other idled after 0.7; claimed in that order, 1.2 ms. Claimed items also leave less to
+a thread that the machine's other work delays. Calls under ``min_parallel_work`` run on the
+calling thread.
 
 Numba lowers ``np.dot`` on contiguous float32 2-D arrays to BLAS through
 SciPy's ``cython_blas`` (SciPy's bundled OpenBLAS). The items already use
