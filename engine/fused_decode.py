@@ -122,6 +122,9 @@ class FusedDecode:
             formats.append(fmt)
             self._append(w, c, n, s, o)
         self.formats = np.asarray(formats, np.int64)
+        self.partial_at, size = kernel.float_partials(
+            [w.shape if fmt == kernel.FLOAT else (0, 0) for fmt, w in zip(formats, float_w)])
+        self.partials = np.empty(size, np.float32)  # shared by the team: the float linears' partial products
         self.float_w, self.codes, self.nibbles = typed_list(float_w), typed_list(codes), typed_list(nibbles)
         self._scales, self._offsets = _kernel_params(scales, offsets)
         self.scales, self.offsets = typed_list(self._scales), typed_list(self._offsets)
@@ -254,7 +257,7 @@ class FusedDecode:
                 self.embed, np.float32(self.spec.embed_scale), self.norms, self.qk_norms, self.qkv_bias,
                 self.final_norm, self.cos, self.sin, self.windows, self.spec.grouped_qkv, self.activation,
                 self.formats, self.float_w, self.codes, self.nibbles, self.scales, self.offsets,
-                self.k_caches, self.v_caches, self.spec.num_heads, self.spec.num_kv_heads,
+                self.partials, self.partial_at, self.k_caches, self.v_caches, self.spec.num_heads, self.spec.num_kv_heads,
                 np.float32(self.spec.rms_norm_eps), self.scale, *self._buffers(num_tokens), out, rows, logits)
         if self._team is None:
             kernel.decode_step(0, 1, *args)

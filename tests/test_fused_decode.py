@@ -64,6 +64,9 @@ def test_fused_decode_matches_paddle_layers_on_smollm2(smollm2_llm):
     assert_same_decoding(reference, fused)
 
 
+NO_PARTIALS = (np.zeros(0, np.float32), np.full(1, -1, np.int64))  # no float32 linear: no partial products
+
+
 def random_blocks(rng, qtype, out_features, in_features):
     """A random weight in ``qtype``'s blocks: gguf's quantizer, or (Q4_K, which gguf-py cannot
     quantize) random super-blocks with small f16 d / dmin -- any other bytes are valid (Q6_K alike:
@@ -100,7 +103,8 @@ def test_block_linears_compute_with_the_checkpoint_weights(qtype, tokens):
     for half in ((False,) if qtype in (QT.Q4_K, QT.Q6_K) else (False, True)):
         params = [typed_list([np.ascontiguousarray(a, np.float16).view(np.uint16) if half else a])
                   for a in (scales, offsets)]
-        lists = (np.array([fmt]), typed_list([f2]), typed_list([codes]), typed_list([nibbles]), *params)
+        lists = (np.array([fmt]), typed_list([f2]), typed_list([codes]), typed_list([nibbles]), *params,
+                 *NO_PARTIALS)
         for threads in (1, 2):  # the rows shared by a team of threads through the phase's counters
             out = np.full((tokens, out_features), np.nan, np.float32)
             counters, marks = np.zeros(STRIDE, np.int64), np.zeros((1, out_features), np.int64)
@@ -119,14 +123,16 @@ def test_block_linears_compute_with_the_checkpoint_weights(qtype, tokens):
 @pytest.mark.parametrize("tokens", [1, 3, 17, 70])
 def test_float_linears_give_the_product_on_any_team(tokens):
     """A float32 ``[in, out]`` linear (a weight no block format holds) as one phase: one thread or two
-    give the same numbers as ``x @ W``."""
+    give the same numbers as ``x @ W`` -- for a few tokens from items of input rows the team shares,
+    summed in a fixed order."""
     rng = np.random.default_rng(tokens)
-    in_features, out_features = 96, 300
+    in_features, out_features = 3 * kernel.K_ROWS + 5, 300
     w = rng.standard_normal((in_features, out_features)).astype(np.float32)
     x = rng.standard_normal((tokens, in_features)).astype(np.float32)
     f2, i8, u8 = np.zeros((1, 1), np.float32), np.zeros((1, 1), np.int8), np.zeros((1, 1), np.uint8)
+    starts, size = kernel.float_partials([w.shape])
     lists = (np.array([kernel.FLOAT]), typed_list([w]), typed_list([i8]), typed_list([u8]), typed_list([f2]),
-             typed_list([f2]))
+             typed_list([f2]), np.full(size, np.nan, np.float32), starts)
     results = []
     for threads in (1, 2):
         out = np.full((tokens, out_features), np.nan, np.float32)
@@ -139,6 +145,8 @@ def test_float_linears_give_the_product_on_any_team(tokens):
             t.join()
         np.testing.assert_allclose(out, x @ w, rtol=1e-5, atol=1e-4)
         results.append(out)
+        if tokens <= kernel.MATVEC_T:  # four items of input rows, each claimed once, one failed claim a thread
+            assert counters[0] == 4 + threads
     np.testing.assert_array_equal(results[1], results[0])
 
 
@@ -148,7 +156,8 @@ def _one_q8_linear(rng):
     blocks = unpack(raw, QT.Q8_0, (64, 96))
     codes = np.ascontiguousarray(blocks.codes).reshape(64, -1)
     lists = (np.array([kernel.INT8]), typed_list([np.zeros((1, 1), np.float32)]), typed_list([codes]),
-             typed_list([np.zeros((1, 1), np.uint8)]), typed_list([blocks.scales]), typed_list([blocks.offsets]))
+             typed_list([np.zeros((1, 1), np.uint8)]), typed_list([blocks.scales]), typed_list([blocks.offsets]),
+             *NO_PARTIALS)
     return blocks, lists
 
 

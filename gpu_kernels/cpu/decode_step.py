@@ -31,7 +31,8 @@ computed it, nor on how many did.
 A linear ``k`` of the stack comes in one of three formats (``formats[k]``):
 
 ============  ===========================================================
-``FLOAT``     ``float_w[k]``: float32 ``[in, out]`` (the Paddle parameter)
+``FLOAT``     ``float_w[k]``: float32 ``[in, out]`` (the Paddle parameter; for up to ``MATVEC_T``
+              tokens, items of ``K_ROWS`` input rows into ``partials``, summed in order)
 ``INT8``      ``codes[k]`` int8 ``[out, in // 32 * 32]``: ``W = scale * code + offset``
 ``NIBBLE``    ``nibbles[k]`` uint8 ``[out, in // 32 * 16]``: byte ``j`` of a block holds
               code ``j`` in its low and code ``j + 16`` in its high four bits (GGUF's Q4 order)
@@ -65,6 +66,7 @@ DOT_ROWS = 128  # weight rows per item of a dot-product matmul: long runs of con
 TILE = 48  # weight rows per item of a several-token matmul (a multiple of the micro-kernel's R): small
 # enough that the half item a phase loses at its end (a thread runs a held item again) stays small
 BLAS_TILE = 256  # most weight rows per item of a matmul of more than SMALL_T tokens
+K_ROWS = 64  # input rows per item of a float32 linear's product with up to MATVEC_T tokens
 TAIL_ITEMS = 4  # a dot-product or micro-kernel phase ends on this many items of a quarter the rows
 
 
@@ -116,11 +118,63 @@ def _item_rows(item, big, rows, small, head, num_out):
     return lo, min(num_out, lo + small)
 
 
+def float_partials(float_shapes):
+    """Where each float32 linear's partial products start in the shared ``partials`` array, and its
+    size: ``float_shapes[k]`` = (in, out) of linear ``k``, (0, 0) for a block linear (start -1)."""
+    starts = np.full(len(float_shapes), -1, np.int64)
+    size = 0
+    for k, (num_in, num_out) in enumerate(float_shapes):
+        if num_in:
+            starts[k] = size
+            size += (num_in + K_ROWS - 1) // K_ROWS * MATVEC_T * num_out
+    return starts, size
+
+
 @njit(**_SEQ)
-def _linear_phase(k, x, formats, float_w, codes, nibbles, scales, offsets, out, counters, marks, epoch, phase,
-                  team_size):
+def _float_part(x, w, partials, start, item):
+    """Item ``item`` of a float32 linear: x[:, rows] @ w[rows] for its ``K_ROWS`` input rows, into its slot."""
+    num_in, num_out = w.shape
+    lo, hi = item * K_ROWS, min(num_in, item * K_ROWS + K_ROWS)
+    at = start + item * MATVEC_T * num_out
+    slot = partials[at:at + x.shape[0] * num_out].reshape((x.shape[0], num_out))
+    np.dot(np.ascontiguousarray(x[:, lo:hi]), w[lo:hi], slot)
+
+
+@njit(**_SEQ)
+def _float_phase(x, w, partials, start, out, counters, marks, epoch, phase):
+    """out = x @ w for a float32 ``[in, out]`` weight and up to ``MATVEC_T`` tokens: the weight's rows in
+    items of ``K_ROWS`` (contiguous, one BLAS call each), shared by the team, each product into its own
+    slot of ``partials``; then every thread sums the slots in item order into a copy of its own and
+    writes it out, so the result does not depend on who computed what."""
+    items = (w.shape[0] + K_ROWS - 1) // K_ROWS
+    item = claim(counters, phase)
+    while item < items:
+        _float_part(x, w, partials, start, item)
+        finish(marks, phase, item, epoch)
+        item = claim(counters, phase)
+    for item in range(items):
+        if not finished(marks, phase, item, epoch):
+            _float_part(x, w, partials, start, item)
+            finish(marks, phase, item, epoch)
+    num_out = w.shape[1]
+    total = np.zeros((x.shape[0], num_out), np.float32)
+    for item in range(items):
+        at = start + item * MATVEC_T * num_out
+        for t in range(x.shape[0]):
+            row = partials[at + t * num_out:at + (t + 1) * num_out]
+            for j in range(num_out):
+                total[t, j] += row[j]
+    out[:] = total
+
+
+@njit(**_SEQ)
+def _linear_phase(k, x, formats, float_w, codes, nibbles, scales, offsets, partials, partial_at, out, counters,
+                  marks, epoch, phase, team_size):
     """out = x @ W_k.T as one phase: this thread runs the items it claims, then every item not yet
     finished (`cpu.sync`)."""
+    if formats[k] == FLOAT and x.shape[0] <= MATVEC_T and partial_at[k] >= 0:
+        _float_phase(x, float_w[k], partials, partial_at[k], out, counters, marks, epoch, phase)
+        return
     if formats[k] == FLOAT:  # one item: a BLAS call on the whole [in, out] weight
         if claim(counters, phase) == 0 or not finished(marks, phase, 0, epoch):
             out[:] = np.dot(x, float_w[k])
@@ -244,7 +298,7 @@ def _rope(heads, cos, sin):
 @njit(**_SEQ)
 def decode_step(tid, team_size, counters, marks, epoch, token_ids, positions, slots, block_tables, context_lens,
                 embed, embed_scale, norms, qk_norms, qkv_bias, final_norm, cos_tables, sin_tables, windows,
-                grouped_qkv, activation, formats, float_w, codes, nibbles, scales, offsets,
+                grouped_qkv, activation, formats, float_w, codes, nibbles, scales, offsets, partials, partial_at,
                 k_caches, v_caches, num_heads, num_kv_heads, eps, scale,
                 qkv_buf, attn_buf, o_buf, gate_up_buf, down_buf, out, logit_rows, logits):
     """Thread ``tid`` (of ``team_size``)'s part of one decode step for ``T`` sequences (one new token each).
@@ -268,6 +322,8 @@ def decode_step(tid, team_size, counters, marks, epoch, token_ids, positions, sl
     windows: int64 [num_layers], a layer's sliding window (0: the whole context);
     grouped_qkv: the QKV product is laid out per KV head (its query heads, key, value)
     rather than all queries, all keys, all values; activation: ``SILU`` or ``GELU_TANH``;
+    partials / partial_at: the float32 linears' partial products (`float_partials`: where each starts,
+    -1 for a block linear);
     k_caches / v_caches: float32 ``[num_blocks, kv_heads, block_size, head_dim]`` per layer;
     ``*_buf``: the shared per-layer results, ``[num_layers, T, ...]`` (attention's
     ``[num_layers, T, num_heads, head_dim]``).
@@ -293,14 +349,16 @@ def decode_step(tid, team_size, counters, marks, epoch, token_ids, positions, sl
     for layer in range(num_layers):
         lin, phase, norm = 4 * layer, PHASES_PER_LAYER * layer, per_layer * layer
         _rms_norm(x, norms[norm], eps, h)
-        _linear_phase(lin + QKV, h, formats, float_w, codes, nibbles, scales, offsets, qkv_buf[layer],
+        _linear_phase(lin + QKV, h, formats, float_w, codes, nibbles, scales, offsets, partials, partial_at,
+                      qkv_buf[layer],
                       counters, marks, epoch, phase, team_size)
         _attention_phase(layer, qkv_buf[layer], positions, slots, block_tables, context_lens, qk_norms, qkv_bias,
                          cos_tables[layer], sin_tables[layer], windows[layer], grouped_qkv,
                          k_caches[layer], v_caches[layer], num_heads, num_kv_heads, eps,
                          scale, q, part_m, part_l, part_acc, attn_buf[layer], counters, marks, epoch, phase + 1)
         _linear_phase(lin + O_PROJ, attn_buf[layer].reshape((num_tokens, q_size)), formats, float_w, codes,
-                      nibbles, scales, offsets, o_buf[layer], counters, marks, epoch, phase + 2, team_size)
+                      nibbles, scales, offsets, partials, partial_at, o_buf[layer], counters, marks, epoch, phase + 2,
+                      team_size)
         if sandwich:
             _rms_norm(o_buf[layer], norms[norm + 1], eps, h)
             x += h
@@ -308,10 +366,12 @@ def decode_step(tid, team_size, counters, marks, epoch, token_ids, positions, sl
         else:
             x += o_buf[layer]
             _rms_norm(x, norms[norm + 1], eps, h)
-        _linear_phase(lin + GATE_UP, h, formats, float_w, codes, nibbles, scales, offsets, gate_up_buf[layer],
+        _linear_phase(lin + GATE_UP, h, formats, float_w, codes, nibbles, scales, offsets, partials, partial_at,
+                      gate_up_buf[layer],
                       counters, marks, epoch, phase + 3, team_size)
         _activate(gate_up_buf[layer], activation, act)
-        _linear_phase(lin + DOWN, act, formats, float_w, codes, nibbles, scales, offsets, down_buf[layer],
+        _linear_phase(lin + DOWN, act, formats, float_w, codes, nibbles, scales, offsets, partials, partial_at,
+                      down_buf[layer],
                       counters, marks, epoch, phase + 4, team_size)
         if sandwich:
             _rms_norm(down_buf[layer], norms[norm + 3], eps, h)
@@ -325,7 +385,8 @@ def decode_step(tid, team_size, counters, marks, epoch, token_ids, positions, sl
         rows = np.empty((len(logit_rows), hidden), np.float32)
         for i in range(len(logit_rows)):
             rows[i] = h[logit_rows[i]]
-        _linear_phase(4 * num_layers, rows, formats, float_w, codes, nibbles, scales, offsets, logits,
+        _linear_phase(4 * num_layers, rows, formats, float_w, codes, nibbles, scales, offsets, partials, partial_at,
+                      logits,
                       counters, marks, epoch, PHASES_PER_LAYER * num_layers, team_size)
 
 
