@@ -256,8 +256,8 @@ class FusedDecode:
         args = (self.counters, self.marks, self.epoch, token_ids, positions, slots, block_tables, context_lens,
                 self.embed, np.float32(self.spec.embed_scale), self.norms, self.qk_norms, self.qkv_bias,
                 self.final_norm, self.cos, self.sin, self.windows, self.spec.grouped_qkv, self.activation,
-                self.formats, self.float_w, self.codes, self.nibbles, self.scales, self.offsets,
-                self.partials, self.partial_at, self.k_caches, self.v_caches, self.spec.num_heads, self.spec.num_kv_heads,
+                self.formats, self.float_w, self.codes, self.nibbles, self.scales, self.offsets, self.partials,
+                self.partial_at, self.k_caches, self.v_caches, self.spec.num_heads, self.spec.num_kv_heads,
                 np.float32(self.spec.rms_norm_eps), self.scale, *self._buffers(num_tokens), out, rows, logits)
         if self._team is None:
             kernel.decode_step(0, 1, *args)
