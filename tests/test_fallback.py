@@ -224,7 +224,7 @@ def test_rope_kernel_is_the_library_formula_bit_for_bit():
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "llama"])
-def test_mlp_speedup_computes_what_the_library_mlp_computes(arch):
+def test_mlp_speedup_computes_what_the_library_mlp_computes(arch, monkeypatch):
     """The gated activation in one pass (``gpu_kernels.cpu.gated``) against the library's
     ``MLP.forward``: Gemma 3's tanh GELU on its own ``up_gate_proj``, and Llama's SiLU behind
     ``gate_proj``/``up_proj`` fused by `fusion`; rows past a multiple of 8 wide included."""
@@ -252,6 +252,8 @@ def test_mlp_speedup_computes_what_the_library_mlp_computes(arch):
         assert fuse_projections(mlp)["fused_gate_up"] == 1
     got = mlp(x).numpy()
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    monkeypatch.setattr("gpu_kernels.cpu.gated.PARALLEL_MIN_ELEMENTS", 0)  # rows in blocks on the threads
+    np.testing.assert_array_equal(mlp(x).numpy(), got)
     mlp.act_fn = paddle.nn.ReLU()  # an activation the kernel does not run: the library's forward
     np.testing.assert_array_equal(mlp(x).numpy(), MLP.forward(mlp, x).numpy())
 
