@@ -22,6 +22,7 @@ through `BlockWeight.matmul`.
 
 from __future__ import annotations
 
+import math
 import types
 
 import numpy as np
@@ -48,7 +49,7 @@ class BlockWeight:
     def matmul(self, x: paddle.Tensor, weight: paddle.Tensor | None = None) -> paddle.Tensor:
         """``x @ W.T``; on ``weight`` (the same ``W`` as float32 ``[in, out]``), when given, for more than
         ``SMALL_T`` rows (`float_matmul`)."""
-        if weight is not None and x.size > SMALL_T * self.in_features:
+        if weight is not None and math.prod(x.shape) > SMALL_T * self.in_features:  # x.size: ~11 µs in Paddle
             return float_matmul(x, weight)
         shape = list(x.shape[:-1]) + [self.out_features]
         out = paddle.empty(shape, dtype="float32")

@@ -52,6 +52,7 @@ attribute of the library's module, for every model of those modules in the proce
 
 from __future__ import annotations
 
+import math
 import types
 
 import numpy as np
@@ -108,7 +109,7 @@ def _gemma3_rms_norm_pipe_forward(self, x):
 def _linear_forward(self, x):
     """``paddle.nn.Linear.forward`` (``x @ W + b``, W ``[in, out]``); many float32 CPU rows through BLAS."""
     if (x.dtype == paddle.float32 and self.weight.dtype == paddle.float32 and x.place.is_cpu_place()
-            and x.size > SMALL_T * self.weight.shape[0]):
+            and math.prod(x.shape) > SMALL_T * self.weight.shape[0]):
         y = float_matmul(x, self.weight)
         return y if self.bias is None else y + self.bias
     return paddle.nn.functional.linear(x, self.weight, self.bias)
