@@ -144,6 +144,8 @@ class FusedDecode:
         self.marks = np.zeros((kernel.num_phases(len(model.layers)), 0), np.int64)
         self.epoch = 0
         self._max_rows = max(s.shape[0] for s in scales)
+        self._max_float_items = max([-(-w.shape[0] // kernel.K_ROWS) for fmt, w in zip(formats, float_w)
+                                     if fmt == kernel.FLOAT], default=0)  # a float linear's items of input rows
         self._buffer = np.empty(0, np.float32)  # the per-layer results of a step, grown to the largest batch
         self._team = None
         self.threads = min(numba.get_num_threads(), MAX_THREADS)
@@ -250,7 +252,8 @@ class FusedDecode:
         self.counters[:] = 0
         self.epoch += 1
         # bounds any phase's items (`decode_step.split_rows`: at most ~TAIL_ITEMS more than whole items)
-        items = -(-self._max_rows // min(kernel.DOT_ROWS, kernel.TILE)) + 8 + num_tokens * self.spec.num_kv_heads
+        items = max(-(-self._max_rows // min(kernel.DOT_ROWS, kernel.TILE)) + 8 + num_tokens * self.spec.num_kv_heads,
+                    self._max_float_items)
         if self.marks.shape[1] < items:
             self.marks = np.zeros((self.marks.shape[0], items), np.int64)
         args = (self.counters, self.marks, self.epoch, token_ids, positions, slots, block_tables, context_lens,

@@ -41,6 +41,27 @@ def test_fused_decode_matches_paddle_layers_on_tiny_models(tmp_path, architectur
     assert_same_decoding(outputs["paddle"], outputs["fused"])
 
 
+def test_float_linears_with_more_items_than_block_rows_decode_like_paddle(tmp_path):
+    """A float checkpoint whose MLP has more items of input rows (`K_ROWS` each) than a block linear's
+    bound on a phase's items (a 1024-input down projection: 16 items): the team's marks cover them,
+    and two threads decode as the Paddle layers do, the same again on a second run."""
+    model = make_tiny_model(str(tmp_path), hidden=512, heads=4, kv_heads=2, seed=8)
+    prompts = tiny_prompts(2)
+    outputs = {}
+    for path in ("paddle", "fused"):
+        llm = LLM(model=model, cpu_decode=path, block_size=4, enable_prefix_caching=False)
+        if path == "fused":
+            llm.engine.runner.fused_decode.threads = 2
+        outputs[path] = llm.generate(prompts, GREEDY)
+        if path == "fused":
+            again = llm.generate(prompts, GREEDY)
+            assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outputs[path]]
+            fused = llm.engine.runner.fused_decode  # a phase's marks hold one per item: none written past them
+            assert fused.marks.shape[1] >= max(-(-w.shape[0] // kernel.K_ROWS) for w in fused.float_w) == 16
+        llm.shutdown()
+    assert_same_decoding(outputs["paddle"], outputs["fused"])
+
+
 @contextlib.contextmanager
 def paddle_decode(llm):
     """Run the same engine's decode steps through the Paddle layers for a while."""

@@ -137,7 +137,10 @@ def _float_part(x, w, partials, start, item):
     lo, hi = item * K_ROWS, min(num_in, item * K_ROWS + K_ROWS)
     at = start + item * MATVEC_T * num_out
     slot = partials[at:at + x.shape[0] * num_out].reshape((x.shape[0], num_out))
-    np.dot(np.ascontiguousarray(x[:, lo:hi]), w[lo:hi], slot)
+    # into the slot by a copy of the finished product, never as BLAS's output: another thread may be
+    # running the same item (`_float_phase`) or summing the slot, and BLAS writes its output in passes
+    # (zeroed, then accumulated), which that thread would read half done
+    slot[:] = np.dot(np.ascontiguousarray(x[:, lo:hi]), w[lo:hi])
 
 
 @njit(**_SEQ)
