@@ -33,7 +33,7 @@ import paddle
 from numba import njit, types
 from numba.typed import List
 
-from gpu_kernels.cpu import decode_step as kernel
+from gpu_kernels.cpu import decode_step as kernel, gated
 from gpu_kernels.cpu.blas import single_threaded_blas
 from gpu_kernels.cpu.sync import CONTROL_SIZE, OPEN, STRIDE, close_step, open_step
 from gpu_kernels.interop import host_view
@@ -42,7 +42,7 @@ from .attention import AttentionMetadata
 from .models.spec import DecoderSpec
 
 _F1 = types.float32[::1]  # the type of an empty list (no Q/K norms, no QKV bias)
-ACTIVATIONS = {"silu": kernel.SILU, "gelu_pytorch_tanh": kernel.GELU_TANH}  # DecoderSpec.activation -> kernel
+ACTIVATIONS = {"silu": gated.SILU, "gelu_pytorch_tanh": gated.GELU_TANH}  # DecoderSpec.activation -> kernel
 MAX_THREADS = 8  # team size cap: a decode step of a small model has little work per phase
 
 
@@ -144,7 +144,7 @@ class FusedDecode:
         self.marks = np.zeros((kernel.num_phases(len(model.layers)), 0), np.int64)
         self.epoch = 0
         self._max_rows = max(s.shape[0] for s in scales)
-        self._max_float_items = max([-(-w.shape[0] // kernel.K_ROWS) for fmt, w in zip(formats, float_w)
+        self._max_float_items = max([kernel.float_items(w.shape[0]) for fmt, w in zip(formats, float_w)
                                      if fmt == kernel.FLOAT], default=0)  # a float linear's items of input rows
         self._buffer = np.empty(0, np.float32)  # the per-layer results of a step, grown to the largest batch
         self._team = None

@@ -50,13 +50,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .activations import gelu_tanh_mul, silu_mul
 from .attention import decode_item, store_rows
 from .block_matmul import MATVEC_T, SMALL_T, blas_rows, block_sums, matvec_rows, padded_transpose, tiled_rows
+from .gated import activate_rows
 from .sync import claim, finish, finished, join_step, leave_step
 
 FLOAT, INT8, NIBBLE = 0, 1, 2
-SILU, GELU_TANH = 0, 1  # the MLP's activation (``activation``)
 QKV, O_PROJ, GATE_UP, DOWN = 0, 1, 2, 3
 PHASES_PER_LAYER = 5  # QKV, attention, O, gate/up, down
 
@@ -118,6 +117,12 @@ def _item_rows(item, big, rows, small, head, num_out):
     return lo, min(num_out, lo + small)
 
 
+@njit(**_SEQ)
+def float_items(num_in):
+    """Items of a float32 linear with ``num_in`` inputs and up to ``MATVEC_T`` tokens: ``K_ROWS`` rows each."""
+    return (num_in + K_ROWS - 1) // K_ROWS
+
+
 def float_partials(float_shapes):
     """Where each float32 linear's partial products start in the shared ``partials`` array, and its
     size: ``float_shapes[k]`` = (in, out) of linear ``k``, (0, 0) for a block linear (start -1)."""
@@ -126,7 +131,7 @@ def float_partials(float_shapes):
     for k, (num_in, num_out) in enumerate(float_shapes):
         if num_in:
             starts[k] = size
-            size += (num_in + K_ROWS - 1) // K_ROWS * MATVEC_T * num_out
+            size += float_items(num_in) * MATVEC_T * num_out
     return starts, size
 
 
@@ -149,7 +154,7 @@ def _float_phase(x, w, partials, start, out, counters, marks, epoch, phase):
     items of ``K_ROWS`` (contiguous, one BLAS call each), shared by the team, each product into its own
     slot of ``partials``; then every thread sums the slots in item order into a copy of its own and
     writes it out, so the result does not depend on who computed what."""
-    items = (w.shape[0] + K_ROWS - 1) // K_ROWS
+    items = float_items(w.shape[0])
     item = claim(counters, phase)
     while item < items:
         _float_part(x, w, partials, start, item)
@@ -324,7 +329,7 @@ def decode_step(tid, team_size, counters, marks, epoch, token_ids, positions, sl
     cos_tables / sin_tables: per layer, rotate-half RoPE tables ``[positions, head_dim]``;
     windows: int64 [num_layers], a layer's sliding window (0: the whole context);
     grouped_qkv: the QKV product is laid out per KV head (its query heads, key, value)
-    rather than all queries, all keys, all values; activation: ``SILU`` or ``GELU_TANH``;
+    rather than all queries, all keys, all values; activation: ``gated.SILU`` or ``gated.GELU_TANH``;
     partials / partial_at: the float32 linears' partial products (`float_partials`: where each starts,
     -1 for a block linear);
     k_caches / v_caches: float32 ``[num_blocks, kv_heads, block_size, head_dim]`` per layer;
@@ -372,7 +377,7 @@ def decode_step(tid, team_size, counters, marks, epoch, token_ids, positions, sl
         _linear_phase(lin + GATE_UP, h, formats, float_w, codes, nibbles, scales, offsets, partials, partial_at,
                       gate_up_buf[layer],
                       counters, marks, epoch, phase + 3, team_size)
-        _activate(gate_up_buf[layer], activation, act)
+        activate_rows(gate_up_buf[layer], activation, act)
         _linear_phase(lin + DOWN, act, formats, float_w, codes, nibbles, scales, offsets, partials, partial_at,
                       down_buf[layer],
                       counters, marks, epoch, phase + 4, team_size)
@@ -391,24 +396,6 @@ def decode_step(tid, team_size, counters, marks, epoch, token_ids, positions, sl
         _linear_phase(4 * num_layers, rows, formats, float_w, codes, nibbles, scales, offsets, partials, partial_at,
                       logits,
                       counters, marks, epoch, PHASES_PER_LAYER * num_layers, team_size)
-
-
-@njit(**_SEQ)
-def _activate(gate_up, activation, act):
-    """act[t] = activation(gate) * up for each row [gate | up] of gate_up [T, 2 * inter]."""
-    inter = act.shape[1]
-    for t in range(gate_up.shape[0]):
-        if activation == GELU_TANH:
-            gelu_tanh_mul(gate_up[t], act[t])
-        else:
-            silu_mul(gate_up[t], act[t])
-        for i in range(inter // 8 * 8, inter):  # the vector routines leave the last inter % 8 to us
-            g = gate_up[t, i]
-            if activation == GELU_TANH:
-                z = np.float32(0.7978845608028654) * (g + np.float32(0.044715) * g * g * g)
-                act[t, i] = np.float32(0.5) * g * (np.float32(1.0) + np.tanh(z)) * gate_up[t, inter + i]
-            else:
-                act[t, i] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[t, inter + i]
 
 
 @njit(**_SEQ)
