@@ -38,6 +38,7 @@ class BlockWeight:
     """A ``[out, in]`` weight in blocks; ``matmul`` computes ``x @ W.T`` for float32 CPU inputs."""
 
     def __init__(self, blocks: BlockQuantized):
+        self.blocks = blocks
         self.codes, self.scales, self.offsets = blocks.codes, blocks.scales, blocks.offsets
         self.kind = blocks.kind
         self.out_features, self.in_features = blocks.shape

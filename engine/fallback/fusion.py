@@ -30,7 +30,7 @@ import numpy as np
 import paddle
 
 from ..block_linear import BlockWeight
-from ..loader.gguf_blocks import BlockQuantized, concat_rows
+from ..loader.gguf_blocks import concat_rows
 
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
@@ -54,8 +54,7 @@ class FusedLinear(paddle.nn.Layer):
         blocks = [getattr(p, "block_weight", None) for p in parts]
         self.block_weight = None
         if blocks[0] is not None:
-            self.block_weight = BlockWeight(concat_rows([BlockQuantized(b.codes, b.scales, b.offsets, b.kind)
-                                                         for b in blocks]))
+            self.block_weight = BlockWeight(concat_rows([b.blocks for b in blocks]))
         self._memo: tuple[paddle.Tensor, paddle.Tensor] | None = None
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
