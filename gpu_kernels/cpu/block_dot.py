@@ -105,10 +105,13 @@ class _Params:
         self.zero = cgutils.alloca_once_value(builder, ir.Constant(_I16, 0) if self.half else ir.Constant(_F32, 0.0))
         self.per_block = ir.Constant(_I64, 1)
 
-    def blocks_of_codes(self, code_blocks):
-        """Say how many blocks of 32 codes a row has: ``per_block`` scales each (1, or 2 for groups of 16)."""
-        self.per_block = self.builder.udiv(self.num_blocks, code_blocks)
-        return self.builder.icmp_unsigned("==", self.per_block, ir.Constant(_I64, 2))
+    def code_blocks(self, code_bytes, nibble):
+        """The blocks of 32 codes in a row of ``code_bytes`` bytes (nibbles: 16 bytes a block); notes how many
+        scales each has, ``per_block``: 1, or 2 for groups of 16 (`by_16` says which)."""
+        blocks = self.builder.udiv(code_bytes, ir.Constant(_I64, 16 if nibble else 32))
+        self.per_block = self.builder.udiv(self.num_blocks, blocks)
+        self.by_16 = self.builder.icmp_unsigned("==", self.per_block, ir.Constant(_I64, 2))
+        return blocks
 
     def group(self, row_base, b, second):
         """Index of the scale (and offset) of half ``second`` (0 or 1) of code block ``b`` in a row whose
@@ -118,6 +121,11 @@ class _Params:
         if second:
             at = builder.add(at, builder.sub(self.per_block, ir.Constant(_I64, 1)))
         return builder.add(row_base, at)
+
+    def halves(self, row_base, b):
+        """(scale, offset) splatted for each half of code block ``b`` (the same pair twice for groups of 32)."""
+        return [(_splat(self.builder, self.scale(g)), _splat(self.builder, self.offset(g)))
+                for g in (self.group(row_base, b, 0), self.group(row_base, b, 1))]
 
     def _value(self, ptr):
         value = self.builder.load(ptr)
@@ -139,14 +147,10 @@ def _dequant_codegen(nibble):
         out = _data(context, builder, out_t, args[3])
         fma = _fma(builder)
         num_codes = builder.extract_value(context.make_array(codes_t)(context, builder, args[0]).shape, 0)
-        code_blocks = builder.udiv(num_codes, ir.Constant(_I64, 16 if nibble else 32))
-        params.blocks_of_codes(code_blocks)
-        zero = ir.Constant(_I64, 0)
-        with cgutils.for_range(builder, code_blocks) as loop:
+        with cgutils.for_range(builder, params.code_blocks(num_codes, nibble)) as loop:
             b = loop.index
             w = _codes_as_floats(builder, codes, b, nibble)
-            sm = [(_splat(builder, params.scale(g)), _splat(builder, params.offset(g)))
-                  for g in (params.group(zero, b, 0), params.group(zero, b, 1))]
+            sm = params.halves(ir.Constant(_I64, 0), b)
             ob = builder.mul(b, ir.Constant(_I64, 32))
             for i in range(4):
                 s, m = sm[i // 2]
@@ -195,9 +199,8 @@ def _dot_rows_codegen(rows, nibble):
         params = _Params(context, builder, sc_t, args[1], off_t, args[2])
         row = context.cast(builder, args[6], row_t, types.int64)
         row_bytes = builder.extract_value(context.make_array(codes_t)(context, builder, args[0]).shape, 1)
-        code_blocks = builder.udiv(row_bytes, ir.Constant(_I64, 16 if nibble else 32))
+        code_blocks = params.code_blocks(row_bytes, nibble)
         num_blocks = params.num_blocks  # scales (and offsets, block sums) per row
-        by_16 = params.blocks_of_codes(code_blocks)
         fma = _fma(builder)
         rows_at = [builder.add(row, ir.Constant(_I64, r)) for r in range(rows)]
         row_codes = [builder.gep(codes, [builder.mul(r, row_bytes)]) for r in rows_at]
@@ -221,7 +224,7 @@ def _dot_rows_codegen(rows, nibble):
                         s = params.scale(builder.add(row_blocks[r], at))
                         builder.store(builder.call(fma, [_splat(builder, s), part, builder.load(accs[r])]), accs[r])
 
-        with builder.if_else(by_16) as (sixteen, thirty_two):
+        with builder.if_else(params.by_16) as (sixteen, thirty_two):
             with sixteen:
                 blocks(2)
             with thirty_two:

@@ -85,8 +85,7 @@ def _tile_codegen(rows, vecs, nibble):
         xt, yt = _data(context, builder, sig.args[4], args[4]), _data(context, builder, sig.args[5], args[5])
         row, yrow, col = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (3, 6, 7))
         row_bytes = builder.extract_value(arrays[0].shape, 1)
-        num_blocks = builder.udiv(row_bytes, ir.Constant(_I64, 16 if nibble else 32))  # blocks of 32 codes
-        params.blocks_of_codes(num_blocks)
+        code_blocks = params.code_blocks(row_bytes, nibble)
         xstride = builder.extract_value(arrays[4].shape, 1)
         fma = _fma(builder)
         half = rows * BLOCK
@@ -101,8 +100,7 @@ def _tile_codegen(rows, vecs, nibble):
             at = builder.mul(builder.and_(b, ir.Constant(_I64, 1)), ir.Constant(_I64, half))
             for r in range(rows):
                 w = _codes_as_floats(builder, row_codes[r], b, nibble)
-                sm = [(_splat(builder, params.scale(g)), _splat(builder, params.offset(g)))
-                      for g in (params.group(row_blocks[r], b, 0), params.group(row_blocks[r], b, 1))]
+                sm = params.halves(row_blocks[r], b)
                 for i in range(4):
                     s, m = sm[i // 2]
                     ptr = builder.gep(buf, [builder.add(at, ir.Constant(_I64, r * BLOCK + 8 * i))])
@@ -111,11 +109,11 @@ def _tile_codegen(rows, vecs, nibble):
         zero = ir.Constant(_V8F, [0.0] * 8)
         accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(vecs)] for _ in range(rows)]
         dequant(ir.Constant(_I64, 0))
-        last = builder.sub(num_blocks, ir.Constant(_I64, 1))
-        with cgutils.for_range(builder, num_blocks) as loop:
+        last = builder.sub(code_blocks, ir.Constant(_I64, 1))
+        with cgutils.for_range(builder, code_blocks) as loop:
             b = loop.index
             nxt = builder.add(b, ir.Constant(_I64, 1))
-            dequant(builder.select(builder.icmp_unsigned("<", nxt, num_blocks), nxt, last))
+            dequant(builder.select(builder.icmp_unsigned("<", nxt, code_blocks), nxt, last))
             at = builder.mul(builder.and_(b, ir.Constant(_I64, 1)), ir.Constant(_I64, half))
             cur = _opaque(builder, builder.gep(buf, [at]))
             acc = [[builder.load(a) for a in row_accs] for row_accs in accs]
