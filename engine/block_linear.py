@@ -29,6 +29,7 @@ import numpy as np
 import paddle
 
 from gpu_kernels.cpu.block_matmul import SMALL_T, block_matmul
+from gpu_kernels.cpu.float_matmul import float_matmul as host_matmul
 from gpu_kernels.interop import host_view
 
 from .loader.gguf_blocks import BlockQuantized, concat_rows
@@ -59,15 +60,24 @@ class BlockWeight:
         return out
 
 
-def float_matmul(x: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
-    """``x @ weight`` for float32 CPU tensors (``weight`` ``[in, out]``) through NumPy's BLAS, on its threads.
+def float_matmul(x: paddle.Tensor, weight: paddle.Tensor, transpose_y: bool = False) -> paddle.Tensor:
+    """``x @ weight`` for float32 CPU tensors (``weight`` ``[in, out]``, or ``[out, in]`` with
+    ``transpose_y``): NumPy's BLAS, or for a few rows times an ``[out, in]`` weight (a float LM head in
+    a decode step) Numba dot products that read the weight once (`gpu_kernels.cpu.float_matmul`).
 
-    Paddle's CPU matmul (MKL) runs these prefill-sized products 3-10x slower than the OpenBLAS that
-    NumPy ships (e.g. a 257 x 640 by 640 x 4096 product; ``benchmarks.fallback_gemma``)."""
-    num_in, num_out = weight.shape
+    Paddle's CPU matmul (MKL) runs a prefill's products 3-10x slower than the OpenBLAS that NumPy
+    ships (e.g. a 257 x 640 by 640 x 4096 product; ``benchmarks.fallback_gemma``), and SmolLM2's
+    float LM head for one row, ``[1, 576] x [576, 49152]``, in 12 ms against 3.8."""
+    num_out = weight.shape[0] if transpose_y else weight.shape[1]
     out = paddle.empty(list(x.shape[:-1]) + [num_out], dtype="float32")
-    np.matmul(host_view(x).reshape(-1, num_in), host_view(weight), out=host_view(out).reshape(-1, num_out))
+    host_matmul(host_view(x).reshape(-1, x.shape[-1]), host_view(weight), host_view(out).reshape(-1, num_out),
+                transpose_w=transpose_y)
     return out
+
+
+def on_host_float32(x: paddle.Tensor, weight: paddle.Tensor) -> bool:
+    """Both tensors float32 on the CPU: the products `float_matmul` computes."""
+    return x.dtype == paddle.float32 and weight.dtype == paddle.float32 and x.place.is_cpu_place()
 
 
 def fused_blocks(blocks: dict[str, BlockQuantized], names: list[str]) -> BlockQuantized | None:

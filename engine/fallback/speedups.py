@@ -18,9 +18,8 @@ Paddle's CPU kernels run them fast:
     of squares summed in float64 (agrees to float32 rounding).
 
 ``paddle.nn.Linear`` (weights no GGUF block format holds, e.g. Q6_K)
-    float32 products of a prefill's many rows on the CPU through NumPy's
-    BLAS (``engine.block_linear.float_matmul``), as the block-quantized
-    linears do; Paddle's CPU matmul is several times slower.
+    float32 products of a prefill's many rows on the CPU through BLAS
+    (``engine.block_linear.float_matmul``), as the block-quantized linears do; Paddle's CPU matmul is several times slower.
 
 ``paddleformers.nn.mlp.MLP`` (Llama, Qwen2/3, ERNIE 4.5, Gemma 3's ``Gemma3MLP``)
     with a SiLU or tanh-GELU activation on float32 CPU rows: the fused gate/up product (the
@@ -64,7 +63,7 @@ from gpu_kernels.cpu.norms import rms_norm
 from gpu_kernels.cpu.rope import rope_rotate_half
 from gpu_kernels.interop import host_view
 
-from ..block_linear import float_matmul
+from ..block_linear import float_matmul, on_host_float32
 
 
 def _on_cpu_kernel(x, weight) -> bool:
@@ -108,8 +107,7 @@ def _gemma3_rms_norm_pipe_forward(self, x):
 
 def _linear_forward(self, x):
     """``paddle.nn.Linear.forward`` (``x @ W + b``, W ``[in, out]``); many float32 CPU rows through BLAS."""
-    if (x.dtype == paddle.float32 and self.weight.dtype == paddle.float32 and x.place.is_cpu_place()
-            and math.prod(x.shape) > SMALL_T * self.weight.shape[0]):
+    if on_host_float32(x, self.weight) and math.prod(x.shape) > SMALL_T * self.weight.shape[0]:
         y = float_matmul(x, self.weight)
         return y if self.bias is None else y + self.bias
     return paddle.nn.functional.linear(x, self.weight, self.bias)

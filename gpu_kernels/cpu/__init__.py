@@ -7,5 +7,6 @@ GGUF-quantized weight blocks, on the row kernels of ``block_dot`` and the
 several-token ``microkernel``), ``activations`` (a vector ``exp``),
 ``decode_step`` (a whole decode step, its work shared through ``sync``),
 ``norms`` (RMS normalisation of many rows), ``rope`` (rotary embedding of many rows),
-``gated`` (a gated MLP's activation of many rows) and ``blas`` (one BLAS thread per work item).
+``gated`` (a gated MLP's activation of many rows), ``float_matmul`` (float32 products: a
+float LM head's few rows as dot products) and ``blas`` (one BLAS thread per work item).
 """
