@@ -50,7 +50,8 @@ class _Ours:
 
         self.side = EngineSide({"model": MODEL, "model_impl": "paddleformers", "dtype": "float32",
                                 "device": "cpu", "kv_cache_memory": 256 * 1024**2}, cpu_decode, prompt)
-        self.decode_path = self.side.llm.snapshot().decode_path
+        snapshot = self.side.llm.snapshot()
+        self.decode_path, self.prefill_path = snapshot.decode_path, snapshot.prefill_path
 
     def prefill_tok_s(self, text: list[int]) -> float:
         return len(text) / self.side.prefill_s(text)
@@ -90,6 +91,7 @@ def run(tokens: int = 64, prefill_tokens: int = 256, repeats: int = 3, threads: 
         sides[peer_name] = peer
         rows = _rounds(sides, text, prompt, tokens, repeats, quiet_below, quiet_timeout_s, log)
         rows["fallback (captured decode)"]["decode_path"] = sides["fallback (captured decode)"].decode_path
+        rows["fallback (captured decode)"]["prefill_path"] = sides["fallback (captured decode)"].prefill_path
         rows["fallback (captured decode)"]["load_s"] = load_s
         sides["fallback (captured decode)"].close()
     finally:
@@ -148,7 +150,7 @@ def table(doc: dict) -> str:
                  f"{_ratio(ours['decode_rounds'], peer['decode_rounds']):>22}   (targets >= 1.0x, >= 0.8x)")
     same = next((i for i, (a, b) in enumerate(zip(ours["tokens"], peer["tokens"])) if a != b),
                 min(len(ours["tokens"]), len(peer["tokens"])))
-    lines.append(f"captured decode path: {ours['decode_path']}; load {ours.get('load_s', 0):.0f} s; greedy tokens "
+    lines.append(f"captured decode path: {ours['decode_path']}; prefill path: {ours.get('prefill_path', 'paddle')}; load {ours.get('load_s', 0):.0f} s; greedy tokens "
                  f"identical to llama.cpp's for the first {same} of {doc['decode_tokens']}")
     return "\n".join(lines)
 

@@ -16,8 +16,9 @@ a borrowed model's view of its layers (``engine.fallback.captured``), each with
 its ``spec``, ``layers``, ``embed_tokens``, ``norm``, ``rope`` (per layer) and
 ``lm_head_blocks``.
 
-Paddle stays the prefill path and the reference: prefill and mixed steps always
-run the Paddle layers, and ``cpu_decode="paddle"`` runs every step there.
+Paddle stays the reference: ``cpu_decode="paddle"`` runs every step through the
+Paddle layers. Prefill and mixed steps run there too, except for a borrowed model
+whose captured decoder offers `engine.fused_prefill` (the same arrays, prepared here).
 `fused_decode_support` says why the fast path does not apply to a model (GPU,
 half-precision, a model with no ``fused_decoder``).
 """

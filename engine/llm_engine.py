@@ -384,7 +384,8 @@ class LLMEngine:
         return take_snapshot(step=self.step_count, model=self.model_name, model_impl=self.model_impl,
                              device=self.device, attention_backend=self.attention_backend,
                              kv_cache_manager=self.kv_cache_manager, requests=live, last_step=self.last_step,
-                             decode_path=self.runner.decode_path, block_infos=self._block_infos,
+                             decode_path=self.runner.decode_path, prefill_path=self.runner.prefill_path,
+                             block_infos=self._block_infos,
                              tensor_parallel=self.runner.info() if self.tensor_parallel is not None else None)
 
     def estimate_prefill(self, token_ids) -> PrefillEstimate:

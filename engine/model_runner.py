@@ -21,7 +21,8 @@ import numpy as np
 import paddle
 
 from .attention import AttentionMetadata, probing
-from .fused_decode import FusedDecode, fused_decode_support
+from .fused_decode import FusedDecode, decoder_of, fused_decode_support
+from .fused_prefill import FusedPrefill, offers_fused_prefill
 from .scheduler import SchedulerOutput
 from .step_record import StepRecord
 
@@ -54,14 +55,17 @@ class ModelRunner:
         self.kv_caches = [
             (paddle.zeros(shape, dtype=kv_dtype), paddle.zeros(shape, dtype=kv_dtype)) for _ in range(num_layers)
         ]
-        self.fused_decode, self.decode_path = None, "paddle"
+        self.fused_decode, self.decode_path, self.fused_prefill = None, "paddle", None
         if cpu_decode == "fused":
             reason = fused_decode_support(model, kv_dtype, device, attention_backend)
             if reason is None:
                 self.fused_decode, self.decode_path = FusedDecode(model, self.kv_caches), "fused"
+                if offers_fused_prefill(model):   # the borrowed models' captured prefill (engine.fused_prefill)
+                    self.fused_prefill = FusedPrefill(decoder_of(model), self.fused_decode)
             else:
                 self.decode_path = f"paddle ({reason})"
             logger.info("cpu_decode=fused: decode steps run %s", self.decode_path)
+        self.prefill_path = "fused" if self.fused_prefill is not None else "paddle"
         self.last_probe = None
 
     def pack(self, batch: SchedulerOutput) -> dict[str, np.ndarray]:
@@ -122,13 +126,16 @@ class ModelRunner:
             # the fused step reads the packed arrays as they are: no Paddle tensors on this path
             hidden, logits = self.fused_decode.step(
                 record.ids, record.positions, record.slots, record.block_tables, record.context_lens, rows)
-            hidden = paddle.to_tensor(hidden) if logits is None else None
+        elif self.fused_prefill is not None:
+            hidden = self.fused_prefill.forward(record)
         else:
             input_ids, meta, _ = self.build_metadata(record)
             hidden = self.model.forward(input_ids, meta.positions, meta, self.kv_caches)
         if not len(rows):
             return None
-        if logits is None:
+        if logits is None and isinstance(hidden, np.ndarray):   # a fused step's hidden states
+            logits = self.model.compute_logits(paddle.to_tensor(hidden[rows])).numpy()
+        elif logits is None:
             selected = paddle.index_select(hidden, paddle.to_tensor(rows))
             logits = self.model.compute_logits(selected).numpy()
         return logits

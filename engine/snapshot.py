@@ -66,6 +66,7 @@ class EngineSnapshot:
     last_step: StepInfo | None
     attention_backend: str = "cpu"   # gpu_kernels backend of the attention calls: cpu, cuda, reference
     decode_path: str = "paddle"      # what runs decode-only steps: "fused" or "paddle" (with the reason)
+    prefill_path: str = "paddle"     # what runs the other steps: "fused" (engine.fused_prefill) or "paddle"
     # Why ``blocks`` is empty: an engine seen only through a server's metrics (engine.client.OpenAIServer),
     # whose ``requests`` are then the server's running/waiting counts (placeholder ids), not its requests.
     blocks_hidden: str | None = None
@@ -146,7 +147,8 @@ def keep_unchanged_blocks(snapshot: EngineSnapshot, previous: EngineSnapshot | N
 
 
 def take_snapshot(*, step, model, model_impl, device, kv_cache_manager, requests, last_step,
-                  attention_backend="cpu", decode_path="paddle", block_infos: BlockInfos | None = None,
+                  attention_backend="cpu", decode_path="paddle", prefill_path="paddle",
+                  block_infos: BlockInfos | None = None,
                   tensor_parallel: dict | None = None) -> EngineSnapshot:
     """Build a snapshot from the KV cache manager and the live requests (O(blocks)); with
     ``block_infos`` (the engine's), unchanged blocks keep the ``BlockInfo`` of the last one."""
@@ -177,5 +179,5 @@ def take_snapshot(*, step, model, model_impl, device, kv_cache_manager, requests
         requests=tuple(infos),
         prefix_cache=PrefixCacheInfo(s.queries, s.hits, s.hit_rate, s.reset_count),
         last_step=last_step, attention_backend=attention_backend, decode_path=decode_path,
-        tensor_parallel=tensor_parallel,
+        prefill_path=prefill_path, tensor_parallel=tensor_parallel,
     )

@@ -613,8 +613,9 @@ def alignment_html(report: Mapping[str, Any] | None) -> str:
 
 def engine_badges(snapshot: Mapping[str, Any]) -> list[str]:
     """What serves the page, for the header (Gradio) and the widget's title line: model, model
-    implementation, device, attention kernels, decode path, KV pool size. Plain text; escape it."""
+    implementation, device, attention kernels, decode and prefill paths, KV pool size. Plain text; escape it."""
     return [str(snapshot.get("model")), str(snapshot.get("model_impl")), str(snapshot.get("device")),
             f"attention: {snapshot.get('attention_backend')}", f"decode: {snapshot.get('decode_path')}",
+            f"prefill: {snapshot.get('prefill_path', 'paddle')}",
             f"{snapshot.get('num_blocks')} KV blocks × {snapshot.get('block_size')} tokens"
             if snapshot.get("num_blocks") or not snapshot.get("blocks_hidden") else "KV blocks not exposed"]

@@ -2,9 +2,10 @@
 
 * fused projections compute what the separate library linears computed;
 * decode steps of a borrowed Llama run on the engine's fused CPU kernel
-  (``decode_path == "fused"``) with the greedy tokens of the eager library
-  forward (``cpu_decode="paddle"``) and logprobs within 1e-4 -- on a tiny
-  model and on SmolLM2's quantized GGUF;
+  (``decode_path == "fused"``) and its prefill steps on the captured prefill
+  (``prefill_path == "fused"``, `engine.fused_prefill`) with the greedy tokens
+  of the eager library forward (``cpu_decode="paddle"``) and logprobs within
+  1e-4 -- on a tiny model and on SmolLM2's quantized GGUF;
 * Gemma 3's layers too (sandwich norms, GELU, sliding windows, a RoPE base
   per layer type, soft-capped logits);
 * what the kernel cannot compute stays eager, with the reason: a forward the
@@ -24,6 +25,9 @@ PROMPTS = ["The capital of France is", "Question: What is 2+3?\nAnswer:", "Once 
            "def fibonacci(n):\n"]
 
 
+BOTH_PATHS = {"paddle": "paddle", "paddle prefill": "paddle", "fused": "fused", "fused prefill": "fused"}
+
+
 def assert_same_decoding(reference, candidate, tol=1e-4):
     for ref, out in zip(reference, candidate):
         ids = out.outputs[0].token_ids
@@ -37,7 +41,9 @@ def generate_both_ways(model, prompts, params, **kwargs):
     for decode in ("paddle", "fused"):
         llm = LLM(model=model, model_impl="paddleformers", cpu_decode=decode, **kwargs)
         try:
-            paths[decode] = llm.snapshot().decode_path
+            snap = llm.snapshot()
+            paths[decode] = snap.decode_path
+            paths[decode + " prefill"] = snap.prefill_path
             outputs[decode] = llm.generate(prompts, params)
         finally:
             llm.shutdown()
@@ -67,13 +73,13 @@ def test_fused_projections_compute_the_separate_linears():
 def test_captured_decode_matches_eager_on_a_tiny_llama(tmp_path):
     tiny = make_tiny_model(str(tmp_path / "llama"), "LlamaForCausalLM", seed=11)
     outputs, paths = generate_both_ways(tiny, tiny_prompts(4), LOGPROBS, block_size=4)
-    assert paths == {"paddle": "paddle", "fused": "fused"}
+    assert paths == BOTH_PATHS
     assert_same_decoding(outputs["paddle"], outputs["fused"])
 
 
 def test_captured_decode_matches_eager_on_smollm2_gguf():
     outputs, paths = generate_both_ways("smollm2-135m-instruct", PROMPTS, LOGPROBS)
-    assert paths == {"paddle": "paddle", "fused": "fused"}
+    assert paths == BOTH_PATHS
     assert_same_decoding(outputs["paddle"], outputs["fused"])
 
 
@@ -97,7 +103,7 @@ def test_captured_decode_matches_eager_on_a_tiny_gemma3(tmp_path, softcap):
     """Prompts of 20-24 tokens, far past the local layers' window of 4."""
     tiny = tiny_gemma3(str(tmp_path / "gemma3"), final_logit_softcapping=softcap)
     outputs, paths = generate_both_ways(tiny, tiny_prompts(4), LOGPROBS, block_size=4)
-    assert paths == {"paddle": "paddle", "fused": "fused"}
+    assert paths == BOTH_PATHS
     assert_same_decoding(outputs["paddle"], outputs["fused"])
 
 
@@ -133,3 +139,17 @@ def test_a_forward_the_kernel_does_not_compute_fails_the_probe(tmp_path):
     # ...and caught by the probe, which keeps the eager path
     reason = capture(wrapped)
     assert isinstance(reason, str) and "departs from the eager PaddleFormers forward" in reason
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Gemma3ForCausalLM"])
+def test_captured_prefill_matches_eager_in_chunks_and_mixed_steps(tmp_path, arch):
+    """Chunks of 5 tokens (a prompt spread over several steps, decodes of other requests in the same
+    step) on prompts that share a prefix (prefix-cache hits): the captured prefill writes and reads
+    the paged cache as the eager layers do; Gemma 3's local layers (window 4) see only their window."""
+    tiny = (tiny_gemma3(str(tmp_path / "gemma3")) if arch == "Gemma3ForCausalLM"
+            else make_tiny_model(str(tmp_path / "llama"), arch, seed=5))
+    prompts = tiny_prompts(3) + tiny_prompts(1)   # the last repeats the first: a whole-prompt hit
+    outputs, paths = generate_both_ways(tiny, prompts, LOGPROBS, block_size=4, max_num_batched_tokens=5,
+                                        max_num_seqs=4)
+    assert paths == BOTH_PATHS
+    assert_same_decoding(outputs["paddle"], outputs["fused"])

@@ -105,11 +105,11 @@ def test_gemma3_captured_decode_matches_eager():
     for decode in ("paddle", "fused"):
         llm = LLM(model="gemma3-270m", cpu_decode=decode, kv_cache_memory=64 * 1024**2)
         try:
-            paths[decode] = llm.snapshot().decode_path
+            paths[decode] = (llm.snapshot().decode_path, llm.snapshot().prefill_path)
             outputs[decode] = llm.generate([{"prompt_token_ids": p} for p in ids], params)
         finally:
             llm.shutdown()
-    assert paths == {"paddle": "paddle", "fused": "fused"}
+    assert paths == {"paddle": ("paddle", "paddle"), "fused": ("fused", "fused")}
     for eager, fused in zip(outputs["paddle"], outputs["fused"]):
         assert fused.outputs[0].token_ids == eager.outputs[0].token_ids
         for tok, lp_eager, lp in zip(eager.outputs[0].token_ids, eager.outputs[0].logprobs, fused.outputs[0].logprobs):

@@ -153,6 +153,7 @@ def snapshot(reading: Reading, step: int, last_step: dict | None, *, model: str,
                           kv_usage=reading.kv or 0.0, blocks=(), requests=requests,
                           prefix_cache=PrefixCacheInfo(reading.queries, reading.hits, hit_rate, 0),
                           last_step=last, attention_backend="not exposed", decode_path="not exposed",
+                          prefill_path="not exposed",
                           blocks_hidden=why)
 
 

@@ -29,13 +29,17 @@ gated twice:
    for positions ``0 .. max_position_embeddings - 1``;
 2. **numbers** -- `verify` runs a few tokens of prefill and one decode step of
    the eager library forward and of the kernel on the same throwaway cache and
-   requires the same hidden states. An architecture that departs in anything
+   requires the same hidden states (and of `engine.fused_prefill` on the same
+   prefill, which else stays eager alone). An architecture that departs in anything
    the structure check cannot see (an embedding scale it does not expose,
    interleaved RoPE, a different residual) fails here, at load, and keeps the
    eager path, with the reason in the log and in the runner's ``decode_path``.
 
-Prefill and mixed steps always run the library's eager forward; the engine's
-``cpu_decode="paddle"`` setting runs every step there.
+Prefill and mixed steps run the same view through `engine.fused_prefill`
+(the products through the routines the eager layers call, the rest as host
+kernels instead of some forty Paddle calls a layer); the engine's
+``cpu_decode="paddle"`` setting runs every step through the library's eager
+forward.
 """
 
 from __future__ import annotations
@@ -43,11 +47,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import logging
+
 import numpy as np
 import paddle
 
 from ..models.spec import DecoderSpec
 from .fusion import FusedLinear, ProjectionSlice
+
+logger = logging.getLogger("engine")
 
 LAYER_PARTS = {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
 SANDWICH_PARTS = {"pre_feedforward_layernorm", "post_feedforward_layernorm"}  # Gemma 2/3
@@ -67,6 +75,7 @@ class DecoderView:
     norm: SimpleNamespace
     rope: list          # per layer: its cos/sin tables (shared between layers of one rotary embedding)
     lm_head_blocks: object | None
+    fused_prefill: bool = True  # `engine.fused_prefill` runs its prefill steps (False when the probe says no)
 
 
 def _linear(layer) -> SimpleNamespace:
@@ -266,6 +275,8 @@ def verify(wrapped, view: DecoderView) -> str | None:
     """None when the kernel's decode step gives the eager forward's hidden states on a probe, else why not."""
     from ..attention import AttentionMetadata
     from ..fused_decode import FusedDecode
+    from ..fused_prefill import FusedPrefill
+    from ..step_record import StepRecord
 
     layers, kv_heads, head_dim = wrapped.kv_layout()
     block = 8
@@ -285,19 +296,39 @@ def verify(wrapped, view: DecoderView) -> str | None:
 
     with paddle.no_grad():
         m = meta(0, PROBE_TOKENS)
-        wrapped.forward(paddle.to_tensor(tokens[:PROBE_TOKENS]), m.positions, m, caches)
+        eager_prefill = wrapped.forward(paddle.to_tensor(tokens[:PROBE_TOKENS]), m.positions, m, caches).numpy()
         m = meta(PROBE_TOKENS, PROBE_TOKENS + 1)
         last = paddle.to_tensor(tokens[PROBE_TOKENS:])
         eager = wrapped.forward(last, m.positions, m, caches).numpy()
         fused = FusedDecode(SimpleNamespace(fused_decoder=view), caches)
         fused.threads = 1
         captured = fused.forward(last, m).numpy()
-    scale = max(float(np.abs(eager).max()), 1e-6)
-    err = float(np.abs(eager - captured).max()) / scale
-    if not np.isfinite(err) or err > TOLERANCE:
+        scratch = [(paddle.zeros_like(k), paddle.zeros_like(v)) for k, v in caches]
+        arrays = FusedDecode(SimpleNamespace(fused_decoder=view), scratch)
+        arrays.threads = 1
+        prefill = FusedPrefill(view, arrays)
+        pos = np.arange(PROBE_TOKENS, dtype=np.int64)   # one request in block 0, as `meta(0, PROBE_TOKENS)`
+        captured_prefill = prefill.forward(StepRecord(
+            ids=tokens[:PROBE_TOKENS], positions=pos, slots=pos, block_tables=np.zeros((1, 1), np.int32),
+            context_lens=np.array([PROBE_TOKENS], np.int32), starts=np.array([0, PROBE_TOKENS], np.int32),
+            rows=np.zeros(0, np.int64), num_prompt_rows=0))
+    err = _departure(eager, captured)
+    if err > TOLERANCE:
         return (f"the captured decode step departs from the eager PaddleFormers forward on a probe "
                 f"(max |Δ hidden| / max |hidden| = {err:.2e} > {TOLERANCE:.0e})")
+    err = _departure(eager_prefill, captured_prefill)
+    if err > TOLERANCE:
+        view.fused_prefill = False
+        logger.info("prefill steps stay eager: the captured prefill departs from the eager forward on a probe "
+                    "(max |Δ hidden| / max |hidden| = %.2e > %.0e)", err, TOLERANCE)
     return None
+
+
+def _departure(eager: np.ndarray, captured: np.ndarray) -> float:
+    """max |eager - captured| / max |eager| (inf when not finite)."""
+    scale = max(float(np.abs(eager).max()), 1e-6)
+    err = float(np.abs(eager - captured).max()) / scale
+    return err if np.isfinite(err) else float("inf")
 
 
 def capture(wrapped) -> DecoderView | str:
