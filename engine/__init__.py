@@ -6,8 +6,16 @@ The public names are imported on first use (PEP 562), so ``engine.config`` and a
 """
 
 import importlib
+import os
 import sys
 import warnings
+
+# NumPy's OpenBLAS reads this when NumPy loads, so it is set before NumPy is imported (an explicit
+# setting is kept). After each product its worker threads then wait asleep instead of spinning
+# on the cores for about 2^28 cycles, which took those cores from the Numba kernels that run next:
+# a Gemma 3 prefill's attention ran 2.5 ms a layer right after the BLAS products, 1.6 without
+# the spinning (engine.fused_prefill). The minimum, 4, is 2^4 cycles.
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 # Importing Paddle warns "No ccache found" (about building C++ extensions, which this project
 # never does) on every start; that one message is silenced, before the first Paddle import.
