@@ -9,4 +9,9 @@ several-token ``microkernel``), ``activations`` (a vector ``exp``),
 ``norms`` (RMS normalisation of many rows), ``rope`` (rotary embedding of many rows),
 ``gated`` (a gated MLP's activation of many rows), ``float_matmul`` (float32 products: a
 float LM head's few rows as dot products) and ``blas`` (one BLAS thread per work item).
+``kernel_cache`` stamps the kernels' disk cache with all of the package's sources, installed
+here, before any kernel is defined.
 """
+from .kernel_cache import install as _install_cache_locators
+
+_install_cache_locators()
