@@ -38,7 +38,6 @@ different contexts).
 
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import asdict, dataclass
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 import types
 
-import numpy as np
 import paddle
 
 from gpu_kernels.cpu.block_matmul import SMALL_T, block_matmul

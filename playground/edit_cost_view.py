@@ -89,7 +89,7 @@ def edit_cost_html(est: Any, actual: dict | None = None, *, title: str = "What t
     """The panel for one ``PrefillEstimate`` (or its dict), with ``actual`` (cached, computed,
     prefill_s) beside it once sent."""
     est = est.to_dict() if hasattr(est, "to_dict") else dict(est)
-    n, cached, computed, bs = est["num_tokens"], est["num_cached_tokens"], est["num_computed_tokens"], est["block_size"]
+    n, cached, computed = est["num_tokens"], est["num_cached_tokens"], est["num_computed_tokens"]
     rate = est["prefill_tokens_per_s"]
     time = (f"≈ {_ms(est['expected_prefill_s'])} at {rate:,.0f} tok/s, measured over this engine's last "
             f"{est['rate_samples']} prefill step{'s' * (est['rate_samples'] != 1)}" if rate else
@@ -114,7 +114,7 @@ def edit_cost_html(est: Any, actual: dict | None = None, *, title: str = "What t
     head = "<tr><th></th><th>estimate</th>" + ("<th>actual</th>" if actual else "") + "</tr>"
     body = "".join(f"<tr><th>{k}</th><td>{escape(v)}</td>{c}</tr>" for k, v, c in rows)
     live = len(est["live_block_ids"])
-    notes = [f"Copied: none. This engine shares full blocks only (no copy-on-write): "
+    notes = ["Copied: none. This engine shares full blocks only (no copy-on-write): "
              + (f"the last {est['partial_tail_tokens']} tokens go into a new block."
                 if est["partial_tail_tokens"] else "the prompt ends on a block boundary.")]
     if live:
