@@ -153,3 +153,24 @@ def test_captured_prefill_matches_eager_in_chunks_and_mixed_steps(tmp_path, arch
                                         max_num_seqs=4)
     assert paths == BOTH_PATHS
     assert_same_decoding(outputs["paddle"], outputs["fused"])
+
+
+def test_a_prefill_that_departs_stays_eager_while_decode_is_captured(tmp_path):
+    """The probe checks the captured prefill on its own: a view whose gate/up product carries a bias
+    the model does not have (the prefill adds a linear's bias, the decode kernel reads none there)
+    keeps the captured decode and turns the captured prefill off."""
+    from types import SimpleNamespace
+
+    from engine.fallback.captured import describe_decoder, verify
+    from engine.fallback.paddleformers import build_paddleformers_model
+
+    wrapped = build_paddleformers_model(load_checkpoint(make_tiny_model(str(tmp_path / "llama"), seed=3)),
+                                        "float32", "cpu")
+    view = describe_decoder(wrapped)
+    assert verify(wrapped, view) is None and view.fused_prefill
+    mlp = view.layers[0].mlp
+    width = int(mlp.gate_up_proj.weight.shape[1])
+    mlp.gate_up_proj = SimpleNamespace(weight=mlp.gate_up_proj.weight, block_weight=None,
+                                       bias=paddle.full([width], 0.5, dtype="float32"))
+    assert verify(wrapped, view) is None          # the decode step still matches
+    assert view.fused_prefill is False

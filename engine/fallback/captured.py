@@ -44,10 +44,9 @@ forward.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from types import SimpleNamespace
-
-import logging
 
 import numpy as np
 import paddle
@@ -272,7 +271,9 @@ def _rope_tables(rotary, like: paddle.Tensor, max_positions: int) -> SimpleNames
 
 
 def verify(wrapped, view: DecoderView) -> str | None:
-    """None when the kernel's decode step gives the eager forward's hidden states on a probe, else why not."""
+    """None when the kernel's decode step gives the eager forward's hidden states on a probe, else why not.
+    The captured prefill (`engine.fused_prefill`) is checked on the probe's prefill too; where it departs,
+    ``view.fused_prefill`` becomes False and prefill steps stay eager."""
     from ..attention import AttentionMetadata
     from ..fused_decode import FusedDecode
     from ..fused_prefill import FusedPrefill
