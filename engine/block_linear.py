@@ -22,9 +22,9 @@ through `BlockWeight.matmul`.
 
 from __future__ import annotations
 
-import math
 import types
 
+import numpy as np
 import paddle
 
 from gpu_kernels.cpu.block_matmul import SMALL_T, block_matmul
@@ -48,15 +48,19 @@ class BlockWeight:
         return x.dtype == paddle.float32
 
     def matmul(self, x: paddle.Tensor, weight: paddle.Tensor | None = None) -> paddle.Tensor:
-        """``x @ W.T``; on ``weight`` (the same ``W`` as float32 ``[in, out]``), when given, for more than
-        ``SMALL_T`` rows (`float_matmul`)."""
-        if weight is not None and math.prod(x.shape) > SMALL_T * self.in_features:  # x.size: ~11 µs in Paddle
-            return float_matmul(x, weight)
-        shape = list(x.shape[:-1]) + [self.out_features]
-        out = paddle.empty(shape, dtype="float32")
-        block_matmul(host_view(x).reshape(-1, self.in_features), self.codes, self.scales, self.offsets,
-                     host_view(out).reshape(-1, self.out_features))
+        """``x @ W.T`` (`host_matmul`); ``weight``: the same ``W`` as float32 ``[in, out]``, or None."""
+        out = paddle.empty(list(x.shape[:-1]) + [self.out_features], dtype="float32")
+        self.host_matmul(host_view(x).reshape(-1, self.in_features), None if weight is None else host_view(weight),
+                         host_view(out).reshape(-1, self.out_features))
         return out
+
+    def host_matmul(self, x: np.ndarray, weight: np.ndarray | None = None,
+                    out: np.ndarray | None = None) -> np.ndarray:
+        """``x @ W.T`` on host arrays (``x`` float32 ``[T, in]``): through NumPy's BLAS on ``weight`` (the same
+        ``W`` as float32 ``[in, out]``), when given, for more than ``SMALL_T`` rows; else on the blocks."""
+        if weight is not None and x.shape[0] > SMALL_T:
+            return host_matmul(x, weight, out)
+        return block_matmul(x, self.codes, self.scales, self.offsets, out)
 
 
 def float_matmul(x: paddle.Tensor, weight: paddle.Tensor, transpose_y: bool = False) -> paddle.Tensor:
@@ -77,6 +81,14 @@ def float_matmul(x: paddle.Tensor, weight: paddle.Tensor, transpose_y: bool = Fa
 def on_host_float32(x: paddle.Tensor, weight: paddle.Tensor) -> bool:
     """Both tensors float32 on the CPU: the products `float_matmul` computes."""
     return x.dtype == paddle.float32 and weight.dtype == paddle.float32 and x.place.is_cpu_place()
+
+
+def head_matmul(hidden: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
+    """``hidden @ weight.T`` for an LM head's ``[vocab, hidden]`` weight: `float_matmul` on float32 CPU
+    tensors, else Paddle's matmul."""
+    if on_host_float32(hidden, weight):
+        return float_matmul(hidden, weight, transpose_y=True)
+    return paddle.matmul(hidden, weight, transpose_y=True)
 
 
 def fused_blocks(blocks: dict[str, BlockQuantized], names: list[str]) -> BlockQuantized | None:

@@ -6,9 +6,9 @@ some forty Paddle calls (norms, splits, reshapes, RoPE, residual adds), each
 a Python dispatch. Gemma 3 270M, 257 tokens: 337 ms of products, 142 ms of
 everything else. This step runs the same layers as one Python loop over
 kernels on NumPy views: the products on the same weights through the same
-routines the eager layers call (`engine.block_linear`: NumPy's BLAS on the
-float32 weight for more than ``SMALL_T`` rows, the quantized blocks for
-fewer), the norms, RoPE and gated activation through the Numba kernels the
+routines the eager layers call (`engine.block_linear.BlockWeight.host_matmul`:
+NumPy's BLAS on the float32 weight for more than ``SMALL_T`` rows, the
+quantized blocks for fewer), the norms, RoPE and gated activation through the Numba kernels the
 eager layers' speed-ups call (`engine.fallback.speedups`), and our paged
 attention on the runner's cache.
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 import numpy as np
 
 import gpu_kernels
-from gpu_kernels.cpu.block_matmul import SMALL_T, block_matmul
 from gpu_kernels.cpu.gated import gated_rows
 from gpu_kernels.cpu.norms import rms_norm
 from gpu_kernels.cpu.rope import rope_rotate_half
@@ -123,9 +122,5 @@ class _Linear:
         self.bias = None if getattr(linear, "bias", None) is None else host_view(linear.bias)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        if self.blocks is not None and x.shape[0] <= SMALL_T:
-            b = self.blocks
-            y = block_matmul(x, b.codes, b.scales, b.offsets)
-        else:
-            y = np.matmul(x, self.weight)
+        y = np.matmul(x, self.weight) if self.blocks is None else self.blocks.host_matmul(x, self.weight)
         return y if self.bias is None else y + self.bias

@@ -304,12 +304,9 @@ def verify(wrapped, view: DecoderView) -> str | None:
         fused = FusedDecode(SimpleNamespace(fused_decoder=view), caches)
         fused.threads = 1
         captured = fused.forward(last, m).numpy()
-        scratch = [(paddle.zeros_like(k), paddle.zeros_like(v)) for k, v in caches]
-        arrays = FusedDecode(SimpleNamespace(fused_decoder=view), scratch)
-        arrays.threads = 1
-        prefill = FusedPrefill(view, arrays)
+        # the prefill on the decode step's arrays, rewriting the probe's first K/V (the decode is compared)
         pos = np.arange(PROBE_TOKENS, dtype=np.int64)   # one request in block 0, as `meta(0, PROBE_TOKENS)`
-        captured_prefill = prefill.forward(StepRecord(
+        captured_prefill = FusedPrefill(view, fused).forward(StepRecord(
             ids=tokens[:PROBE_TOKENS], positions=pos, slots=pos, block_tables=np.zeros((1, 1), np.int32),
             context_lens=np.array([PROBE_TOKENS], np.int32), starts=np.array([0, PROBE_TOKENS], np.int32),
             rows=np.zeros(0, np.int64), num_prompt_rows=0))

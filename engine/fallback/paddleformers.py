@@ -28,7 +28,7 @@ import numpy as np
 import paddle
 
 from ..attention import every_layer_attends
-from ..block_linear import float_matmul, on_host_float32
+from ..block_linear import head_matmul
 from . import attention_adapter
 from .captured import capture
 from .fixups import apply_fixups
@@ -98,10 +98,8 @@ class PaddleFormersModel:
         head = self.model.lm_head
         if self.lm_head_blocks is not None and self.lm_head_blocks.accepts(hidden):
             logits = self.lm_head_blocks.matmul(hidden)  # on the GGUF's quantized blocks
-        elif on_host_float32(hidden, head.weight):
-            logits = float_matmul(hidden, head.weight, transpose_y=True)
         else:
-            logits = paddle.matmul(hidden, head.weight, transpose_y=True)  # LM head weight is [vocab, hidden]
+            logits = head_matmul(hidden, head.weight)  # LM head weight is [vocab, hidden]
         if getattr(head, "bias", None) is not None:
             logits = logits + head.bias
         logits = logits.astype("float32")

@@ -19,7 +19,8 @@ Paddle's CPU kernels run them fast:
 
 ``paddle.nn.Linear`` (weights no GGUF block format holds, e.g. Q6_K)
     float32 products of a prefill's many rows on the CPU through BLAS
-    (``engine.block_linear.float_matmul``), as the block-quantized linears do; Paddle's CPU matmul is several times slower.
+    (``engine.block_linear.float_matmul``), as the block-quantized linears
+    do; Paddle's CPU matmul is several times slower.
 
 ``paddleformers.nn.mlp.MLP`` (Llama, Qwen2/3, ERNIE 4.5, Gemma 3's ``Gemma3MLP``)
     with a SiLU or tanh-GELU activation on float32 CPU rows: the fused gate/up product (the

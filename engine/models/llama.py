@@ -22,7 +22,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
-from ..block_linear import float_matmul, on_host_float32
+from ..block_linear import head_matmul
 from ..attention import AttentionMetadata, KVCache, dense_causal_attention, every_layer_attends, paged_attention
 from .rope import LayerRopes, RotaryEmbedding
 from .spec import DecoderSpec
@@ -187,10 +187,8 @@ class LlamaForCausalLM(nn.Layer):
     def compute_logits(self, hidden):
         if self.lm_head_blocks is not None and self.lm_head_blocks.accepts(hidden):
             logits = self.lm_head_blocks.matmul(hidden)
-        elif self.spec.tie_word_embeddings and on_host_float32(hidden, self.embed_tokens.weight):
-            logits = float_matmul(hidden, self.embed_tokens.weight, transpose_y=True)
         elif self.spec.tie_word_embeddings:
-            logits = paddle.matmul(hidden, self.embed_tokens.weight, transpose_y=True)
+            logits = head_matmul(hidden, self.embed_tokens.weight)
         else:
             logits = self.lm_head(hidden)
         logits = logits.astype("float32")
